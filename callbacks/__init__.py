@@ -1,0 +1,1 @@
+"""Lightning callbacks: cross-cutting concerns (CoPE targets, loss balance, logging, export) via public hooks."""

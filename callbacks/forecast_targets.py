@@ -1,0 +1,123 @@
+"""CoPE forecast targets as a callback: builds action-chunk targets for each minibatch.
+
+Follows CoPE (arXiv 2610.20597): targets only from successful, non-aborted on-policy episodes;
+see :mod:`cope.forecast` for the chunk definition and the two batch layouts, and
+:class:`cope.losses.forecast.ForecastLoss` for the loss that reads them.
+
+The callback registers a collate transform on the datamodule (``add_collate_transform``), so the
+targets exist before the scoring pass and the forecast segments are scored like everything else.
+Per-epoch counts are accumulated in the transform and logged at ``on_train_epoch_end``
+(``forecast/targets``, ``forecast/episodes``, ``forecast/ensemble_size``, ``forecast/masked_frac``).
+If the datamodule ran collate transforms in worker processes, these counts would stay in the
+workers; the targets themselves are unaffected.
+"""
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import torch
+from lightning.pytorch import Callback
+
+from cope.episode import Episode
+from cope.forecast import LAYOUTS, build_chunks, check_chunk_args
+
+# Raw counts summed over the minibatches of an epoch; the logged means are derived from them.
+_SUMS = ("forecast/targets", "forecast/episodes", "forecast/supervised_actions", "forecast/supervisions",
+         "forecast/action_tokens", "forecast/masked_tokens")
+
+
+class ForecastTargets(Callback):
+    """Adds CoPE forecast targets to every training minibatch.
+
+    Args:
+        K: actions per chunk (the paper advises 2 to 4); >= 1.
+        mask_invalid: invalid actions stay as inputs but give no gradient.
+        cut_at_invalid: stop chunks before the first invalid action instead.
+        layout: ``packed`` (segments after the transcript, 4D mask; cheaper) or ``plain`` (one extra
+            row per chunk; the reference layout).
+        anchors: ``all`` steps, or ``sample`` up to ``max_anchors_per_episode`` per episode.
+        max_anchors_per_episode: sample size for ``anchors='sample'``.
+        success_only: only successful episodes give targets (ignored when ``min_score`` is set).
+        min_score: episodes with ``score >= min_score`` give targets instead.
+        seed: seed of the anchor sampler.
+    """
+
+    def __init__(
+        self,
+        K: int = 3,
+        mask_invalid: bool = True,
+        cut_at_invalid: bool = False,
+        layout: str = "packed",
+        anchors: str = "all",
+        max_anchors_per_episode: int | None = None,
+        success_only: bool = True,
+        min_score: float | None = None,
+        seed: int = 0,
+    ):
+        if layout not in LAYOUTS:
+            raise ValueError(f"ForecastTargets.layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+        check_chunk_args(K, anchors, max_anchors_per_episode)
+        self.K, self.mask_invalid, self.cut_at_invalid, self.layout = int(K), mask_invalid, cut_at_invalid, layout
+        self.anchors, self.max_anchors_per_episode = anchors, max_anchors_per_episode
+        self.success_only, self.min_score = success_only, min_score
+        self._rng = random.Random(seed)
+        self._datamodule = None
+        self._sums: dict[str, float] = defaultdict(float)
+        self._calls = 0
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        dm = trainer.datamodule
+        if dm is None or not hasattr(dm, "add_collate_transform"):
+            raise TypeError("ForecastTargets needs a datamodule with add_collate_transform (cope.datamodule.RolloutDataModule)")
+        if dm is self._datamodule:
+            return  # already registered (setup runs once per stage)
+        dm.add_collate_transform(self.transform)
+        self._datamodule = dm
+
+    def transform(self, batch: dict[str, torch.Tensor], episodes: list[Episode]) -> dict[str, torch.Tensor]:
+        """The collate transform: chunks for this minibatch's episodes, laid out by ``layout``."""
+        idx = [i for i in batch["episode_index"].tolist() if i >= 0]
+        chunks, metrics = build_chunks(
+            [episodes[i] for i in idx],
+            self._datamodule.chat,
+            K=self.K,
+            mask_invalid=self.mask_invalid,
+            cut_at_invalid=self.cut_at_invalid,
+            anchors=self.anchors,
+            max_anchors_per_episode=self.max_anchors_per_episode,
+            success_only=self.success_only,
+            min_score=self.min_score,
+            rng=self._rng,
+            indices=idx,
+        )
+        for k in _SUMS:
+            self._sums[k] += metrics[k]
+        self._calls += 1
+        return LAYOUTS[self.layout](batch, episodes, chunks, self._datamodule.pad_id)
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """The per-epoch metrics accumulated so far (empty when no minibatch was built)."""
+        if not self._calls:
+            return {}
+        s = self._sums
+        return {
+            "forecast/targets": s["forecast/targets"],
+            "forecast/episodes": s["forecast/episodes"],
+            "forecast/ensemble_size": s["forecast/supervisions"] / max(s["forecast/supervised_actions"], 1.0),
+            "forecast/masked_frac": s["forecast/masked_tokens"] / max(s["forecast/action_tokens"], 1.0),
+        }
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        metrics = self.epoch_metrics()
+        if metrics:
+            pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+        self._sums.clear()
+        self._calls = 0
+
+    def state_dict(self) -> dict:
+        return {"rng": self._rng.getstate()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "rng" in state_dict:
+            self._rng.setstate(state_dict["rng"])

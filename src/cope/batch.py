@@ -1,0 +1,68 @@
+"""Episodes -> padded training tensors (a "RolloutBatch", a plain dict of tensors).
+
+Keys (N sequences, T tokens; right padded):
+
+    input_ids      (N, T) long   exact transcript ids; pad id past the end
+    attention_mask (N, T) long   1 on real tokens (a transform may replace it by a 4D additive
+                                 float mask (N, 1, T, T); then position_ids must be honoured)
+    position_ids   (N, T) long
+    roles          (N, T) long   cope.episode.Role values, PAD=-1
+    step_ids       (N, T) long   index of the step a token belongs to, -1 for the first prompt/pad
+    action_mask    (N, T) bool   policy-gradient targets: ACTION tokens of non-aborted episodes
+    advantages     (N, T) float  per-token advantage (episode advantage on action tokens, 0 elsewhere)
+    rewards        (N,)   float;  success (N,) bool;  group (N,) long;  aborted (N,) bool
+    step_valid     (N, S) bool   validity of each step (False past the episode's last step)
+    num_steps      (N,)   long
+    episode_index  (N,)   long   index into the epoch's episode list (for transforms)
+
+Filled later by the module's scoring pass, before any update (same shapes as input_ids):
+    old_logprobs, old_entropy, and ref_logprobs when a KL term is on.
+
+Log-prob convention: position t holds log p(input_ids[t] | input_ids[:t]); position 0 holds 0.
+"""
+from __future__ import annotations
+
+import torch
+
+from cope.episode import Episode, Role
+
+
+def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = None) -> dict[str, torch.Tensor]:
+    n = len(episodes)
+    T = max(len(e.tokens) for e in episodes)
+    S = max(1, max(e.num_steps for e in episodes))
+    input_ids = torch.full((n, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, T), dtype=torch.long)
+    roles = torch.full((n, T), int(Role.PAD), dtype=torch.long)
+    step_ids = torch.full((n, T), -1, dtype=torch.long)
+    step_valid = torch.zeros((n, S), dtype=torch.bool)
+    advantages = torch.zeros((n, T))
+    for i, e in enumerate(episodes):
+        L = len(e.tokens)
+        input_ids[i, :L] = torch.tensor(e.tokens, dtype=torch.long)
+        attention[i, :L] = 1
+        roles[i, :L] = torch.tensor(e.roles, dtype=torch.long)
+        step_ids[i, :L] = torch.tensor(e.step_of_token(), dtype=torch.long)
+        for j, s in enumerate(e.steps):
+            step_valid[i, j] = s.valid
+        advantages[i, :L] = e.advantage
+    aborted = torch.tensor([e.aborted for e in episodes], dtype=torch.bool)
+    action_mask = (roles == int(Role.ACTION)) & ~aborted[:, None]
+    advantages = advantages * action_mask
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "position_ids": position_ids,
+        "roles": roles,
+        "step_ids": step_ids,
+        "action_mask": action_mask,
+        "advantages": advantages,
+        "rewards": torch.tensor([e.reward for e in episodes], dtype=torch.float),
+        "success": torch.tensor([e.success for e in episodes], dtype=torch.bool),
+        "group": torch.tensor([e.group for e in episodes], dtype=torch.long),
+        "aborted": aborted,
+        "step_valid": step_valid,
+        "num_steps": torch.tensor([e.num_steps for e in episodes], dtype=torch.long),
+        "episode_index": torch.tensor(indices if indices is not None else list(range(n)), dtype=torch.long),
+    }

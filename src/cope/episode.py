@@ -1,0 +1,88 @@
+"""Episode records: the single source of truth for which token is prompt scaffold, action,
+observation or harness text, and which action was valid.
+
+Token-in/token-out: ``Episode.tokens`` holds exactly the ids the policy sampled for its actions,
+interleaved with the ids of the scaffold and of the env's text (each tokenized once, on its own).
+Nothing downstream decodes and re-encodes; every mask is read from ``roles`` and ``steps``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from cope.envs.base import Task
+
+
+class Role(IntEnum):
+    PAD = -1  # right padding in a batch
+    PROMPT = 0  # system prompt, chat-template tokens, end-of-turn ids the engine had to add
+    ACTION = 1  # sampled by the policy (policy-gradient targets)
+    OBSERVATION = 2  # env output (ECHO targets)
+    HARNESS = 3  # text our adapters add (warnings, truncation notices): never a target
+
+
+class EndReason:
+    DONE = "done"  # the env said done (success or failure)
+    MAX_STEPS = "max_steps"  # step budget used up: a failure
+    CONTEXT = "context"  # the next turn would not fit the context: truncated, counted, kept as a failure
+    ABORTED = "aborted"  # the env crashed or timed out: excluded from the loss, counted
+
+
+@dataclass
+class Step:
+    """One agent turn: the sampled action and what came back."""
+
+    action_start: int  # first token of the sampled action in Episode.tokens
+    action_end: int  # one past the last sampled token (the end-of-turn id when it was sampled)
+    closed: bool  # the policy sampled the end-of-turn id itself (False: hit the per-action token cap)
+    valid: bool  # the env accepted the action
+    action_text: str  # decoded for logs and tables only; never re-encoded
+    reward: float = 0.0
+    obs_start: int = -1  # span of the feedback turn after the action (scaffold + observation + harness)
+    obs_end: int = -1
+
+
+@dataclass
+class Episode:
+    task: Task
+    group: int  # index of the GRPO group (same task) inside the rollout batch
+    tokens: list[int] = field(default_factory=list)
+    roles: list[int] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    reward: float = 0.0  # total reward (sum over steps)
+    success: bool = False
+    score: float = 0.0
+    end_reason: str = EndReason.DONE
+    advantage: float = 0.0  # filled by the advantage estimator
+    prompt_len: int = 0  # tokens before the first action
+
+    def append(self, ids: list[int], role: Role) -> tuple[int, int]:
+        start = len(self.tokens)
+        self.tokens.extend(ids)
+        self.roles.extend([int(role)] * len(ids))
+        return start, len(self.tokens)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def truncated(self) -> bool:
+        return self.end_reason == EndReason.CONTEXT
+
+    @property
+    def aborted(self) -> bool:
+        return self.end_reason == EndReason.ABORTED
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(1 for r in self.roles if r == Role.ACTION)
+
+    def step_of_token(self) -> list[int]:
+        """For each token, the index of the step whose action or feedback it belongs to (-1: prompt)."""
+        out = [-1] * len(self.tokens)
+        for i, s in enumerate(self.steps):
+            end = s.obs_end if s.obs_end >= 0 else s.action_end
+            for j in range(s.action_start, end):
+                out[j] = i
+        return out

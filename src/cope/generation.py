@@ -1,0 +1,126 @@
+"""Batched incremental sampling with a KV cache that persists across turns.
+
+Multi-turn transcripts only ever grow by appending (token-in/token-out), so each turn the actor
+feeds just the new tokens of every live episode (the feedback since its last action) on top of
+the cache it already holds, then samples the next action token by token. Rows of episodes that
+ended are dropped from the cache. Ragged suffixes are left-padded inside the new block; padded
+slots are masked out of attention and position ids count real tokens only, so a row's logits equal
+those of its unpadded transcript.
+
+``model.generate`` would re-encode the whole history every turn (quadratic in episode length);
+this is the cheaper path for long episodes and needs nothing beyond a causal LM's forward.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row from logits (B, V): greedy when temperature == 0, else nucleus sampling."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix with mass >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+
+
+class CachedSamplingActor:
+    """Actor over a causal LM; keeps one KV cache for the live episodes of a rollout.
+
+    Args:
+        model: causal LM (peft-wrapped or not), already in eval mode.
+        pad_id: id fed in padded slots (never attended to).
+        stop_id: end-of-turn id; sampling stops for a row once it is sampled.
+        max_new_tokens: per-action token cap.
+        temperature: 0 for greedy.
+        top_p: nucleus mass.
+    """
+
+    def __init__(self, model, pad_id: int, stop_id: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 seed: int | None = None):
+        self.model, self.pad_id, self.stop_id = model, pad_id, stop_id
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.device = next(model.parameters()).device
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys: list[int] = []
+        self.fed: list[int] = []  # tokens of each row already in the cache
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # (B, cached columns)
+        self.next_pos: torch.Tensor | None = None  # (B,)
+
+    def _select(self, keys: list[int]) -> None:
+        if keys == self.keys:
+            return
+        if self.cache is None or not set(keys) <= set(self.keys):
+            self.reset()
+            self.keys, self.fed = list(keys), [0] * len(keys)
+            return
+        rows = [self.keys.index(k) for k in keys]
+        idx = torch.tensor(rows, device=self.device)
+        self.cache.batch_select_indices(idx)
+        self.mask, self.next_pos = self.mask[idx], self.next_pos[idx]
+        self.fed = [self.fed[r] for r in rows]
+        self.keys = list(keys)
+
+    def _forward(self, ids: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
+        """Feed a block (B, W) whose real tokens are marked by new_mask; returns last-column logits (B, V)."""
+        from transformers import DynamicCache
+
+        B = ids.shape[0]
+        if self.cache is None:
+            self.cache = DynamicCache()
+            self.mask = torch.zeros((B, 0), dtype=torch.long, device=self.device)
+            self.next_pos = torch.zeros((B,), dtype=torch.long, device=self.device)
+        pos = self.next_pos[:, None] + new_mask.cumsum(-1) - 1  # (B, W)
+        pos = pos.clamp(min=0)
+        self.mask = torch.cat([self.mask, new_mask], dim=1)  # (B, past + W)
+        self.next_pos = self.next_pos + new_mask.sum(-1)
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=1)
+        self.cache = out.cache
+        return out.logits[:, -1]  # (B, V)
+
+    @torch.no_grad()
+    def __call__(self, contexts: list[list[int]], admissible=None, keys: list[int] | None = None) -> list[list[int]]:
+        keys = list(range(len(contexts))) if keys is None else keys
+        self._select(keys)
+        suffixes = []
+        for r, ctx in enumerate(contexts):
+            if self.fed[r] > len(ctx):
+                raise ValueError("a context shrank between turns: transcripts must only grow")
+            suffixes.append(ctx[self.fed[r]:])
+        W = max(1, max(len(s) for s in suffixes))
+        B = len(contexts)
+        ids = torch.full((B, W), self.pad_id, dtype=torch.long)
+        new_mask = torch.zeros((B, W), dtype=torch.long)
+        for r, s in enumerate(suffixes):  # left padding inside the new block: the last column is real
+            if s:
+                ids[r, W - len(s):] = torch.tensor(s, dtype=torch.long)
+                new_mask[r, W - len(s):] = 1
+            self.fed[r] += len(s)
+        if any(not s for s in suffixes):
+            raise ValueError("every live context needs at least one new token before its next action")
+        logits = self._forward(ids.to(self.device), new_mask.to(self.device))
+        out: list[list[int]] = [[] for _ in range(B)]
+        active = torch.ones(B, dtype=torch.bool, device=self.device)
+        for step in range(self.max_new_tokens):
+            tok = sample_next(logits, self.temperature, self.top_p, self.generator)  # (B,)
+            tl = tok.tolist()
+            for r in active.nonzero().flatten().tolist():
+                out[r].append(tl[r])
+            active = active & (tok != self.stop_id)
+            if step == self.max_new_tokens - 1 or not bool(active.any()):
+                break  # the last sampled tokens are fed with the next turn's block
+            feed = torch.where(active, tok, torch.full_like(tok, self.pad_id))
+            logits = self._forward(feed[:, None], active.long()[:, None])
+            for r in active.nonzero().flatten().tolist():
+                self.fed[r] += 1
+        return out

@@ -1,0 +1,210 @@
+"""GRPO policy-gradient loss (PPO clipped surrogate on action tokens) and the k3 KL penalty.
+
+Follows PPO (Schulman et al. 2017) as used by GRPO (Shao et al. 2024), with asymmetric clip bounds
+(DAPO's "clip-higher", Yu et al. 2025) and three aggregation rules picked by name from
+:data:`AGGREGATIONS`:
+
+* ``token-mean``: sum over every masked token of the batch / number of masked tokens (DAPO).
+* ``seq-mean-token-mean``: mean per sequence, then mean over the sequences that have tokens
+  (original GRPO).
+* ``seq-mean-token-sum-norm``: sum / (num_seqs * norm_len) with a constant ``norm_len``
+  (Dr.GRPO, Liu et al. 2025).
+
+Deliberate choices:
+    * ``num_seqs`` in ``seq-mean-token-sum-norm`` counts only sequences with at least one masked
+      token, so rows without action tokens (aborted episodes, packed forecast rows) do not shrink
+      the policy gradient.
+    * Log-ratios are zeroed outside the mask before ``exp`` so that junk values at padded positions
+      can neither overflow nor leak NaN into the gradient.
+    * An empty mask gives a loss of exactly 0 that is still attached to the graph.
+
+The KL penalty is the k3 estimator (Schulman, "Approximating KL divergence", 2020) of
+KL(pi || pi_ref): ``exp(ref - lp) - (ref - lp) - 1``, token mean over the mask.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from cope.objectives import ForwardOut, Metrics, Objective
+
+
+def _token_mean(per_tok: torch.Tensor, mask: torch.Tensor, norm_len: int) -> torch.Tensor:
+    return per_tok.sum() / mask.sum()
+
+
+def _seq_mean_token_mean(per_tok: torch.Tensor, mask: torch.Tensor, norm_len: int) -> torch.Tensor:
+    counts = mask.sum(-1)  # (N,)
+    has = counts > 0  # (N,)
+    seq = per_tok.sum(-1) / counts.clamp(min=1)  # (N,)
+    return seq[has].mean()
+
+
+def _seq_mean_token_sum_norm(per_tok: torch.Tensor, mask: torch.Tensor, norm_len: int) -> torch.Tensor:
+    num_seqs = (mask.sum(-1) > 0).sum()
+    return per_tok.sum() / (num_seqs * norm_len)
+
+
+# name -> fn(per-token loss already zeroed off-mask (N, T), mask (N, T) bool, norm_len) -> scalar.
+# Each is only called when the mask has at least one token.
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over ``mask`` (0 when the mask is empty)."""
+    n = mask.sum()
+    return torch.where(mask, x, torch.zeros_like(x)).sum() / n.clamp(min=1)
+
+
+def clipped_pg_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    agg: str = "token-mean",
+    norm_len: int = 1024,
+) -> tuple[torch.Tensor, Metrics]:
+    """PPO clipped surrogate ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` over mask tokens.
+
+    Args:
+        logprobs: (N, T) current log-probs (with grad).
+        old_logprobs: (N, T) log-probs of the scoring pass (no grad).
+        advantages: (N, T) per-token advantages.
+        mask: (N, T) bool, the policy-gradient targets.
+        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        agg: a key of :data:`AGGREGATIONS`.
+        norm_len: the constant length of ``seq-mean-token-sum-norm``.
+
+    Returns:
+        (loss, metrics) with detached ``policy/clip_frac``, ``policy/ratio_mean``, ``policy/approx_kl``.
+    """
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"clipped_pg_loss: unknown agg {agg!r}; allowed: {sorted(AGGREGATIONS)}")
+    mask = mask.bool()
+    old = old_logprobs.detach()
+    log_ratio = torch.where(mask, logprobs - old, torch.zeros_like(logprobs))  # (N, T), 0 off-mask
+    ratio = log_ratio.exp()  # (N, T)
+    adv = torch.where(mask, advantages.detach().to(logprobs.dtype), torch.zeros_like(logprobs))  # (N, T)
+    surr = ratio * adv  # (N, T)
+    surr_clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv  # (N, T)
+    per_tok = -torch.minimum(surr, surr_clipped)  # (N, T), 0 off-mask
+
+    with torch.no_grad():
+        clipped = (surr_clipped < surr) & mask  # (N, T) the clipped branch is the active one
+        metrics: Metrics = {
+            "policy/clip_frac": masked_mean(clipped.float(), mask),
+            "policy/ratio_mean": masked_mean(ratio, mask),
+            "policy/approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),
+        }
+    if not bool(mask.any()):
+        return (logprobs * 0).sum(), metrics
+    return AGGREGATIONS[agg](per_tok, mask, norm_len), metrics
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+    """k3 estimate of KL(pi || pi_ref), token mean over ``mask``.
+
+    Args:
+        logprobs: (N, T) current log-probs (with grad).
+        ref_logprobs: (N, T) reference log-probs (no grad).
+        mask: (N, T) bool.
+
+    Returns:
+        (loss, {"policy/kl": detached loss}).
+    """
+    mask = mask.bool()
+    d = torch.where(mask, ref_logprobs.detach() - logprobs, torch.zeros_like(logprobs))  # (N, T), 0 off-mask
+    k3 = d.exp() - d - 1.0  # (N, T), exactly 0 off-mask
+    if not bool(mask.any()):
+        loss = (logprobs * 0).sum()
+    else:
+        loss = k3.sum() / mask.sum()
+    return loss, {"policy/kl": loss.detach()}
+
+
+class PolicyGradient(Objective):
+    """The clipped policy-gradient term on action tokens (``loss/pg``).
+
+    Reads ``batch["old_logprobs"]``, ``batch["advantages"]``, ``batch["action_mask"]`` and
+    ``out.logprobs``; also logs ``policy/entropy``, the mean entropy over action tokens.
+
+    Args:
+        weight: multiplier in the total loss.
+        clip_low: lower clip, ratio >= 1 - clip_low; in [0, 1).
+        clip_high: upper clip, ratio <= 1 + clip_high; >= 0.
+        agg: loss aggregation, a key of :data:`AGGREGATIONS`.
+        norm_len: constant length for ``seq-mean-token-sum-norm``; > 0.
+        schedule, final_weight, schedule_steps: see :class:`cope.objectives.Objective`.
+    """
+
+    name = "pg"
+
+    def __init__(
+        self,
+        weight: float = 1.0,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        agg: str = "token-mean",
+        norm_len: int = 1024,
+        schedule: str = "constant",
+        final_weight: float = 0.0,
+        schedule_steps: int = 0,
+    ):
+        super().__init__(weight=weight, schedule=schedule, final_weight=final_weight, schedule_steps=schedule_steps)
+        if not 0.0 <= clip_low < 1.0:
+            raise ValueError(f"PolicyGradient.clip_low must be in [0, 1), got {clip_low}")
+        if clip_high < 0.0:
+            raise ValueError(f"PolicyGradient.clip_high must be >= 0, got {clip_high}")
+        if agg not in AGGREGATIONS:
+            raise ValueError(f"PolicyGradient.agg must be one of {sorted(AGGREGATIONS)}, got {agg!r}")
+        if norm_len <= 0:
+            raise ValueError(f"PolicyGradient.norm_len must be > 0, got {norm_len}")
+        self.clip_low = float(clip_low)
+        self.clip_high = float(clip_high)
+        self.agg = agg
+        self.norm_len = int(norm_len)
+
+    def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
+        mask = batch["action_mask"].bool()  # (N, T)
+        loss, metrics = clipped_pg_loss(
+            out.logprobs,
+            batch["old_logprobs"],
+            batch["advantages"],
+            mask,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            agg=self.agg,
+            norm_len=self.norm_len,
+        )
+        metrics["policy/entropy"] = masked_mean(out.entropy.detach(), mask)
+        return loss, metrics
+
+
+class KLPenalty(Objective):
+    """k3 KL to the reference policy on action tokens (``loss/kl``); reads ``out.ref_logprobs``.
+
+    Args:
+        weight: multiplier in the total loss (0 by default: the KL is logged, not optimized).
+        schedule, final_weight, schedule_steps: see :class:`cope.objectives.Objective`.
+    """
+
+    name = "kl"
+    needs_ref = True
+
+    def __init__(self, weight: float = 0.0, schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0):
+        super().__init__(weight=weight, schedule=schedule, final_weight=final_weight, schedule_steps=schedule_steps)
+
+    def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
+        if out.ref_logprobs is None:
+            raise ValueError(
+                "KLPenalty needs ForwardOut.ref_logprobs, but it is None: the module must run the "
+                "reference (adapter-disabled) forward when any objective has needs_ref=True"
+            )
+        return kl_k3(out.logprobs, out.ref_logprobs, batch["action_mask"].bool())

@@ -1,0 +1,151 @@
+"""The LightningModule: the training *system* around an injected policy (Lightning's "systems vs models").
+
+It holds no rollout logic (the DataModule does) and no loss math (the objectives do). One forward
+pass per minibatch gives every objective the per-token log-probs and entropy; the objectives are
+summed in :func:`cope.objectives.combine`. The KL reference is the same model with its adapter
+disabled. Checkpoints hold only trainable (adapter) weights, plus optimizer, scheduler, counters
+(in the DataModule's state) and RNG state; the frozen base is never written.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+
+from cope.objectives import ForwardOut, Objective, combine
+from cope.policy import Policy
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log p(ids[t] | ids[<t]) and predictive entropy, aligned at t (0 at t=0).
+
+    Computed one row at a time in fp32 to bound the (T, V) working set on large vocabularies."""
+    N, T, _ = logits.shape
+    lps, ents = [], []
+    for i in range(N):
+        logp = logits[i, :-1].float().log_softmax(-1)  # (T-1, V)
+        lps.append(logp.gather(-1, input_ids[i, 1:, None]).squeeze(-1))  # (T-1,)
+        if with_entropy:
+            with torch.no_grad():
+                ents.append(-(logp.exp() * logp).sum(-1))  # (T-1,)
+    zero = logits.new_zeros((N, 1), dtype=torch.float32)
+    lp = torch.cat([zero, torch.stack(lps)], dim=1)  # (N, T)
+    ent = torch.cat([zero, torch.stack(ents)], dim=1) if with_entropy else torch.zeros_like(lp)
+    return lp, ent
+
+
+class AgentRLModule(pl.LightningModule):
+    """GRPO-family training of a LoRA policy on on-policy rollouts.
+
+    Args:
+        policy: the LoRA-wrapped causal LM, tokenizer and chat scaffold (built by a factory).
+        objectives: the named, weighted loss terms (``algo.objectives``).
+        optimizer: partial optimizer, finished over the trainable (LoRA) parameters.
+        scheduler: optional partial LR scheduler, stepped every optimizer step.
+    """
+
+    def __init__(self, policy: Policy, objectives: list[Objective], optimizer: Callable[..., torch.optim.Optimizer],
+                 scheduler: Callable[..., Any] | None = None):
+        super().__init__()
+        if not objectives:
+            raise ValueError("algo.objectives is empty: at least the policy-gradient objective is needed")
+        names = [o.name for o in objectives]
+        if len(set(names)) != len(names):
+            raise ValueError(f"algo.objectives has duplicate names: {names}")
+        self.policy = policy
+        self.model = policy.model  # registered so Lightning moves it and the strategy wraps it
+        self.objectives = objectives
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.strict_loading = False  # checkpoints carry adapter weights only
+
+    @property
+    def needs_ref(self) -> bool:
+        return any(o.needs_ref and o.weight > 0 for o in self.objectives)
+
+    def _attention(self, batch: dict) -> torch.Tensor:
+        mask = batch["attention_mask"]
+        if mask.dim() == 4:  # additive float mask from a collate transform: re-express in the compute dtype
+            dtype = next(p for p in self.model.parameters() if p.is_floating_point()).dtype
+            dtype = torch.float32 if dtype not in (torch.float16, torch.bfloat16, torch.float32) else dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask < 0, torch.finfo(dtype).min)
+        return mask
+
+    def _logits(self, batch: dict) -> torch.Tensor:
+        return self.model(input_ids=batch["input_ids"], attention_mask=self._attention(batch),
+                          position_ids=batch["position_ids"], use_cache=False).logits  # (N, T, V)
+
+    def forward(self, batch: dict) -> ForwardOut:
+        lp, ent = token_logprobs(self._logits(batch), batch["input_ids"])
+        ref = batch.get("ref_logprobs") if self.needs_ref else None
+        return ForwardOut(logprobs=lp, entropy=ent, ref_logprobs=ref)
+
+    @torch.no_grad()
+    def score_minibatches(self, minibatches: list[dict]) -> None:
+        """Fill ``old_logprobs``, ``old_entropy`` (and ``ref_logprobs``) of each minibatch before any update."""
+        was = self.model.training
+        self.model.eval()
+        try:
+            for mb in minibatches:
+                dev = {k: v.to(self.device) for k, v in mb.items()}
+                lp, ent = token_logprobs(self._logits(dev), dev["input_ids"])
+                mb["old_logprobs"], mb["old_entropy"] = lp.cpu(), ent.cpu()
+                if self.needs_ref:
+                    with self.model.disable_adapter():
+                        mb["ref_logprobs"] = token_logprobs(self._logits(dev), dev["input_ids"], with_entropy=False)[0].cpu()
+        finally:
+            self.model.train(was)
+
+    # -- training --------------------------------------------------------------------------------
+    def on_train_epoch_start(self) -> None:
+        dm = self.trainer.datamodule
+        if dm is not None and dm.last_rollout_metrics:
+            self.log_dict(dm.last_rollout_metrics, on_step=False, on_epoch=True, sync_dist=True)
+
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        out = self(batch)
+        total, metrics = combine(self.objectives, out, batch, self.global_step)
+        bs = int(batch["input_ids"].shape[0])
+        self.log_dict({k: v for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=bs)
+        result = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in metrics.items()}
+        result["loss"] = total
+        return result
+
+    def validation_step(self, batch: list[int], batch_idx: int) -> None:
+        dm = self.trainer.datamodule
+        eps, metrics = dm.evaluate(self.model, batch)
+        if batch_idx == 0:
+            dm.last_val_episodes = []
+        dm.last_val_episodes.extend(eps)
+        self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(batch))
+
+    def configure_optimizers(self):
+        params = self.policy.trainable_parameters()
+        if not params:
+            raise ValueError("the policy has no trainable parameters (check model.lora)")
+        opt = self.optimizer_factory(params)
+        if self.scheduler_factory is None:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler_factory(opt), "interval": "step"}}
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "objectives": {o.name: getattr(o, "scale", None) for o in self.objectives}}
+        checkpoint["base_model"] = self.policy.source
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        missing = trainable - set(checkpoint["state_dict"])
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} adapter tensors, e.g. {sorted(missing)[:3]}: different LoRA config?")
+        rng = checkpoint.get("rng")
+        if rng:
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            for o in self.objectives:
+                if rng["objectives"].get(o.name) is not None:
+                    o.scale = rng["objectives"][o.name]

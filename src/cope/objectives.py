@@ -1,0 +1,86 @@
+"""Objectives: named, weighted loss terms summed in one place.
+
+Each objective wraps a pure loss function (``cope.losses.*``) and reads what it needs from the
+forward output and the batch. The LightningModule holds a list of them, built from config
+(``algo.objectives``), and calls :func:`combine`; adding CoPE or ECHO is adding a list entry.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+Metrics = dict[str, float | torch.Tensor]
+
+
+@dataclass
+class ForwardOut:
+    """What one forward pass of the policy gives every objective.
+
+    logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) and entropy[:, t] is the entropy of
+    that predictive distribution; both are 0 at t = 0.
+    """
+
+    logprobs: torch.Tensor  # (N, T)
+    entropy: torch.Tensor  # (N, T), detached
+    ref_logprobs: torch.Tensor | None = None  # (N, T) from the adapter-disabled model, when needed
+
+
+class Objective(abc.ABC):
+    """Base class: a name, a weight (optionally scheduled), and ``__call__(out, batch) -> (loss, metrics)``.
+
+    Args:
+        weight: multiplier of the loss in the total.
+        schedule: ``constant`` or ``linear`` (from ``weight`` to ``final_weight`` over ``schedule_steps``
+            optimizer steps, then flat).
+        final_weight: end point of the linear schedule.
+        schedule_steps: length of the linear schedule in optimizer steps.
+    """
+
+    name: str = "objective"
+    needs_ref: bool = False  # set when the objective reads ForwardOut.ref_logprobs
+
+    def __init__(self, weight: float = 1.0, schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0):
+        if schedule not in ("constant", "linear"):
+            raise ValueError(f"{type(self).__name__}.schedule must be 'constant' or 'linear', got {schedule!r}")
+        if schedule == "linear" and schedule_steps <= 0:
+            raise ValueError(f"{type(self).__name__}.schedule_steps must be > 0 for a linear schedule")
+        self.weight = float(weight)
+        self.schedule = schedule
+        self.final_weight = float(final_weight)
+        self.schedule_steps = int(schedule_steps)
+
+    def weight_at(self, step: int) -> float:
+        if self.schedule == "constant":
+            return self.weight
+        frac = min(1.0, step / self.schedule_steps)
+        return self.weight + frac * (self.final_weight - self.weight)
+
+    @abc.abstractmethod
+    def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
+        """Return (loss, metrics); metrics use slash names."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, weight={self.weight})"
+
+
+def combine(objectives: list[Objective], out: ForwardOut, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, Metrics]:
+    """Sum of weight * loss over the objectives. Logs each raw loss as ``loss/<name>``, its weighted
+    contribution as ``loss/<name>_weighted``, the objective's own metrics, and ``loss/total``.
+    An objective whose weight is 0 at this step is off: it is neither computed nor logged."""
+    total = out.logprobs.new_zeros(())
+    metrics: Metrics = {}
+    for obj in objectives:
+        w = obj.weight_at(step)
+        if w == 0.0:
+            continue
+        loss, m = obj(out, batch)
+        total = total + w * loss
+        metrics[f"loss/{obj.name}"] = loss.detach()
+        metrics[f"loss/{obj.name}_weighted"] = (w * loss).detach()
+        if obj.schedule != "constant":
+            metrics[f"weight/{obj.name}"] = w
+        metrics.update(m)
+    metrics["loss/total"] = total.detach()
+    return total, metrics

@@ -1,0 +1,134 @@
+"""The policy: a causal LM with a LoRA adapter, its tokenizer and chat scaffold.
+
+Loading stays apart from training (litgpt's ``lora.py`` vs ``finetune/lora.py``): this module builds
+the model (``from_pretrained`` on a local path or the HF cache; no network at run time when
+``local_files_only``), optionally 4-bit (QLoRA via bitsandbytes), wraps it in peft LoRA and returns a
+:class:`Policy`. The KL reference is the same model with the adapter disabled
+(``with policy.model.disable_adapter():``): no second copy in memory.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cope.chat import ChatFormat
+from cope.extras import require
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+QUANTIZATIONS = (None, "4bit", "8bit")
+
+
+@dataclass
+class Policy:
+    model: Any  # peft.PeftModel wrapping a transformers causal LM
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    chat: ChatFormat
+    source: str  # path or hub id the base was loaded from
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def _quant_config(quantization: str | None, compute_dtype: torch.dtype):
+    if quantization is None:
+        return None
+    require("bitsandbytes", extra="quant", feature=f"model.quantization={quantization}")
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "4bit":
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute_dtype
+        )
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _disable_cpu_bf16_repack(model) -> int:
+    """bitsandbytes 0.50 on CPUs with avx512_bf16 repacks 4-bit weights at the first eval forward,
+    after which every training step fails (see shared/notes/stack.md). Rollout-then-train is exactly
+    that pattern, so switch the repack off on every 4-bit linear layer. Returns how many were patched."""
+    import bitsandbytes as bnb
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+def load_pretrained(
+    path: str,
+    lora: Any,
+    dtype: str = "bf16",
+    quantization: str | None = None,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+    local_files_only: bool = True,
+    trust_remote_code: bool = False,
+    env_factory: Any = None,  # unused: accepted so every model config has the same call signature
+) -> Policy:
+    """Load a causal LM + tokenizer from a local folder or the HF cache and add a LoRA adapter.
+
+    Args:
+        path: local folder or hub id (resolved from the local cache when ``local_files_only``).
+        lora: a ``peft.LoraConfig`` (Hydra instantiates it from ``model.lora``).
+        dtype: ``fp32``, ``bf16`` or ``fp16`` for the base weights (and 4-bit compute).
+        quantization: ``None``, ``4bit`` (nf4 QLoRA) or ``8bit``; needs the ``quant`` extra.
+        gradient_checkpointing: recompute activations in backward (non-reentrant, LoRA-safe).
+        attn_implementation: ``sdpa`` (default; needed for packed CoPE forecasts on CPU) or ``eager``.
+        local_files_only: never reach the network at run time.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"model.quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if os.path.sep in path or path.startswith("."):
+        if not Path(path).exists():
+            raise FileNotFoundError(f"model.path {path!r} does not exist")
+    torch_dtype = DTYPES[dtype]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=torch_dtype,
+            quantization_config=_quant_config(quantization, torch_dtype),
+            attn_implementation=attn_implementation,
+            local_files_only=local_files_only,
+            trust_remote_code=trust_remote_code,
+        )
+    except OSError as e:
+        raise FileNotFoundError(
+            f"could not load model.path={path!r} from local files ({e.__class__.__name__}: {e}). Download it first "
+            "(e.g. `huggingface-cli download Qwen/Qwen2.5-7B-Instruct`) or point model.path at a local folder."
+        ) from e
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if quantization == "4bit":
+        log.info("patched %d 4-bit layers against the CPU bf16 repack", _disable_cpu_bf16_repack(model))
+    if quantization is not None:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    model = get_peft_model(model, lora)
+    chat = ChatFormat.chatml(tokenizer)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in model.parameters())
+    log.info("policy %s: %d trainable / %d parameters (LoRA r=%s)", path, n_train, n_all, getattr(lora, "r", "?"))
+    return Policy(model=model, tokenizer=tokenizer, chat=chat, source=str(path))

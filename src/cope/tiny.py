@@ -1,0 +1,204 @@
+"""A tiny Qwen2-architecture policy built locally, for CPU demos and tests (``model=tiny``).
+
+A randomly initialized model cannot write a valid action, while real users start from a pretrained
+LLM that can. The tiny path therefore gets an honest warm start that uses no expert:
+
+1. a byte-level BPE tokenizer trained on text the env produces (instructions, observations of
+   random walks, admissible actions), with the ChatML special tokens and chat template;
+2. a Qwen2 model from config, behaviour-cloned on *random walks over admissible actions*
+   (format only: the walk is uniformly random, it knows nothing about the goal), with the loss on
+   action tokens. Transcripts come from the same rollout engine as training (token-in/token-out).
+
+The result is saved with ``save_pretrained`` to a cache folder keyed by a hash of everything that
+went into it, so it is built once; the policy is then loaded through the same
+:func:`cope.policy.load_pretrained` path as a real model (LoRA, 4-bit and all).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from cope.batch import collate
+from cope.chat import CHATML_TEMPLATE, ChatFormat
+from cope.envs.base import Env, Task
+from cope.policy import Policy, load_pretrained
+from cope.rollout import run_episodes
+
+log = logging.getLogger(__name__)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+class RandomWalkActor:
+    """Picks a uniformly random admissible action (format-only demonstrations)."""
+
+    def __init__(self, tokenizer, stop_id: int, seed: int):
+        self.tokenizer, self.stop_id, self.rng = tokenizer, stop_id, random.Random(seed)
+
+    def __call__(self, contexts, admissible, keys=None):
+        out = []
+        for adm in admissible:
+            if not adm:
+                raise ValueError("the tiny model's warm start needs an env that reports admissible actions")
+            text = self.rng.choice(adm)
+            out.append([*self.tokenizer.encode(text, add_special_tokens=False), self.stop_id])
+        return out
+
+
+def _describe(env_factory: Callable[[], Env]) -> str:
+    if isinstance(env_factory, functools.partial):
+        f = env_factory.func
+        return f"{f.__module__}.{f.__qualname__}({sorted(env_factory.keywords.items())!r})"
+    return f"{type(env_factory).__module__}.{getattr(env_factory, '__qualname__', type(env_factory).__name__)}"
+
+
+def _random_walks(env_factory, tokenizer, chat, n: int, seed: int, max_context: int):
+    envs = [env_factory() for _ in range(n)]
+    rng = random.Random(seed)
+    tasks = [Task(envs[0].name, "train", rng.randrange(envs[0].num_tasks("train"))) for _ in range(n)]
+    actor = RandomWalkActor(tokenizer, chat.stop_id, seed)
+    episodes, _ = run_episodes(envs, tasks, list(range(n)), actor, tokenizer, chat, max_context, max_action_tokens=8)
+    for e in envs:
+        e.close()
+    return episodes
+
+
+def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, episodes: int = 200):
+    """Byte-level BPE on env text (random walks); every string stays encodable (byte fallback)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    env = env_factory()
+    rng = random.Random(seed)
+    texts = [env.instructions] + ["system\n", "user\n", "assistant\n"] * 200
+    seen: list[str] = []
+    for _ in range(episodes):
+        r = env.reset(Task(env.name, "train", rng.randrange(env.num_tasks("train"))))
+        texts.append(r.observation)
+        for k in range(env.max_steps):
+            if not r.admissible_actions:
+                break
+            seen = sorted(set(seen) | set(r.admissible_actions))
+            # mostly admissible moves; sometimes any known action (may be refused) or a malformed one,
+            # so the vocabulary also covers the env's refusal and harness messages
+            a = rng.choice(r.admissible_actions) if rng.random() < 0.8 else rng.choice(seen + ["??"])
+            texts.append(a)
+            r = env.step(a)
+            texts.append(r.observation + ("\n" + r.harness if r.harness else ""))
+            if r.done:
+                break
+    env.close()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>", chat_template=CHATML_TEMPLATE
+    )
+
+
+def build_tiny_base(
+    env_factory: Callable[[], Env],
+    out_dir: Path,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    vocab_size: int,
+    max_context: int,
+    warm_start_steps: int,
+    warm_start_batch: int,
+    warm_start_lr: float,
+    seed: int,
+) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = train_tokenizer(env_factory, vocab_size, seed)
+    chat = ChatFormat.chatml(tokenizer)
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=max_context,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=chat.stop_id,
+        bos_token_id=None,
+    )
+    model = Qwen2ForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=warm_start_lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / warm_start_steps))
+    t0, pool = time.perf_counter(), []
+    model.train()
+    for step in range(warm_start_steps):
+        if not pool:
+            pool = _random_walks(env_factory, tokenizer, chat, 128, seed + step, max_context)
+        batch = collate([pool.pop() for _ in range(min(warm_start_batch, len(pool)))], tokenizer.pad_token_id)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]  # (N, T-1, V)
+        target = batch["input_ids"][:, 1:]
+        mask = batch["action_mask"][:, 1:]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), target, reduction="none")  # (N, T-1)
+        loss = (nll * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == warm_start_steps - 1:
+            log.info("warm start %d/%d: action nll %.3f (%.0fs)", step + 1, warm_start_steps, loss.item(), time.perf_counter() - t0)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out_dir)  # atomic: a half-built cache is never picked up
+
+
+def tiny_policy(
+    lora: Any,
+    env_factory: Callable[[], Env],
+    cache_dir: str = "~/.cache/cope-trainer/tiny",
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    vocab_size: int = 512,
+    max_context: int = 2048,
+    warm_start_steps: int = 300,
+    warm_start_batch: int = 16,
+    warm_start_lr: float = 3e-3,
+    seed: int = 0,
+    dtype: str = "fp32",
+    quantization: str | None = None,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
+) -> Policy:
+    """Build (once, cached) and load the tiny warm-started policy for the env of ``env_factory``."""
+    spec = dict(
+        env=_describe(env_factory), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, vocab_size=vocab_size,
+        max_context=max_context, warm_start_steps=warm_start_steps, warm_start_batch=warm_start_batch,
+        warm_start_lr=warm_start_lr, seed=seed, version=1,
+    )
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    out = Path(os.path.expanduser(cache_dir)) / key
+    if not (out / "config.json").exists():
+        log.info("building the tiny base model in %s (once): %s", out, spec)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        build_tiny_base(env_factory, out, hidden_size, num_layers, num_heads, vocab_size, max_context,
+                        warm_start_steps, warm_start_batch, warm_start_lr, seed)
+        (out / "spec.json").write_text(json.dumps(spec, indent=1))
+    return load_pretrained(str(out), lora=lora, dtype=dtype, quantization=quantization,
+                           gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation)
