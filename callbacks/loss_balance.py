@@ -79,8 +79,8 @@ class LossBalance(Callback):
             scaled = self._value(outputs.get(f"loss/{self.objective}"))
             cur = float(self._obj.scale)
             raw = scaled / cur if scaled is not None and cur > 0 else None
-        if pg is None or raw is None:
-            return
+        if pg is None or raw is None or (hasattr(self._obj, "adaptive") and self._obj.adaptive is None):
+            return  # nothing measured, or the objective is not in adaptive mode (normalize none/per_step)
         if getattr(trainer, "world_size", 1) > 1:
             both = trainer.strategy.reduce(torch.tensor([abs(pg), abs(raw)], device=pl_module.device), reduce_op="mean")
             pg, raw = (float(v) for v in both.tolist())

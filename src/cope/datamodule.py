@@ -90,7 +90,10 @@ class RolloutDataModule(pl.LightningDataModule):
         self.ppo_epochs, self.max_context, self.max_action_tokens = ppo_epochs, max_context, max_action_tokens
         self.temperature, self.top_p, self.advantage_mode = temperature, top_p, advantage_mode
         self.val_tasks, self.val_batch_size, self.seed, self.progress = val_tasks, val_batch_size, seed, progress
-        group_advantages(torch.zeros(1), torch.zeros(1, dtype=torch.long), mode=advantage_mode)  # fail fast on a bad mode
+        try:  # fail fast on a bad mode, naming the key (data.advantage_mode defaults to ${algo.advantage_mode})
+            group_advantages(torch.zeros(1), torch.zeros(1, dtype=torch.long), mode=advantage_mode)
+        except ValueError as e:
+            raise ValueError(f"data.advantage_mode (algo.advantage_mode): {e}") from None
         self.counters = {k: 0 for k in COUNTERS}
         self.last_episodes: list[Episode] = []
         self.last_val_episodes: list[Episode] = []

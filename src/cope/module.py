@@ -62,7 +62,10 @@ class AgentRLModule(pl.LightningModule):
 
     @property
     def needs_ref(self) -> bool:
-        return any(o.needs_ref and o.weight > 0 for o in self.objectives)
+        # on when the weight is non-zero at any step: a schedule may ramp up from 0 within an epoch,
+        # after the once-per-epoch scoring pass
+        return any(o.needs_ref and (o.weight != 0 or (o.schedule != "constant" and o.final_weight != 0))
+                   for o in self.objectives)
 
     def _attention(self, batch: dict) -> torch.Tensor:
         mask = batch["attention_mask"]

@@ -128,10 +128,10 @@ def run_episodes(
         ep.append(_encode(tokenizer, first.observation), Role.OBSERVATION)
         ep.append(chat.close_turn(), Role.PROMPT)
         ep.prompt_len = len(ep.tokens)
-        if ep.prompt_len + max_action_tokens > max_context:
+        if ep.prompt_len + max_action_tokens + len(chat.turn_end) > max_context:
             raise ValueError(
                 f"the first prompt of {ep.task.id} has {ep.prompt_len} tokens: data.max_context={max_context} leaves no "
-                f"room for an action of data.max_action_tokens={max_action_tokens}"
+                f"room for an action of data.max_action_tokens={max_action_tokens} and its end-of-turn id"
             )
         live.append(i)
 
@@ -165,7 +165,8 @@ def run_episodes(
             harness = _encode(tokenizer, ("\n" if res.observation else "") + res.harness) if res.harness else []
             opening = chat.after_action(closed)
             ending = list(chat.turn_end) if res.done else chat.close_turn()
-            need = len(opening) + len(obs) + len(harness) + len(ending) + (0 if res.done else max_action_tokens)
+            # room for the next action and for the end-of-turn id added when it hits the token cap
+            need = len(opening) + len(obs) + len(harness) + len(ending) + (0 if res.done else max_action_tokens + len(chat.turn_end))
             if len(ep.tokens) + need > max_context:
                 # The feedback does not fit: the episode ends here (done or truncated), feedback dropped.
                 if not ep.tokens[-1:] == [chat.stop_id]:

@@ -197,8 +197,9 @@ def tiny_policy(
     if not (out / "config.json").exists():
         log.info("building the tiny base model in %s (once): %s", out, spec)
         out.parent.mkdir(parents=True, exist_ok=True)
-        build_tiny_base(env_factory, out, hidden_size, num_layers, num_heads, vocab_size, max_context,
-                        warm_start_steps, warm_start_batch, warm_start_lr, seed)
+        with torch.random.fork_rng(devices=[]):  # the build reseeds torch: keep the caller's RNG (LoRA init) as it was
+            build_tiny_base(env_factory, out, hidden_size, num_layers, num_heads, vocab_size, max_context,
+                            warm_start_steps, warm_start_batch, warm_start_lr, seed)
         (out / "spec.json").write_text(json.dumps(spec, indent=1))
     return load_pretrained(str(out), lora=lora, dtype=dtype, quantization=quantization,
                            gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation)

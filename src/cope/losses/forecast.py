@@ -124,7 +124,9 @@ class ForecastLoss(Objective):
 
     Args:
         weight: lambda, the multiplier in the total loss.
-        normalize: ``none`` or ``per_step``, see :func:`forecast_nll`.
+        normalize: ``none`` or ``per_step`` (see :func:`forecast_nll`), or ``adaptive``: ``none``'s
+            per-chunk mean, scaled so the term stays at ``adaptive_target`` (default 0.5) times the
+            running magnitude of the policy-gradient term (needs the ``LossBalance`` callback).
         adaptive_target: when set, the objective owns an :class:`AdaptiveScale` with this target
             ratio; the ``LossBalance`` callback feeds it ``|loss/pg|`` each step and sets ``scale``
             (without that callback the scale stays 1).
@@ -145,8 +147,11 @@ class ForecastLoss(Objective):
         schedule_steps: int = 0,
     ):
         super().__init__(weight=weight, schedule=schedule, final_weight=final_weight, schedule_steps=schedule_steps)
-        if normalize not in NORMALIZE:
-            raise ValueError(f"ForecastLoss.normalize must be one of {NORMALIZE}, got {normalize!r}")
+        if normalize not in (*NORMALIZE, "adaptive"):
+            raise ValueError(f"ForecastLoss.normalize must be one of {(*NORMALIZE, 'adaptive')}, got {normalize!r}")
+        if normalize == "adaptive":  # chunk math of `none`, magnitude held at a ratio of |L_pg| (LossBalance)
+            adaptive_target = 0.5 if adaptive_target is None else adaptive_target
+            normalize = "none"
         self.normalize = normalize
         self.adaptive = AdaptiveScale(adaptive_target, adaptive_beta) if adaptive_target is not None else None
         self.scale = 1.0  # a detached float, set from outside (LossBalance); never a tensor

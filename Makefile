@@ -1,0 +1,35 @@
+# The two commands: `make train` (default CPU demo) and `make test` (the suite).
+# Both create the virtual environment when missing and install everything pinned in pyproject.toml.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: install train test test-all bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, pinned: here it is the CPU wheel; unpinned, pip would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install --quiet "torch==2.13.0"
+	$(BIN)/python -m pip install --quiet -e ".[all]"
+	$(BIN)/python -m pip check
+	touch $(STAMP)
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(BIN)/python train.py $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(ARGS)
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -m "" $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python bench/sample_efficiency.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

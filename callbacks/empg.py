@@ -1,0 +1,40 @@
+"""EMPG (arXiv 2509.09265) switched on from config: reshapes the epoch's advantages per step.
+
+Registers a *scored* transform on the DataModule, so it runs once per epoch after the scoring pass
+filled ``old_entropy`` and before any update; statistics span the whole rollout batch. The math is
+in :mod:`cope.empg`; this callback only wires it in and logs ``empg/*`` once per epoch.
+"""
+from __future__ import annotations
+
+from lightning.pytorch import Callback
+
+from cope.empg import apply_empg
+
+
+class EMPGAdvantages(Callback):
+    """Args:
+        k: sharpness of the self-calibrating scale g(H) = exp(-k Hn) / mean exp(-k Hn).
+        k_future: sharpness of the future-clarity bonus exp(-k_future Hn_{t+1}).
+        zeta: weight of the future-clarity bonus.
+        normalize: zero-mean / unit-std the final advantages over the batch's action tokens.
+    """
+
+    def __init__(self, k: float = 1.0, k_future: float = 1.0, zeta: float = 0.1, normalize: bool = True):
+        if k < 0 or k_future < 0 or zeta < 0:
+            raise ValueError("EMPGAdvantages: k, k_future and zeta must be >= 0")
+        self.k, self.k_future, self.zeta, self.normalize = k, k_future, zeta, normalize
+        self.metrics: dict[str, float] = {}
+        self._registered = False
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if not self._registered and trainer.datamodule is not None:
+            trainer.datamodule.add_scored_transform(self.transform)
+            self._registered = True
+
+    def transform(self, minibatches: list[dict], episodes) -> None:
+        m = apply_empg(minibatches, k=self.k, k_future=self.k_future, zeta=self.zeta, normalize=self.normalize)
+        self.metrics = {k: float(v) for k, v in m.items()}
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.metrics:
+            pl_module.log_dict(self.metrics, on_step=False, on_epoch=True, sync_dist=True)

@@ -1,0 +1,57 @@
+"""The benchmark scripts run end to end with their smallest settings and write their outputs.
+
+Numbers are not checked (a micro model on a shared CPU): only that each script finishes, prints its
+summary line and leaves the files the README promises. ``COPE_CACHE`` comes from conftest's session
+fixture, so the micro model is built (seconds) in a temp folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _run(script: str, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_step_overhead_smoke(tmp_path):
+    out = tmp_path / "so.md"
+    proc = _run("step_overhead.py", ["--model-overrides", "debug=fast", "--steps", "2", "--warmup", "1",
+                                     "--episodes", "8", "--min-success", "0", "--out", str(out)])
+    assert "CoPE packed / GRPO = " in proc.stdout and "ECHO / GRPO = " in proc.stdout
+    text = out.read_text()
+    for name in ("GRPO", "CoPE (packed)", "CoPE (plain)", "ECHO", "CoPE+ECHO"):
+        assert f"| {name} |" in text
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["episodes"] == 8 and report["variants"]["GRPO"]["ratio"] == pytest.approx(1.0)
+    assert all(len(v["times_s"]) == 2 and v["mean_s"] > 0 for v in report["variants"].values())
+
+
+def test_sample_efficiency_smoke(tmp_path):
+    out = tmp_path / "se"
+    args = ["--algos", "grpo", "cope", "--seeds", "0", "--overrides", "debug=fast", "trainer.max_epochs=1",
+            "--out", str(out)]
+    proc = _run("sample_efficiency.py", args)
+    assert "| GRPO |" in proc.stdout and "| CoPE |" in proc.stdout and "relative to GRPO" in proc.stdout
+    for f in ("summary.md", "summary.json", "success_vs_episodes.png"):
+        assert (out / f).stat().st_size > 0, f
+    for algo in ("grpo", "cope"):
+        assert (out / algo / "seed0" / "done").exists()
+        assert (out / algo / "seed0" / "csv" / "learning_curve.csv").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["algos"]) == {"grpo", "cope"} and len(summary["runs"]) == 2
+    assert summary["algos"]["cope"]["forecast_targets_early_mean"] is not None  # CoPE logs forecast/targets
+    again = _run("sample_efficiency.py", args)  # finished runs are reused: the study resumes
+    assert again.stdout.count("(reused)") == 2

@@ -1,0 +1,87 @@
+"""Tiny in-process builders shared by the rollout, generation, policy and module tests.
+
+Everything is built locally, with no network: a byte-level BPE tokenizer trained on maze text
+(:func:`cope.tiny.train_tokenizer`) and a randomly initialized one-layer Qwen2 wrapped in a LoRA
+adapter exactly as :func:`cope.policy.load_pretrained` does it (base frozen first). Test modules turn
+these into module-scoped fixtures; the tokenizer is cached per process since it never changes.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from cope.chat import ChatFormat
+from cope.envs.base import Task
+from cope.envs.maze import MazeEnv
+from cope.policy import Policy
+
+# The env every test here runs: 6x6 mazes, 8 moves per episode.
+maze_factory = functools.partial(MazeEnv, sizes=[6], max_steps=8)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer():
+    """Byte-level BPE with the ChatML special tokens (ids 0..2), trained on maze text (~0.5 s)."""
+    from cope.tiny import train_tokenizer
+
+    return train_tokenizer(maze_factory, vocab_size=400, seed=0, episodes=30)
+
+
+def tiny_chat() -> ChatFormat:
+    return ChatFormat.chatml(tiny_tokenizer())
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+
+
+def tiny_config(**overrides):
+    from transformers import Qwen2Config
+
+    tok = tiny_tokenizer()
+    kw = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=len(tok), tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tiny_chat().stop_id,
+        bos_token_id=None,
+    )
+    kw.update(overrides)
+    return Qwen2Config(**kw)
+
+
+def tiny_base(seed: int = 0, **overrides):
+    """A random (untrained) tiny Qwen2 causal LM in eval mode."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(tiny_config(**overrides)).eval()
+
+
+def wrap_lora(base):
+    """Freeze the base and add the LoRA adapter, as ``load_pretrained`` does."""
+    from peft import get_peft_model
+
+    for p in base.parameters():
+        p.requires_grad_(False)
+    return get_peft_model(base, lora_config())
+
+
+def tiny_policy(seed: int = 0, **overrides) -> Policy:
+    """An in-process :class:`Policy` (random tiny base + zero-initialized LoRA adapter)."""
+    tok = tiny_tokenizer()
+    model = wrap_lora(tiny_base(seed, **overrides)).eval()
+    return Policy(model=model, tokenizer=tok, chat=tiny_chat(), source="in-process tiny")
+
+
+def save_tiny(path: Path, seed: int = 0) -> Path:
+    """Save a random tiny base model and the tokenizer as a ``from_pretrained`` folder."""
+    tiny_base(seed).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def maze_tasks(n: int, split: str = "train", start: int = 0) -> list[Task]:
+    return [Task("maze", split, start + i) for i in range(n)]
