@@ -13,10 +13,16 @@ within ``min_distance..max_steps`` moves (BFS).
 Observations (rows grow to the south, columns to the east; directions always listed in the fixed order
 north, south, east, west; zero components omitted)::
 
-    reset:    "Find the goal in a 6x6 maze.\\nGoal: 2 south, 1 east. Open: north, south, east."
-    move:     "Goal: 2 south, 1 east. Open: north, south, east."
-    bump:     "Wall. Goal: 2 south, 1 east. Open: north, south, east."
+    reset:    "Find the goal in a 6x6 maze.\\nGoal: 2 south, 1 east. Closer: south. Open: north, south, west."
+    move:     "Goal: 2 south, 1 east. Closer: south. Open: north, south, west."
+    bump:     "Wall. Goal: 2 south, 1 east. Closer: south. Open: north, south, west."
     success:  "You reached the goal."
+
+``Closer:`` (the compass, on by default; ``compass=False`` drops it) lists the open moves that shorten
+the goal offset, ``none`` when no open move does. It keeps the decision local and in words, the way a
+text game says "you hear water to the south": a policy that always takes a ``Closer`` move solves
+about 80% of the mazes, uniformly random open moves about 15%. The warm start of the tiny model imitates
+random walks, so it has to *learn* from reward to prefer that list.
 
 Validity rules: the parser accepts exactly ``north``, ``south``, ``east``, ``west``, tolerating only
 surrounding whitespace, surrounding quotes or backticks, a trailing period, letter case and a leading
@@ -106,7 +112,9 @@ class MazeEnv:
         num_train_tasks: int = 100_000,
         num_test_tasks: int = 1_000,
         name: str = "maze",
+        compass: bool = True,
     ) -> None:
+        self.compass = bool(compass)
         sizes = tuple(sizes)
         if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 2 for s in sizes):
             raise ValueError(f"sizes must be a non-empty sequence of ints >= 2, got {sizes!r}")
@@ -235,10 +243,16 @@ class MazeEnv:
         return "\n".join("".join(glyph.get((r, c), ".") for c in range(lay.size)) for r in range(lay.size))
 
     def _status(self) -> str:
-        """``Goal: <offset>. Open: <moves>.`` for the current position."""
+        """``Goal: <offset>. [Closer: <moves>. ]Open: <moves>.`` for the current position."""
         dr = self._layout.goal[0] - self._pos[0]
         dc = self._layout.goal[1] - self._pos[1]
         parts = [f"{abs(dr)} {'south' if dr > 0 else 'north'}"] if dr else []
         parts += [f"{abs(dc)} {'east' if dc > 0 else 'west'}"] if dc else []
-        open_moves = ", ".join(self._layout.open_moves(self._pos)) or "none"
-        return f"Goal: {', '.join(parts)}. Open: {open_moves}."
+        moves = self._layout.open_moves(self._pos)
+        open_moves = ", ".join(moves) or "none"
+        if not self.compass:
+            return f"Goal: {', '.join(parts)}. Open: {open_moves}."
+        goalward = {"south" if dr > 0 else "north"} if dr else set()
+        goalward |= {"east" if dc > 0 else "west"} if dc else set()
+        closer = ", ".join(m for m in moves if m in goalward) or "none"
+        return f"Goal: {', '.join(parts)}. Closer: {closer}. Open: {open_moves}."

@@ -23,13 +23,8 @@ CONF_DIR = REPO / "conf"
 TRAIN_PY = REPO / "train.py"
 _TESTS = Path(__file__).resolve().parent
 
-# pytest's default (prepend) import mode puts tests/ on sys.path; the test folder tests/cope/ (no
-# __init__.py) would then shadow the installed `cope` package as an empty namespace package (its
-# submodules still resolve through the editable finder, `cope/__init__.py` would not). Import the
-# real package before anything else does.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _TESTS]
-if getattr(sys.modules.get("cope"), "__file__", "") is None:
-    del sys.modules["cope"]
+# Test folders have no __init__.py and must not be named like a package (e.g. tests/cope/):
+# with pytest's prepend import mode such a folder would shadow the real `cope` package.
 import cope  # noqa: E402
 
 assert cope.__file__ and Path(cope.__file__).resolve().parent == REPO / "src" / "cope", cope.__path__

@@ -33,10 +33,7 @@ CASES = {
 EPISODES = 2 * 2 * 4  # epochs * tasks_per_epoch * group_size (debug=fast)
 
 
-STILL_ADAPTIVE = pytest.mark.xfail(strict=True, reason=(
-    "conf/algo/cope.yaml always passes adaptive_target=${cope.adaptive_ratio} and ForecastLoss keeps an "
-    "AdaptiveScale whenever adaptive_target is set, so LossBalance still rescales under normalize=none/per_step"))
-PARAMS = [pytest.param(c, marks=STILL_ADAPTIVE) if c.startswith("cope-normalize=") else c for c in CASES]
+PARAMS = list(CASES)
 
 
 @pytest.mark.parametrize("case", PARAMS)

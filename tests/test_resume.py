@@ -97,8 +97,6 @@ def test_metrics_csv_after_resume(resumed):
     assert max(resumed["cols_3"]["epoch"]) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="CSVLogger (conf/logger/csv.yaml: version '') deletes an existing "
-                   "metrics.csv when the run resumes into the same folder; only the resumed epochs remain")
 def test_metrics_csv_keeps_history_on_resume(resumed):
     assert resumed["cols_3"]["counters/episodes"] == [PER_EPOCH, 2 * PER_EPOCH, 3 * PER_EPOCH]
 

@@ -28,14 +28,16 @@ MAX_ACTION = 6
 #     A.#.#.
 #
 # Start (5,0), goal (3,1): shortest path north, east, north. From (4,0) north is a wall and west is
-# off the grid, so "west" there bumps.
+# off the grid, so "west" there bumps. "Closer:" lists the open moves that shorten the goal offset
+# (the env's default compass): both moves at (5,0); only east at (4,0), whose north is a wall; at (4,1)
+# the goal is straight north, so only north.
 HAND_TASK = Task("maze", "train", 20)
 HAND_OBS = [
-    "Find the goal in a 6x6 maze.\nGoal: 2 north, 1 east. Open: north, east.",  # reset at (5,0)
-    "Goal: 1 north, 1 east. Open: south, east.",  # north -> (4,0)
+    "Find the goal in a 6x6 maze.\nGoal: 2 north, 1 east. Closer: north, east. Open: north, east.",  # reset at (5,0)
+    "Goal: 1 north, 1 east. Closer: east. Open: south, east.",  # north -> (4,0)
     "",  # "jump": malformed, no observation (harness text instead)
-    "Wall. Goal: 1 north, 1 east. Open: south, east.",  # west from (4,0): off the grid
-    "Goal: 1 north. Open: north, south, west.",  # east -> (4,1)
+    "Wall. Goal: 1 north, 1 east. Closer: east. Open: south, east.",  # west from (4,0): off the grid
+    "Goal: 1 north. Closer: north. Open: north, south, west.",  # east -> (4,1)
     SUCCESS_TEXT,  # north -> (3,1), the goal
 ]
 

@@ -1,6 +1,7 @@
 """Tests for the built-in grid maze env (`cope.envs.maze`)."""
 from __future__ import annotations
 
+import random
 import re
 import subprocess
 import sys
@@ -8,12 +9,12 @@ import sys
 import pytest
 
 from cope.envs.base import Env, Task
-from cope.envs.maze import DIRECTIONS, HARNESS_INVALID, SUCCESS_TEXT, MazeEnv, parse_action
+from cope.envs.maze import DIRECTIONS, HARNESS_INVALID, SUCCESS_TEXT, MazeEnv, MazeLayout, parse_action
 
-STATUS_RE = re.compile(
-    r"(Wall\. )?Goal: \d+ (north|south)(, \d+ (east|west))?\. Open: [a-z, ]+\."
-    r"|(Wall\. )?Goal: \d+ (east|west)\. Open: [a-z, ]+\."
-)
+_OFFSET = r"(Wall\. )?Goal: (\d+ (north|south)(, \d+ (east|west))?|\d+ (east|west))\. "
+_MOVES = r"(none|(north|south|east|west)(, (north|south|east|west))*)"
+STATUS_RE = re.compile(_OFFSET + rf"Closer: {_MOVES}\. Open: {_MOVES}\.")  # compass=True (default)
+OLD_STATUS_RE = re.compile(_OFFSET + rf"Open: {_MOVES}\.")  # compass=False
 
 
 def _task(split: str = "train", index: int = 0) -> Task:
@@ -106,6 +107,122 @@ def test_goal_offset_matches_layout():
     for amount, pos, neg in ((gr - ar, "south", "north"), (gc - ac, "east", "west")):
         if amount:
             assert f"{abs(amount)} {pos if amount > 0 else neg}" in obs
+
+
+def _place(env: MazeEnv, size: int, walls: set, pos: tuple, goal: tuple) -> str:
+    """Put the agent of ``env`` at ``pos`` in a hand-made layout and return its status line."""
+    env._layout = MazeLayout(size, frozenset(walls), pos, goal)
+    env._pos = pos
+    return env._status()
+
+
+def _closer(obs: str) -> list[str]:
+    listed = re.search(r"Closer: ([a-z, ]+)\. Open:", obs).group(1)
+    return [] if listed == "none" else listed.split(", ")
+
+
+# 5x5, agent A at (2,2) (rows grow south, columns east; # wall):
+#
+#     .....
+#     ..#..
+#     .#A..
+#     .....
+#     .....
+@pytest.mark.parametrize(
+    ("goal", "closer", "offset"),
+    [((4, 4), "south, east", "2 south, 2 east"),  # both goalward moves open
+     ((4, 0), "south", "2 south, 2 west"),  # west is a wall, south is open
+     ((0, 0), "none", "2 north, 2 west"),  # both goalward moves are walls
+     ((0, 4), "east", "2 north, 2 east"),  # north is a wall, east is open
+     ((4, 2), "south", "2 south"),  # straight south: east/west would lengthen the offset
+     ((2, 4), "east", "2 east"),  # straight east: south would lengthen the offset
+     ((2, 0), "none", "2 west")],  # straight west, through the wall
+)
+def test_closer_on_hand_picked_layout(goal, closer, offset):
+    env = MazeEnv()
+    obs = _place(env, 5, {(1, 2), (2, 1)}, (2, 2), goal)
+    assert obs == f"Goal: {offset}. Closer: {closer}. Open: south, east."
+
+
+def test_closer_none_at_edge_and_old_format_without_compass():
+    # 4x4, agent at the north-west corner, goal 3 east behind a wall: the only open move is south.
+    walls, pos, goal = {(0, 1)}, (0, 0), (0, 3)
+    assert _place(MazeEnv(), 4, walls, pos, goal) == "Goal: 3 east. Closer: none. Open: south."
+    assert _place(MazeEnv(compass=False), 4, walls, pos, goal) == "Goal: 3 east. Open: south."
+    assert _place(MazeEnv(compass=False), 5, {(1, 2), (2, 1)}, (2, 2), (4, 0)) == (
+        "Goal: 2 south, 2 west. Open: south, east."
+    )
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_closer_is_exactly_the_open_moves_that_shorten_the_offset(split):
+    env = MazeEnv()
+    seen_none = seen_some = 0
+    for index in range(100):
+        reset = env.reset(_task(split, index))
+        obs, rng = reset.observation.split("\n")[1], random.Random(index)
+        for _ in range(env.max_steps):
+            (gr, gc), (r, c) = env._layout.goal, env._pos
+            open_moves = env._layout.open_moves(env._pos)
+            expected = [
+                d for d, (dr, dc) in DIRECTIONS.items()
+                if d in open_moves and (abs(gr - r - dr) < abs(gr - r) or abs(gc - c - dc) < abs(gc - c))
+            ]
+            assert STATUS_RE.fullmatch(obs)
+            assert _closer(obs) == expected and set(expected) <= set(open_moves)
+            seen_none += not expected
+            seen_some += bool(expected)
+            out = env.step(rng.choice(open_moves))
+            if out.done:
+                break
+            obs = out.observation
+    assert seen_none > 0 and seen_some > 0
+
+
+def test_compass_false_gives_the_old_format():
+    on, off = MazeEnv(), MazeEnv(compass=False)
+    assert on.compass is True and off.compass is False
+    for index in range(30):
+        a, b = on.reset(_task(index=index)), off.reset(_task(index=index))
+        assert a.admissible_actions == b.admissible_actions and a.info == b.info
+        for _ in range(4):
+            assert "Closer" not in b.observation and OLD_STATUS_RE.fullmatch(b.observation.split("\n")[-1])
+            assert re.sub(r" Closer: [a-z, ]+\.", "", a.observation) == b.observation
+            move = _bump(on) or a.admissible_actions[0]  # exercise the "Wall. " prefix too
+            a, b = on.step(move), off.step(move)
+            if a.done:
+                assert b.done and a.observation == b.observation == SUCCESS_TEXT
+                break
+
+
+def _solve_rate(policy, seed: int, num: int = 200) -> float:
+    env, rng, wins = MazeEnv(), random.Random(seed), 0
+    for index in range(num):
+        out = env.reset(_task("test", index))
+        while True:
+            out = env.step(policy(out.observation, out.admissible_actions, rng))
+            if out.done:
+                wins += out.success
+                break
+    return wins / num
+
+
+def test_following_the_compass_solves_most_mazes():
+    """Taking a Closer move whenever there is one (chosen at random among them), else the first open
+    move, solves most test mazes; uniformly random open moves solve few."""
+
+    def compass(obs, open_moves, rng):
+        closer = _closer(obs)
+        return rng.choice(closer) if closer else open_moves[0]
+
+    def uniform(obs, open_moves, rng):
+        return rng.choice(open_moves)
+
+    guided = [_solve_rate(compass, seed) for seed in range(2)]
+    blind = [_solve_rate(uniform, seed) for seed in range(2)]
+    assert min(guided) >= 0.6, guided
+    assert max(blind) <= 0.3, blind
+    assert min(guided) - max(blind) >= 0.4, (guided, blind)
 
 
 def test_wall_bump_is_invalid_and_agent_stays():

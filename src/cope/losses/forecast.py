@@ -152,6 +152,8 @@ class ForecastLoss(Objective):
         if normalize == "adaptive":  # chunk math of `none`, magnitude held at a ratio of |L_pg| (LossBalance)
             adaptive_target = 0.5 if adaptive_target is None else adaptive_target
             normalize = "none"
+        else:  # `none` / `per_step` are fixed scalings: no adaptive scale, whatever adaptive_target says
+            adaptive_target = None
         self.normalize = normalize
         self.adaptive = AdaptiveScale(adaptive_target, adaptive_beta) if adaptive_target is not None else None
         self.scale = 1.0  # a detached float, set from outside (LossBalance); never a tensor
