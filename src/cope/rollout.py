@@ -1,8 +1,9 @@
 """Lock-step batched rollouts over many envs, token-in/token-out.
 
-All live episodes advance together: one batched ``generate`` call samples the next action of every
-episode (left padding, KV cache inside the turn, temperature/top-p, a per-action token cap, stop at
-the end-of-turn id), then each env steps on the decoded action text. The sampled ids go into the
+All live episodes advance together: one batched call of the actor samples the next action of every
+episode (:class:`cope.generation.CachedSamplingActor`: a KV cache kept across turns, left padding of
+the new tokens, temperature/top-p, a per-action token cap, stop at the end-of-turn id), then each env
+steps on the decoded action text. The sampled ids go into the
 transcript verbatim; env text is tokenized on its own (special-token strings inside it are split,
 so an env cannot inject scaffold tokens).
 
@@ -21,8 +22,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-import torch
-
 from cope.chat import ChatFormat
 from cope.envs.base import Env, Task
 from cope.episode import EndReason, Episode, Role, Step
@@ -37,44 +36,6 @@ class Actor(Protocol):
         ``admissible`` holds the env's admissible actions per context (None when unknown); policies
         ignore it, the random-walk actor of the tiny model's warm start uses it."""
         ...
-
-
-class SamplingActor:
-    """Samples actions from a causal LM with ``generate`` (greedy when ``temperature == 0``)."""
-
-    def __init__(self, model, pad_id: int, stop_id: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0):
-        self.model, self.pad_id, self.stop_id = model, pad_id, stop_id
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-
-    @torch.no_grad()
-    def __call__(self, contexts: list[list[int]], admissible=None, keys=None) -> list[list[int]]:
-        device = next(self.model.parameters()).device
-        L = max(len(c) for c in contexts)
-        ids = torch.full((len(contexts), L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(contexts), L), dtype=torch.long)
-        for i, c in enumerate(contexts):  # left padding
-            ids[i, L - len(c):] = torch.tensor(c, dtype=torch.long)
-            mask[i, L - len(c):] = 1
-        sample = self.temperature > 0
-        out = self.model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=self.max_new_tokens,
-            do_sample=sample,
-            temperature=self.temperature if sample else None,
-            top_p=self.top_p if sample else None,
-            top_k=None,
-            eos_token_id=self.stop_id,
-            pad_token_id=self.pad_id,
-            use_cache=True,
-        )
-        new = out[:, L:].tolist()  # (B, <=max_new_tokens)
-        result = []
-        for row in new:
-            if self.stop_id in row:
-                row = row[: row.index(self.stop_id) + 1]
-            result.append(row)
-        return result
 
 
 @dataclass

@@ -1,0 +1,160 @@
+"""CoPE: an invalid action gives no forecast gradient. On hand-made episodes and a tiny fp32 Qwen2,
+with the packed layout, the gradient of the forecast loss w.r.t. the per-token log-probs and w.r.t.
+the logits is exactly zero at every position of the invalid action (in the transcript and in every
+appended segment), non-zero at every valid action token; ``mask_invalid=False`` supervises it, and
+``cut_at_invalid=True`` leaves nothing at or after it in any chunk anchored before it."""
+import copy
+import random
+
+import pytest
+import torch
+import transformers
+
+from cope.batch import collate
+from cope.chat import ChatFormat
+from cope.envs.base import Task
+from cope.episode import Episode, Role, Step
+from cope.forecast import build_chunks, pack_forecasts
+from cope.losses.forecast import forecast_nll
+from cope.module import token_logprobs
+
+CHAT = ChatFormat(system_open=(1,), user_open=(2,), assistant_open=(3,), turn_end=(4,), newline=(5,))
+NO_JOINER = ChatFormat(system_open=(1,), user_open=(2,), assistant_open=(), turn_end=(4,), newline=())  # empty joiner when closed
+CFG = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+PAD, K, BAD = 0, 3, 1  # step 1 is the invalid action
+
+
+def make_episode(chat, n, success, seed, valid=None, closed=None):
+    rng = random.Random(seed)
+    rand = lambda k: [rng.randrange(6, 64) for _ in range(k)]  # noqa: E731
+    valid, closed = valid or [True] * n, closed or [True] * n
+    ep = Episode(task=Task("toy", "train", 0), group=0, success=success, score=float(success))
+    ep.append([*chat.system_open, *rand(3), *chat.turn_end, *chat.newline, *chat.user_open], Role.PROMPT)
+    ep.append(rand(3), Role.OBSERVATION)
+    ep.append(chat.close_turn(), Role.PROMPT)
+    for j in range(n):
+        a0, a1 = ep.append(rand(rng.randint(2, 3)) + (list(chat.turn_end) if closed[j] else []), Role.ACTION)
+        o0, _ = ep.append(chat.after_action(closed[j]), Role.PROMPT)
+        ep.append(rand(rng.randint(2, 4)), Role.OBSERVATION)
+        _, o1 = ep.append(chat.close_turn() if j < n - 1 else [], Role.PROMPT)
+        ep.steps.append(Step(a0, a1, closed[j], valid[j], f"a{j}", obs_start=o0, obs_end=o1))
+    return ep
+
+
+def episodes(chat):
+    closed = [True] * 4 if chat is NO_JOINER else [True, False, True, True]
+    good = make_episode(chat, 4, True, 1, valid=[True, False, True, True], closed=closed)
+    return [good, make_episode(chat, 3, False, 2)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(CFG), attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def positions(batch, eps, chunks, lengths):
+    """{(chunk id, step j): [(row, col), ...]} of every action token of every chunk in the packed batch,
+    reconstructed from the chunks alone: a_t at its transcript columns, the rest in the chunk's
+    appended segment (a repeated non-target token first when the segment would open with a target)."""
+    out = {}
+    for cid, ch in enumerate(chunks):
+        r = ch.episode  # collate without indices: row == episode index
+        s = eps[ch.episode].steps[ch.step]
+        n0 = s.action_end - s.action_start
+        for i in range(n0):
+            out.setdefault((cid, ch.action_index[i]), []).append((r, s.action_start + i))
+        cols = ((batch["forecast_chunk"][r] == cid).nonzero().flatten()).tolist()
+        cols = [c for c in cols if c >= lengths[r]]
+        rest = list(ch.action_index[n0:])
+        if len(cols) == len(rest) + 1:  # the repeated token in front
+            cols = cols[1:]
+        assert len(cols) == len(rest)
+        assert batch["input_ids"][r, cols].tolist() == list(ch.tokens[n0:])
+        for c, j in zip(cols, rest):
+            if j >= 0:
+                out.setdefault((cid, j), []).append((r, c))
+    return out
+
+
+def grads(model, batch):
+    """Forecast loss gradient w.r.t. leaf log-probs (N, T) and w.r.t. leaf logits (N, T, V)."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], use_cache=False).logits  # (N, T, V)
+    logits = logits.detach().requires_grad_(True)
+    lp, _ = token_logprobs(logits, batch["input_ids"], with_entropy=False)  # (N, T)
+    lp_leaf = lp.detach().requires_grad_(True)
+    acts = batch["forecast_actions"]
+    args = (batch["forecast_mask"], batch["forecast_chunk"], acts.numel())
+    loss, _ = forecast_nll(lp_leaf, *args)
+    (g_lp,) = torch.autograd.grad(loss, lp_leaf)
+    loss2, _ = forecast_nll(lp, *args)
+    (g_logits,) = torch.autograd.grad(loss2, logits)
+    assert torch.isfinite(loss) and loss.item() > 0 and loss.item() == pytest.approx(loss2.item())
+    return g_lp, g_logits
+
+
+@pytest.mark.parametrize("chat", [CHAT, NO_JOINER], ids=["joiner", "no_joiner"])
+@pytest.mark.parametrize("mask_invalid", [True, False])
+def test_invalid_action_gets_no_forecast_gradient(model, chat, mask_invalid):
+    eps = episodes(chat)
+    base = collate(eps, PAD)
+    lengths = base["attention_mask"].sum(-1).tolist()
+    chunks, _ = build_chunks(eps, chat, K=K, mask_invalid=mask_invalid)
+    assert [c.step for c in chunks] == [0, 1, 2, 3] and {c.episode for c in chunks} == {0}
+    batch = pack_forecasts(base, eps, chunks, PAD)
+    assert batch["attention_mask"].dim() == 4  # segments were appended
+    pos = positions(batch, eps, chunks, lengths)
+    # the invalid action sits in chunks 0 and 1 (anchor and segment) and is in the transcript once
+    bad = {k: v for k, v in pos.items() if k[1] == BAD}
+    assert sorted(k[0] for k in bad) == [0, 1]
+    bad_cols = [rc for v in bad.values() for rc in v]
+    s = eps[0].steps[BAD]
+    assert (0, s.action_start) in bad_cols and len(bad_cols) == 2 * (s.action_end - s.action_start)
+    assert any(c >= lengths[0] for _, c in bad_cols)  # ... and in an appended segment
+    good_cols = [rc for k, v in pos.items() if k[1] != BAD for rc in v]
+    assert any(c >= lengths[0] for _, c in good_cols) and any(c < lengths[0] for _, c in good_cols)
+
+    g_lp, g_logits = grads(model, batch)
+    for r, c in good_cols:  # valid action tokens: supervised, in the transcript and in segments
+        assert batch["forecast_mask"][r, c]
+        assert g_lp[r, c] != 0 and g_logits[r, c - 1].abs().sum() > 0
+    for r, c in bad_cols:
+        assert batch["forecast_mask"][r, c] == (not mask_invalid)
+        if mask_invalid:  # exactly zero: log p(token c) and the logits that predict it (column c - 1)
+            assert g_lp[r, c] == 0 and torch.all(g_logits[r, c - 1] == 0)
+        else:
+            assert g_lp[r, c] != 0 and g_logits[r, c - 1].abs().sum() > 0
+    # nothing but forecast targets carries gradient (the failed episode's row included)
+    assert torch.all(g_lp[~batch["forecast_mask"]] == 0)
+    assert torch.all(g_logits[1] == 0)
+
+
+@pytest.mark.parametrize("mask_invalid", [True, False])
+def test_cut_at_invalid_leaves_nothing_after_the_invalid_action(model, mask_invalid):
+    eps = episodes(CHAT)
+    base = collate(eps, PAD)
+    lengths = base["attention_mask"].sum(-1).tolist()
+    chunks, m = build_chunks(eps, CHAT, K=K, mask_invalid=mask_invalid, cut_at_invalid=True)
+    assert [c.step for c in chunks] == [0, 2, 3]  # no chunk anchors at the invalid action
+    for c in chunks:
+        assert BAD not in c.action_index
+        if c.step < BAD:  # chunks that would contain it stop before it: no target at or after it
+            assert all(j < BAD for j, t in zip(c.action_index, c.target) if t)
+            assert all(j < BAD for j in c.action_index)
+    assert m["forecast/masked_frac"] == 0.0
+    batch = pack_forecasts(base, eps, chunks, PAD)
+    pos = positions(batch, eps, chunks, lengths)
+    assert all(j != BAD for _, j in pos)
+    g_lp, g_logits = grads(model, batch)
+    s = eps[0].steps[BAD]
+    for c in range(s.action_start, s.action_end):
+        assert not batch["forecast_mask"][0, c] and batch["forecast_chunk"][0, c] == -1
+        assert g_lp[0, c] == 0 and torch.all(g_logits[0, c - 1] == 0)
+    # no segment column holds a token of the invalid action or of a later action of a chunk anchored before it
+    seg = batch["forecast_chunk"][0, lengths[0]:]
+    early = [cid for cid, ch in enumerate(chunks) if ch.step < BAD]
+    assert not any(cid in seg.tolist() for cid in early)  # a0's chunk was cut to a0 alone: no segment
+    for v in pos.values():  # every remaining action token is supervised
+        assert all(g_lp[r, c] != 0 for r, c in v)
