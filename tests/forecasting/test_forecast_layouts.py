@@ -170,9 +170,20 @@ def test_adaptive_scale_bounds_and_no_gradient():
     assert m["forecast/scaled"].item() == pytest.approx(0.3 * raw.item())
 
 
+def test_loss_balance_leaves_fixed_normalizations_alone():
+    fc = ForecastLoss(normalize="none", adaptive_target=0.5)  # none/per_step: no adaptive scale at all
+    assert fc.adaptive is None
+    cb = LossBalance(target_ratio=0.5)
+    cb.setup(SimpleNamespace(world_size=1), SimpleNamespace(objectives=[fc], log=lambda *a, **k: None), "fit")
+    for _ in range(3):
+        cb.on_train_batch_end(SimpleNamespace(world_size=1), SimpleNamespace(log=lambda *a, **k: None),
+                               {"loss/pg": 2.0, "forecast/raw": 8.0}, {}, 0)
+    assert fc.scale == 1.0
+
+
 def test_loss_balance_sets_the_objective_scale():
     logged = {}
-    fc = ForecastLoss()
+    fc = ForecastLoss(normalize="adaptive", adaptive_target=0.5)
     module = SimpleNamespace(objectives=[SimpleNamespace(name="pg"), fc], log=lambda k, v, **kw: logged.__setitem__(k, v))
     trainer = SimpleNamespace(world_size=1)
     cb = LossBalance(target_ratio=0.5)
@@ -185,7 +196,7 @@ def test_loss_balance_sets_the_objective_scale():
     assert fc.scale == pytest.approx(0.125)
     cb.on_train_batch_end(trainer, module, {"loss/pg": 1e12, "forecast/raw": 1e-12}, {}, 0)
     assert fc.scale <= 1e3
-    owned = ForecastLoss(adaptive_target=0.2)
+    owned = ForecastLoss(normalize="adaptive", adaptive_target=0.2)
     cb2 = LossBalance(target_ratio=0.5)
     cb2.setup(trainer, SimpleNamespace(objectives=[owned], log=lambda *a, **k: None), "fit")
     cb2.on_train_batch_end(trainer, SimpleNamespace(log=lambda *a, **k: None), {"loss/pg": 1.0, "forecast/raw": 1.0}, {}, 0)
