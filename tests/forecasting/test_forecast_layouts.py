@@ -1,7 +1,6 @@
 """CoPE forecast layouts, loss, adaptive scale and callbacks: the packed and the plain layouts give
 the same loss and gradients as scoring every chunk on its own, on a tiny Qwen2."""
 import copy
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -11,34 +10,12 @@ import transformers
 from cope.batch import collate
 from cope.callbacks.forecast_targets import ForecastTargets
 from cope.callbacks.loss_balance import LossBalance
-from cope.chat import ChatFormat
-from cope.envs.base import Task
-from cope.episode import Episode, Role, Step
+from cope.episode import Role
 from cope.forecast import build_chunks, pack_forecasts, plain_forecasts
 from cope.losses.forecast import AdaptiveScale, ForecastLoss, forecast_nll
 from cope.objectives import ForwardOut
 
-CHAT = ChatFormat(system_open=(1,), user_open=(2,), assistant_open=(3,), turn_end=(4,), newline=(5,))
-NO_JOINER = ChatFormat(system_open=(1,), user_open=(2,), assistant_open=(), turn_end=(4,), newline=())  # empty joiner when closed
-CFG = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
-PAD = 0
-
-
-def make_episode(chat, n, success, seed, valid=None, closed=None):
-    rng = random.Random(seed)
-    rand = lambda k: [rng.randrange(6, 64) for _ in range(k)]  # noqa: E731
-    valid, closed = valid or [True] * n, closed or [True] * n
-    ep = Episode(task=Task("toy", "train", 0), group=0, success=success, score=float(success))
-    ep.append([*chat.system_open, *rand(3), *chat.turn_end, *chat.newline, *chat.user_open], Role.PROMPT)
-    ep.append(rand(3), Role.OBSERVATION)
-    ep.append(chat.close_turn(), Role.PROMPT)
-    for j in range(n):
-        a0, a1 = ep.append(rand(rng.randint(1, 3)) + (list(chat.turn_end) if closed[j] else []), Role.ACTION)
-        o0, _ = ep.append(chat.after_action(closed[j]), Role.PROMPT)
-        ep.append(rand(rng.randint(2, 4)), Role.OBSERVATION)
-        _, o1 = ep.append(chat.close_turn() if j < n - 1 else [], Role.PROMPT)
-        ep.steps.append(Step(a0, a1, closed[j], valid[j], f"a{j}", obs_start=o0, obs_end=o1))
-    return ep
+from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E402
 
 
 def episodes(chat=CHAT):
