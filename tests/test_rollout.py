@@ -13,7 +13,7 @@ from cope.episode import EndReason, Role
 from cope.generation import CachedSamplingActor
 from cope.rollout import run_episodes
 from cope.rollout_metrics import episode_metrics
-from tiny_fixtures import maze_factory, maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
+from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 
 MAX_CONTEXT = 1024
 MAX_ACTION = 6
@@ -76,22 +76,6 @@ class Recording:
         out = self.actor(contexts, admissible, keys=keys)
         for k, ids in zip(keys, out):
             self.calls.setdefault(k, []).append(list(ids))
-        return out
-
-
-class Scripted:
-    """Returns fixed id lists: ``scripts[key][turn]``; repeats the last one when the script runs out."""
-
-    def __init__(self, scripts: dict[int, list[list[int]]]):
-        self.scripts, self.turn = scripts, {}
-
-    def __call__(self, contexts, admissible, keys):
-        out = []
-        for k in keys:
-            t = self.turn.get(k, 0)
-            self.turn[k] = t + 1
-            script = self.scripts[k]
-            out.append(list(script[min(t, len(script) - 1)]))
         return out
 
 

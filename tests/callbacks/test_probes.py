@@ -12,25 +12,10 @@ from cope.callbacks.probes import HeldOutProbes
 from cope.episode import Role
 from cope.forecast import build_chunks
 from cope.rollout import run_episodes
-from tiny_fixtures import maze_factory, maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
+from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 
 MAX_CONTEXT, MAX_ACTION, K = 1024, 6, 3
 KEYS = ("probe/forecast_chunks", "probe/obs_nll", "probe/forecast_token_acc", "probe/forecast_action_acc")
-
-
-class Scripted:
-    """Returns fixed id lists: ``scripts[key][turn]``; repeats the last one when the script runs out."""
-
-    def __init__(self, scripts):
-        self.scripts, self.turn = scripts, {}
-
-    def __call__(self, contexts, admissible, keys):
-        out = []
-        for k in keys:
-            t = self.turn.get(k, 0)
-            self.turn[k] = t + 1
-            out.append(list(self.scripts[k][min(t, len(self.scripts[k]) - 1)]))
-        return out
 
 
 def enc(tok, text):
