@@ -75,7 +75,3 @@ class Env(Protocol):
     def step(self, action: str) -> EnvStep: ...
 
     def close(self) -> None: ...
-
-
-class EnvError(RuntimeError):
-    """An env failed on its side (crash, timeout). The engine counts it and aborts the episode."""
