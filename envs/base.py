@@ -75,3 +75,8 @@ class Env(Protocol):
     def step(self, action: str) -> EnvStep: ...
 
     def close(self) -> None: ...
+
+
+# Optional, not part of the protocol check: an env whose steps report no admissible actions (a shell,
+# tool calls) may define ``example_actions(self) -> list[str]``: a few well-formed actions for the
+# current state. Only the tiny model's format-only warm start (random walks) uses them.

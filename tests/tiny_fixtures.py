@@ -101,3 +101,6 @@ class Scripted:
             script = self.scripts[k]
             out.append(list(script[min(t, len(script) - 1)]))
         return out
+
+    def fork(self):  # scripts are per episode key: one instance serves every part of the live episodes
+        return self

@@ -24,10 +24,11 @@ from torch.utils.data import DataLoader
 
 from cope.advantages import group_advantages
 from cope.batch import collate
+from cope.envpool import STATS, EnvWorkerPool, InProcessEnvs
 from cope.envs.base import Env, Task
 from cope.episode import Episode
 from cope.generation import CachedSamplingActor
-from cope.rollout import run_episodes
+from cope.rollout import RolloutStats, run_episodes
 from cope.rollout_metrics import episode_metrics
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,13 @@ class RolloutDataModule(pl.LightningDataModule):
         val_batch_size: held-out episodes run together.
         seed: task-sampling seed (combined with the rank).
         progress: show a progress bar while collecting rollouts.
+        env_workers: 0 steps the env instances in this process, one after another; N > 0 runs them in
+            N worker processes (:mod:`cope.envpool`: parallel steps, deadlines, restarts).
+        env_step_timeout_s / env_reset_timeout_s: deadlines of one step / reset (workers only).
+        env_python: interpreter of the env workers (default: this one).
+        max_live_episodes: at most this many episodes run at once (env instances, generation batch);
+            the epoch's episodes run in waves. None: all at once.
+        rollout_chunks: 2 overlaps generation with env steps (needs env_workers > 0 to gain anything).
     """
 
     def __init__(
@@ -76,11 +84,18 @@ class RolloutDataModule(pl.LightningDataModule):
         val_batch_size: int = 64,
         seed: int = 0,
         progress: bool = True,
+        env_workers: int = 0,
+        env_step_timeout_s: float = 60.0,
+        env_reset_timeout_s: float = 300.0,
+        env_python: str | None = None,
+        max_live_episodes: int | None = None,
+        rollout_chunks: int = 1,
     ):
         super().__init__()
         for name, v in dict(tasks_per_epoch=tasks_per_epoch, group_size=group_size, minibatch_size=minibatch_size,
                             ppo_epochs=ppo_epochs, max_context=max_context, max_action_tokens=max_action_tokens,
-                            val_batch_size=val_batch_size).items():
+                            val_batch_size=val_batch_size, rollout_chunks=rollout_chunks,
+                            max_live_episodes=max_live_episodes or 1).items():
             if v < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {v}")
         if val_tasks < 0 or temperature < 0 or not 0 < top_p <= 1:
@@ -101,7 +116,15 @@ class RolloutDataModule(pl.LightningDataModule):
         self._collate_transforms: list[CollateTransform] = []
         self._scored_transforms: list[ScoredTransform] = []
         self._rng = random.Random(seed)
-        self._envs: list[Env] = []
+        if env_workers < 0:
+            raise ValueError(f"data.env_workers must be >= 0, got {env_workers}")
+        if env_step_timeout_s <= 0 or env_reset_timeout_s <= 0:
+            raise ValueError("data.env_step_timeout_s and data.env_reset_timeout_s must be > 0")
+        self.env_workers, self.env_python = env_workers, env_python
+        self.env_step_timeout_s, self.env_reset_timeout_s = env_step_timeout_s, env_reset_timeout_s
+        self.max_live_episodes, self.rollout_chunks = max_live_episodes, rollout_chunks
+        self._envs = None  # InProcessEnvs or EnvWorkerPool, made on first use
+        self._env_stats_seen = dict.fromkeys(STATS, 0)
         self.tokenizer = self.chat = None
         self.pad_id = 0
         probe = env()
@@ -125,15 +148,21 @@ class RolloutDataModule(pl.LightningDataModule):
         rank = self.trainer.global_rank if self.trainer is not None else 0
         self._rng = random.Random(self.seed * 1_000_003 + rank)  # rank-distinct task streams
 
-    def _env_pool(self, n: int) -> list[Env]:
-        while len(self._envs) < n:
-            self._envs.append(self.env_factory())
-        return self._envs[:n]
+    def env_batch(self):
+        """The env instances of the episode slots (in this process or in worker processes)."""
+        if self._envs is None:
+            if self.env_workers > 0:
+                self._envs = EnvWorkerPool(self.env_factory, self.env_workers, self.env_step_timeout_s,
+                                           self.env_reset_timeout_s, self.env_python)
+            else:
+                self._envs = InProcessEnvs(self.env_factory)
+            self._env_stats_seen = dict.fromkeys(STATS, 0)
+        return self._envs
 
     def teardown(self, stage: str) -> None:
-        for e in self._envs:
-            e.close()
-        self._envs = []
+        if self._envs is not None:
+            self._envs.close()
+            self._envs = None
 
     # -- rollouts -------------------------------------------------------------------------------
     def run(self, model, tasks: list[Task], groups: list[int], temperature: float, desc: str) -> tuple[list[Episode], dict]:
@@ -148,9 +177,17 @@ class RolloutDataModule(pl.LightningDataModule):
                                     seed=sample_seed if temperature > 0 else None)
         was_training = model.training
         model.eval()
+        wave = self.max_live_episodes or len(tasks)
+        eps, stats = [], RolloutStats()
         try:
-            eps, stats = run_episodes(self._env_pool(len(tasks)), tasks, groups, actor, self.tokenizer, self.chat,
-                                      self.max_context, self.max_action_tokens, progress=bar.update if bar else None)
+            for s in range(0, len(tasks), wave):  # each wave reuses env slots 0..wave-1
+                e, st = run_episodes(self.env_batch(), tasks[s: s + wave], groups[s: s + wave], actor, self.tokenizer,
+                                     self.chat, self.max_context, self.max_action_tokens,
+                                     progress=bar.update if bar else None, chunks=self.rollout_chunks)
+                eps += e
+                for k in ("episodes", "env_steps", "generated_tokens", "env_errors", "gen_seconds", "env_seconds"):
+                    setattr(stats, k, getattr(stats, k) + getattr(st, k))
+                stats.errors += st.errors
         finally:
             model.train(was_training)
             if bar:
@@ -202,9 +239,12 @@ class RolloutDataModule(pl.LightningDataModule):
         self.last_episodes = eps
         m = episode_metrics(eps, prefix="rollout")
         m.update(adv_metrics)
+        env_stats = self._env_stats_delta()
         m.update({
             "env/errors": float(stats.env_errors),
             "env/aborted_episodes": float(sum(e.aborted for e in eps)),
+            "env/groups_shrunk": float(len({e.group for e in eps if e.aborted})),
+            **{f"env/{k}": float(v) for k, v in env_stats.items()},
             "perf/rollout_seconds": t_roll,
             "perf/tokens_per_s": stats.generated_tokens / max(stats.gen_seconds, 1e-9),
             "perf/env_seconds": stats.env_seconds,
@@ -213,6 +253,13 @@ class RolloutDataModule(pl.LightningDataModule):
         self.last_rollout_metrics = m
         served = [mb for _ in range(self.ppo_epochs) for mb in minibatches]
         return DataLoader(served, batch_size=None, shuffle=False, collate_fn=_identity)
+
+    def _env_stats_delta(self) -> dict[str, int]:
+        """Worker-pool events (restarts, timeouts, ...) since the last call."""
+        now = dict(self._envs.stats) if self._envs is not None else dict.fromkeys(STATS, 0)
+        delta = {k: now[k] - self._env_stats_seen.get(k, 0) for k in STATS}
+        self._env_stats_seen = now
+        return delta
 
     # -- validation -----------------------------------------------------------------------------
     def val_dataloader(self) -> DataLoader:

@@ -50,6 +50,16 @@ class CachedSamplingActor:
             self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.reset()
 
+    def fork(self) -> "CachedSamplingActor":
+        """A second actor over the same model with its own cache (for another part of the live
+        episodes, see ``chunks`` in :func:`cope.rollout.run_episodes`); its sampling seed is drawn
+        from this actor's generator, so a seeded rollout stays reproducible."""
+        seed = None
+        if self.generator is not None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device).item())
+        return CachedSamplingActor(self.model, self.pad_id, self.stop_id, self.max_new_tokens, self.temperature,
+                                   self.top_p, seed=seed)
+
     def reset(self) -> None:
         self.keys: list[int] = []
         self.fed: list[int] = []  # tokens of each row already in the cache

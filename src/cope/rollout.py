@@ -14,6 +14,8 @@ is dropped, the episode counts as a failure and is counted in ``rollout/truncate
 
 An env that raises in reset/step aborts its episode (``end_reason="aborted"``): it is logged,
 counted in ``env/errors`` and ``env/aborted_episodes``, and excluded from the loss; the run goes on.
+With env workers (:mod:`cope.envpool`) a worker that dies or hangs does the same to the episode it
+was serving, and is restarted.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from cope.chat import ChatFormat
+from cope.envpool import EnvWorkerPool, InProcessEnvs
 from cope.envs.base import Env, Task
 from cope.episode import EndReason, Episode, Role, Step
 
@@ -56,7 +59,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def run_episodes(
-    envs: list[Env],
+    envs: "list[Env] | InProcessEnvs | EnvWorkerPool",
     tasks: list[Task],
     groups: list[int],
     actor: Actor,
@@ -65,26 +68,35 @@ def run_episodes(
     max_context: int,
     max_action_tokens: int,
     progress: Callable[[int], None] | None = None,
+    chunks: int = 1,
 ) -> tuple[list[Episode], RolloutStats]:
-    """Run one episode per (env, task) in lock-step and return the finished episodes in input order."""
-    assert len(envs) == len(tasks) == len(groups)
+    """Run one episode per task (episode ``i`` in env slot ``i``) in lock-step; episodes in input order.
+
+    ``envs``: a list of env instances (stepped here, one after another) or an env batch
+    (:mod:`cope.envpool`). ``chunks > 1`` splits the live episodes into that many parts, each with its
+    own actor (``actor.fork()``): while one part's env steps run in the workers, the actor generates
+    for the next part, so generation and env time overlap.
+    """
+    assert len(tasks) == len(groups)
+    batch = envs if hasattr(envs, "submit") else InProcessEnvs(envs=list(envs))
+    if isinstance(envs, list) and len(envs) < len(tasks):
+        raise ValueError(f"{len(tasks)} episodes but only {len(envs)} env instances")
     if hasattr(actor, "reset"):
         actor.reset()
+    actors = [actor] + [actor.fork() for _ in range(chunks - 1)]
     stats = RolloutStats()
     eps = [Episode(task=t, group=g) for t, g in zip(tasks, groups)]
     admissible: list[list[str] | None] = [None] * len(eps)
+    system = [*chat.system_open, *_encode(tokenizer, batch.instructions), *chat.turn_end, *chat.newline, *chat.user_open]
+    t0 = time.perf_counter()
+    firsts = batch.reset(list(enumerate(tasks)))
+    stats.env_seconds += time.perf_counter() - t0
     live: list[int] = []
-    system = [*chat.system_open, *_encode(tokenizer, envs[0].instructions), *chat.turn_end, *chat.newline, *chat.user_open]
-    for i, (env, ep) in enumerate(zip(envs, eps)):
+    for i, (ep, first) in enumerate(zip(eps, firsts)):
         ep.append(system, Role.PROMPT)
-        t0 = time.perf_counter()
-        try:
-            first = env.reset(ep.task)
-        except Exception as e:  # an env crash aborts its episode, never the run
-            _abort(ep, stats, f"reset {ep.task.id}: {e!r}")
+        if isinstance(first, BaseException):  # an env crash aborts its episode, never the run
+            _abort(ep, stats, f"reset {ep.task.id}: {first!r}")
             continue
-        finally:
-            stats.env_seconds += time.perf_counter() - t0
         admissible[i] = first.admissible_actions
         ep.append(_encode(tokenizer, first.observation), Role.OBSERVATION)
         ep.append(chat.close_turn(), Role.PROMPT)
@@ -96,61 +108,81 @@ def run_episodes(
             )
         live.append(i)
 
-    while live:
-        t0 = time.perf_counter()
-        actions = actor([eps[i].tokens for i in live], [admissible[i] for i in live], keys=live)
-        stats.gen_seconds += time.perf_counter() - t0
-        still: list[int] = []
-        for i, ids in zip(live, actions):
-            ep, env = eps[i], envs[i]
-            closed = bool(ids) and ids[-1] == chat.stop_id
-            text = tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True)
-            a0, a1 = ep.append(ids, Role.ACTION)
-            stats.generated_tokens += len(ids)
-            t0 = time.perf_counter()
-            try:
-                res = env.step(text)
-            except Exception as e:
-                ep.steps.append(Step(a0, a1, closed, False, text))
-                _abort(ep, stats, f"step {ep.task.id} action {text!r}: {e!r}")
-                continue
-            finally:
+    parts = [live[c::chunks] for c in range(chunks)]
+    pending: list = [None] * chunks  # (episode indices, step starts, Pending) per part
+    while any(parts) or any(p is not None for p in pending):
+        for c in range(chunks):
+            if pending[c] is not None:
+                idx, starts, handle = pending[c]
+                t0 = time.perf_counter()
+                results = handle.results()
                 stats.env_seconds += time.perf_counter() - t0
-            stats.env_steps += 1
-            admissible[i] = res.admissible_actions
-            step = Step(a0, a1, closed, bool(res.valid), text, float(res.reward))
-            ep.steps.append(step)
-            ep.reward += float(res.reward)
-            ep.success, ep.score = bool(res.success), float(res.score)
-            obs = _encode(tokenizer, res.observation)
-            harness = _encode(tokenizer, ("\n" if res.observation else "") + res.harness) if res.harness else []
-            opening = chat.after_action(closed)
-            ending = list(chat.turn_end) if res.done else chat.close_turn()
-            # room for the next action and for the end-of-turn id added when it hits the token cap
-            need = len(opening) + len(obs) + len(harness) + len(ending) + (0 if res.done else max_action_tokens + len(chat.turn_end))
-            if len(ep.tokens) + need > max_context:
-                # The feedback does not fit: the episode ends here (done or truncated), feedback dropped.
-                if not ep.tokens[-1:] == [chat.stop_id]:
-                    ep.append(list(chat.turn_end), Role.PROMPT)
-                ep.end_reason = EndReason.DONE if res.done else EndReason.CONTEXT
-                if res.done and res.info.get("timeout"):
-                    ep.end_reason = EndReason.MAX_STEPS
+                parts[c] = [i for i, a0, res in zip(idx, starts, results)
+                            if _feedback(eps[i], a0, res, admissible, i, batch.max_steps, stats, tokenizer, chat,
+                                         max_context, max_action_tokens)]
+                pending[c] = None
+                if progress is not None:
+                    progress(len(idx) - len(parts[c]))
+            if not parts[c]:
                 continue
-            step.obs_start = ep.append(opening, Role.PROMPT)[0]
-            ep.append(obs, Role.OBSERVATION)
-            ep.append(harness, Role.HARNESS)
-            step.obs_end = ep.append(ending, Role.PROMPT)[1]
-            if res.done:
-                ep.end_reason = EndReason.MAX_STEPS if res.info.get("timeout") else EndReason.DONE
-            elif ep.num_steps >= env.max_steps:
-                ep.end_reason = EndReason.MAX_STEPS
-            else:
-                still.append(i)
-        if progress is not None:
-            progress(len(live) - len(still))
-        live = still
+            t0 = time.perf_counter()
+            actions = actors[c]([eps[i].tokens for i in parts[c]], [admissible[i] for i in parts[c]], keys=parts[c])
+            stats.gen_seconds += time.perf_counter() - t0
+            items, starts = [], []
+            for i, ids in zip(parts[c], actions):
+                ep = eps[i]
+                closed = bool(ids) and ids[-1] == chat.stop_id
+                text = tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True)
+                a0, a1 = ep.append(ids, Role.ACTION)
+                ep.steps.append(Step(a0, a1, closed, False, text))
+                stats.generated_tokens += len(ids)
+                items.append((i, text))
+                starts.append(a0)
+            t0 = time.perf_counter()
+            pending[c] = (list(parts[c]), starts, batch.submit(items))
+            stats.env_seconds += time.perf_counter() - t0
     stats.episodes = len(eps)
     return eps, stats
+
+
+def _feedback(ep: Episode, a0: int, res, admissible, i: int, max_steps: int, stats: RolloutStats, tokenizer,
+              chat: ChatFormat, max_context: int, max_action_tokens: int) -> bool:
+    """Apply one step result (or the exception standing for it) to its episode; True if it goes on."""
+    step = ep.steps[-1]
+    if isinstance(res, BaseException):
+        _abort(ep, stats, f"step {ep.task.id} action {step.action_text!r}: {res!r}")
+        return False
+    stats.env_steps += 1
+    admissible[i] = res.admissible_actions
+    step.valid, step.reward = bool(res.valid), float(res.reward)
+    ep.reward += float(res.reward)
+    ep.success, ep.score = bool(res.success), float(res.score)
+    closed = step.closed
+    obs = _encode(tokenizer, res.observation)
+    harness = _encode(tokenizer, ("\n" if res.observation else "") + res.harness) if res.harness else []
+    opening = chat.after_action(closed)
+    ending = list(chat.turn_end) if res.done else chat.close_turn()
+    # room for the next action and for the end-of-turn id added when it hits the token cap
+    need = len(opening) + len(obs) + len(harness) + len(ending) + (0 if res.done else max_action_tokens + len(chat.turn_end))
+    if len(ep.tokens) + need > max_context:
+        # The feedback does not fit: the episode ends here (done or truncated), feedback dropped.
+        if not ep.tokens[-1:] == [chat.stop_id]:
+            ep.append(list(chat.turn_end), Role.PROMPT)
+        ep.end_reason = EndReason.DONE if res.done else EndReason.CONTEXT
+        if res.done and res.info.get("timeout"):
+            ep.end_reason = EndReason.MAX_STEPS
+        return False
+    step.obs_start = ep.append(opening, Role.PROMPT)[0]
+    ep.append(obs, Role.OBSERVATION)
+    ep.append(harness, Role.HARNESS)
+    step.obs_end = ep.append(ending, Role.PROMPT)[1]
+    if res.done:
+        ep.end_reason = EndReason.MAX_STEPS if res.info.get("timeout") else EndReason.DONE
+        return False
+    if ep.num_steps >= max_steps:
+        ep.end_reason = EndReason.MAX_STEPS
+        return False
+    return True
 
 
 def _abort(ep: Episode, stats: RolloutStats, msg: str) -> None:

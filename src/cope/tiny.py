@@ -48,10 +48,37 @@ class RandomWalkActor:
         out = []
         for adm in admissible:
             if not adm:
-                raise ValueError("the tiny model's warm start needs an env that reports admissible actions")
+                raise ValueError("the tiny model's warm start needs an env that reports admissible actions "
+                                 "or defines example_actions()")
             text = self.rng.choice(adm)
             out.append([*self.tokenizer.encode(text, add_special_tokens=False), self.stop_id])
         return out
+
+
+class _WithExamples:
+    """Wraps an env whose steps report no admissible actions (a shell, tool calls) so that its
+    ``example_actions()`` stand in for them during the format-only warm start."""
+
+    def __init__(self, env: Env):
+        self.env = env
+        self.name, self.max_steps, self.instructions = env.name, env.max_steps, env.instructions
+
+    def num_tasks(self, split: str) -> int:
+        return self.env.num_tasks(split)
+
+    def _fill(self, r):
+        if r.admissible_actions is None and hasattr(self.env, "example_actions"):
+            r.admissible_actions = list(self.env.example_actions())
+        return r
+
+    def reset(self, task: Task):
+        return self._fill(self.env.reset(task))
+
+    def step(self, action: str):
+        return self._fill(self.env.step(action))
+
+    def close(self) -> None:
+        self.env.close()
 
 
 def _describe(env_factory: Callable[[], Env]) -> str:
@@ -61,15 +88,14 @@ def _describe(env_factory: Callable[[], Env]) -> str:
     return f"{type(env_factory).__module__}.{getattr(env_factory, '__qualname__', type(env_factory).__name__)}"
 
 
-def _random_walks(env_factory, tokenizer, chat, n: int, seed: int, max_context: int):
-    envs = [env_factory() for _ in range(n)]
+def _random_walks(envs: list[Env], tokenizer, chat, seed: int, max_context: int, max_action_tokens: int):
+    """One random walk per env instance (instances are reused across calls: JVM-backed envs start once)."""
     rng = random.Random(seed)
+    n = len(envs)
     tasks = [Task(envs[0].name, "train", rng.randrange(envs[0].num_tasks("train"))) for _ in range(n)]
     actor = RandomWalkActor(tokenizer, chat.stop_id, seed)
-    episodes, _ = run_episodes(envs, tasks, list(range(n)), actor, tokenizer, chat, max_context, max_action_tokens=8)
-    for e in envs:
-        e.close()
-    return episodes
+    episodes, _ = run_episodes(envs, tasks, list(range(n)), actor, tokenizer, chat, max_context, max_action_tokens)
+    return [e for e in episodes if not e.aborted]
 
 
 def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, episodes: int = 200):
@@ -77,7 +103,7 @@ def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    env = env_factory()
+    env = _WithExamples(env_factory())
     rng = random.Random(seed)
     texts = [env.instructions] + ["system\n", "user\n", "assistant\n"] * 200
     seen: list[str] = []
@@ -121,11 +147,14 @@ def build_tiny_base(
     warm_start_batch: int,
     warm_start_lr: float,
     seed: int,
+    tokenizer_episodes: int = 200,
+    warm_start_walks: int = 128,
+    max_action_tokens: int = 8,
 ) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    tokenizer = train_tokenizer(env_factory, vocab_size, seed)
+    tokenizer = train_tokenizer(env_factory, vocab_size, seed, tokenizer_episodes)
     chat = ChatFormat.chatml(tokenizer)
     cfg = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -144,10 +173,16 @@ def build_tiny_base(
     opt = torch.optim.AdamW(model.parameters(), lr=warm_start_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / warm_start_steps))
     t0, pool = time.perf_counter(), []
+    walkers = [_WithExamples(env_factory()) for _ in range(warm_start_walks)]
     model.train()
     for step in range(warm_start_steps):
+        for attempt in range(3):
+            if pool:
+                break
+            pool = _random_walks(walkers, tokenizer, chat, seed + step + 7919 * attempt, max_context, max_action_tokens)
         if not pool:
-            pool = _random_walks(env_factory, tokenizer, chat, 128, seed + step, max_context)
+            raise RuntimeError("the tiny model's warm start got no episode from the env (every random walk aborted); "
+                               "see the env errors logged above")
         batch = collate([pool.pop() for _ in range(min(warm_start_batch, len(pool)))], tokenizer.pad_token_id)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]  # (N, T-1, V)
         target = batch["input_ids"][:, 1:]
@@ -161,6 +196,8 @@ def build_tiny_base(
         sched.step()
         if step % 50 == 0 or step == warm_start_steps - 1:
             log.info("warm start %d/%d: action nll %.3f (%.0fs)", step + 1, warm_start_steps, loss.item(), time.perf_counter() - t0)
+    for w in walkers:
+        w.close()
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -180,6 +217,9 @@ def tiny_policy(
     warm_start_steps: int = 300,
     warm_start_batch: int = 16,
     warm_start_lr: float = 3e-3,
+    tokenizer_episodes: int = 200,
+    warm_start_walks: int = 128,
+    warm_start_action_tokens: int = 8,
     seed: int = 0,
     dtype: str = "fp32",
     quantization: str | None = None,
@@ -192,6 +232,13 @@ def tiny_policy(
         max_context=max_context, warm_start_steps=warm_start_steps, warm_start_batch=warm_start_batch,
         warm_start_lr=warm_start_lr, seed=seed, version=1,
     )
+    if (tokenizer_episodes, warm_start_walks, warm_start_action_tokens) != (200, 128, 8):  # old cache keys stay valid
+        spec.update(tokenizer_episodes=tokenizer_episodes, warm_start_walks=warm_start_walks,
+                    warm_start_action_tokens=warm_start_action_tokens)
+    for name, v in dict(tokenizer_episodes=tokenizer_episodes, warm_start_walks=warm_start_walks,
+                        warm_start_action_tokens=warm_start_action_tokens).items():
+        if v < 1:
+            raise ValueError(f"model.{name} must be >= 1, got {v}")
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(os.path.expanduser(cache_dir)) / key
     if not (out / "config.json").exists():
@@ -199,7 +246,8 @@ def tiny_policy(
         out.parent.mkdir(parents=True, exist_ok=True)
         with torch.random.fork_rng(devices=[]):  # the build reseeds torch: keep the caller's RNG (LoRA init) as it was
             build_tiny_base(env_factory, out, hidden_size, num_layers, num_heads, vocab_size, max_context,
-                            warm_start_steps, warm_start_batch, warm_start_lr, seed)
+                            warm_start_steps, warm_start_batch, warm_start_lr, seed,
+                            tokenizer_episodes, warm_start_walks, warm_start_action_tokens)
         (out / "spec.json").write_text(json.dumps(spec, indent=1))
     return load_pretrained(str(out), lora=lora, dtype=dtype, quantization=quantization,
                            gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation)

@@ -1,0 +1,53 @@
+"""Action text clean-up shared by the env adapters: tolerant of the usual model noise, strict otherwise.
+
+A policy's action is the decoded text of the ids it sampled. Models add noise around an otherwise
+good command: surrounding whitespace, surrounding quotes or backticks, a trailing period, a leading
+``Action:`` label, runs of inner spaces. :func:`clean_action` removes exactly that and nothing else;
+each env then decides validity on the cleaned text with its own grammar. Anything still wrong after
+clean-up (two commands on two lines, prose, an empty string) is the env's "malformed" case: the
+action is invalid and the adapter says so in *harness* text (never an ECHO target).
+
+Stdlib only, like every env module.
+"""
+from __future__ import annotations
+
+import re
+
+_QUOTES = "\"'`"
+_LABEL = re.compile(r"^(?:action|command|act)\s*:\s*", re.IGNORECASE)
+_SPACES = re.compile(r"[ \t]+")
+
+
+def clean_action(text: str, *, lower: bool = False, keep_period: bool = False) -> str:
+    """Strip whitespace, one layer of matching quotes/backticks (also a ```` ``` ```` fence), an
+    ``Action:`` label, a trailing period (unless ``keep_period``) and collapse inner runs of spaces.
+    Newlines inside the action are kept, so a multi-line answer stays visibly multi-line for the env
+    to refuse (or, for code/shell envs, to run). ``lower`` lower-cases the result.
+
+    >>> clean_action('  "Open the door."  ')
+    'Open the door'
+    >>> clean_action("Action: go north")
+    'go north'
+    """
+    s = text.strip()
+    if s.startswith("```") and s.endswith("```") and len(s) >= 6:
+        s = s[3:-3]
+        first, _, rest = s.partition("\n")
+        if rest and re.fullmatch(r"[A-Za-z0-9_+-]*", first.strip()):  # a language tag line: ```bash
+            s = rest
+        s = s.strip()
+    s = _LABEL.sub("", s, count=1).strip()
+    for _ in range(2):  # '"go north".' and "'go north.'" both clean to go north
+        if len(s) >= 2 and s[0] in _QUOTES and s[-1] == s[0]:
+            s = s[1:-1].strip()
+        if not keep_period and s.endswith(".") and not s.endswith(".."):
+            s = s[:-1].rstrip()
+    s = "\n".join(_SPACES.sub(" ", line).strip() for line in s.split("\n"))
+    return s.lower() if lower else s
+
+
+def single_line(text: str, **kw) -> str | None:
+    """:func:`clean_action`, or None when the result is empty or spans several lines (malformed
+    for envs whose actions are one command)."""
+    s = clean_action(text, **kw)
+    return s if s and "\n" not in s else None

@@ -1,0 +1,185 @@
+"""The env worker pool (src/cope/envpool.py): parallel steps, deadlines, restarts, replay, accounting.
+
+Faults come from envs/chaos.py (a wrapper that kills its own process, sleeps or raises on cue)."""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cope.envpool import EnvWorkerPool, InProcessEnvs
+from cope.envs.base import Task
+from cope.envs.chaos import ChaosEnv
+from cope.envs.maze import MazeEnv
+from cope.envs.remote import RemoteEnv
+from cope.envs.worker import WorkerFailure, WorkerTimeout
+
+MAZE = functools.partial(MazeEnv, sizes=[6], max_steps=20)
+
+
+def chaos(**kw):
+    return functools.partial(ChaosEnv, env=MAZE, **kw)
+
+
+def _task(i: int) -> Task:
+    return Task("maze", "train", i)
+
+
+def _first_moves(n_slots: int) -> list[str]:
+    """A move that is open at the start of each task (so the step is valid and the episode goes on)."""
+    out = []
+    for i in range(n_slots):
+        env = MAZE()
+        obs = env.reset(_task(i)).observation
+        out.append(obs.rsplit("Open: ", 1)[1].split(",")[0].strip(" ."))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_pool_matches_in_process_envs():
+    """Same tasks, same actions: the pool's results equal stepping the envs here."""
+    pool = EnvWorkerPool(MAZE, num_workers=2)
+    local = InProcessEnvs(MAZE)
+    try:
+        items = [(s, _task(s)) for s in range(5)]
+        a, b = pool.reset(items), local.reset(items)
+        assert [r.observation for r in a] == [r.observation for r in b]
+        moves = _first_moves(5)
+        for _ in range(3):
+            steps = [(s, moves[s]) for s in range(5)]
+            ra, rb = pool.submit(steps).results(), local.submit(steps).results()
+            assert [(r.observation, r.valid, r.reward, r.done) for r in ra] == [(r.observation, r.valid, r.reward, r.done) for r in rb]
+        assert pool.name == "maze" and pool.max_steps == 20 and "north" in pool.instructions
+        assert pool.stats["restarts"] == 0
+    finally:
+        pool.close()
+        local.close()
+
+
+def test_env_error_aborts_only_that_request():
+    pool = EnvWorkerPool(chaos(error_on=["boom"]), num_workers=1)
+    try:
+        pool.reset([(0, _task(0)), (1, _task(1))])
+        res = pool.submit([(0, "boom"), (1, "north")]).results()
+        assert isinstance(res[0], RuntimeError) and "injected env error" in str(res[0])
+        assert not isinstance(res[1], BaseException)
+        assert pool.stats["restarts"] == 0  # an env error is not a worker failure
+    finally:
+        pool.close()
+
+
+def test_killed_worker_is_restarted_and_other_episodes_replayed():
+    pool = EnvWorkerPool(chaos(crash_on=["crash"]), num_workers=1)
+    try:
+        pool.reset([(0, _task(0)), (1, _task(1)), (2, _task(2))])
+        moves = _first_moves(3)
+        first = pool.submit([(1, moves[1]), (2, moves[2])]).results()
+        pid = pool._workers[0].proc.pid
+        res = pool.submit([(0, "crash"), (1, "east"), (2, "west")]).results()
+        assert isinstance(res[0], WorkerFailure) and not isinstance(res[0], WorkerTimeout)
+        # the other two episodes went on as if nothing happened: same results as an undisturbed env
+        ref = InProcessEnvs(MAZE)
+        ref.reset([(1, _task(1)), (2, _task(2))])
+        ref.submit([(1, moves[1]), (2, moves[2])]).results()
+        want = ref.submit([(1, "east"), (2, "west")]).results()
+        assert [r.observation for r in res[1:]] == [r.observation for r in want]
+        assert pool.stats["restarts"] == 1 and pool.stats["crashes"] == 1
+        assert pool.stats["replays"] == 2 and pool.stats["replay_failures"] == 0
+        assert pool._workers[0].proc.pid != pid and not _alive(pid)
+        assert first and all(not isinstance(r, BaseException) for r in first)
+        # slot 0 is usable again after a reset
+        assert pool.reset([(0, _task(0))])[0].observation.startswith("Find the goal")
+    finally:
+        pool.close()
+
+
+def test_hung_step_times_out_and_worker_restarts():
+    pool = EnvWorkerPool(chaos(hang_on=["hang"]), num_workers=2, step_timeout_s=1.0)
+    try:
+        pool.reset([(s, _task(s)) for s in range(4)])
+        t0 = time.monotonic()
+        res = pool.submit([(0, "hang"), (1, "north"), (2, "south"), (3, "east")]).results()
+        took = time.monotonic() - t0
+        assert isinstance(res[0], WorkerTimeout)
+        assert all(not isinstance(r, BaseException) for r in res[1:])
+        assert took < 15, took
+        assert pool.stats["timeouts"] == 1 and pool.stats["restarts"] == 1
+        assert pool.stats["replays"] == 1  # slot 2 lives on worker 0 with the hung slot 0
+    finally:
+        pool.close()
+
+
+def test_engine_accounts_for_a_crashed_episode():
+    """Through the rollout engine (with overlap): the crashed episode is aborted and counted, its
+    group-mates finish all their steps."""
+    from cope.rollout import run_episodes
+    from tiny_fixtures import Scripted, tiny_chat, tiny_tokenizer
+
+    tok, chat = tiny_tokenizer(), tiny_chat()
+    ids = lambda a: [*tok.encode(a, add_special_tokens=False), chat.stop_id]  # noqa: E731
+    pool = EnvWorkerPool(chaos(crash_on=["crash"]), num_workers=2)
+    try:
+        plans = {0: [ids("north"), ids("crash")], 1: [ids("north")] * 3, 2: [ids("south")] * 3, 3: [ids("east")] * 3}
+        eps, stats = run_episodes(pool, [_task(0)] * 4, [0] * 4, Scripted(plans), tok, chat, max_context=512,
+                                  max_action_tokens=8, chunks=2)
+        assert eps[0].aborted and eps[0].num_steps == 2 and stats.env_errors == 1
+        assert not any(e.aborted for e in eps[1:])
+        assert pool.stats["restarts"] == 1
+        ref, _ = run_episodes([MAZE() for _ in range(4)], [_task(0)] * 4, [0] * 4, Scripted(plans), tok, chat,
+                              max_context=512, max_action_tokens=8)
+        assert [e.tokens for e in eps[1:]] == [e.tokens for e in ref[1:]]  # undisturbed by the crash and restart
+    finally:
+        pool.close()
+
+
+def test_training_survives_crashes_and_hangs(run_train, read_metrics, tmp_path):
+    """A run whose env crashes and hangs at random steps keeps training with the full episode count;
+    env/restarts, env/timeouts and env/aborted_episodes are logged."""
+    result = run_train(["env=maze_chaos", "env.crash_prob=0.05", "env.hang_prob=0.05", "data.env_workers=2",
+                        "data.env_step_timeout_s=1", "data.rollout_chunks=2", "trainer.max_epochs=2"], tmp_path)
+    assert result["counters/episodes"] == 16
+    cols = read_metrics(tmp_path / "csv" / "metrics.csv")
+    for k in ("env/restarts", "env/timeouts", "env/crashes", "env/aborted_episodes", "env/groups_shrunk"):
+        assert len(cols.get(k, [])) == 2, (k, cols.get(k))
+    assert sum(cols["env/timeouts"]) > 0 and sum(cols["env/crashes"]) > 0
+    assert sum(cols["env/restarts"]) == sum(cols["env/timeouts"]) + sum(cols["env/crashes"])
+    assert sum(cols["env/aborted_episodes"]) > 0
+
+
+def test_remote_env_round_trip_and_failure():
+    env = RemoteEnv(target="cope.envs.chaos.ChaosEnv",
+                    kwargs={"env": MAZE, "crash_on": ["crash"]}, timeout_s=5)
+    try:
+        local = MAZE()
+        assert env.name == "maze" and env.instructions == local.instructions and env.num_tasks("test") == 1000
+        assert env.reset(_task(3)).observation == local.reset(_task(3)).observation
+        assert env.step("north").observation == local.step("north").observation
+        with pytest.raises(WorkerFailure):
+            env.step("crash")
+        with pytest.raises(WorkerFailure, match="reset"):
+            env.step("north")
+        assert env.reset(_task(3)).observation == local.reset(_task(3)).observation  # a fresh child
+    finally:
+        env.close()
+
+
+def test_remote_env_missing_interpreter_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        RemoteEnv(target="cope.envs.maze.MazeEnv", python=str(tmp_path / "nope" / "python"))
+
+
+def test_worker_modules_import_without_torch():
+    code = "import cope.envs.worker, cope.envs.remote, cope.envs.chaos, sys; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
