@@ -6,9 +6,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install train test test-all bench clean
+.PHONY: install system-deps train test test-all bench bench-envs appworld-venv clean
+
+system-deps:
+	bash scripts/system_deps.sh
 
 $(STAMP): pyproject.toml
+	bash scripts/system_deps.sh
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned: here it is the CPU wheel; unpinned, pip would pull a multi-GB CUDA build
@@ -22,7 +26,7 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
-test: $(STAMP)
+test: system-deps $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
 test-all: $(STAMP)
