@@ -66,6 +66,7 @@ class RolloutDataModule(pl.LightningDataModule):
         max_live_episodes: at most this many episodes run at once (env instances, generation batch);
             the epoch's episodes run in waves. None: all at once.
         rollout_chunks: 2 overlaps generation with env steps (needs env_workers > 0 to gain anything).
+        instructions: system prompt replacing the env's own (its rules and action format); None keeps it.
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class RolloutDataModule(pl.LightningDataModule):
         env_python: str | None = None,
         max_live_episodes: int | None = None,
         rollout_chunks: int = 1,
+        instructions: str | None = None,
     ):
         super().__init__()
         for name, v in dict(tasks_per_epoch=tasks_per_epoch, group_size=group_size, minibatch_size=minibatch_size,
@@ -123,6 +125,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.env_workers, self.env_python = env_workers, env_python
         self.env_step_timeout_s, self.env_reset_timeout_s = env_step_timeout_s, env_reset_timeout_s
         self.max_live_episodes, self.rollout_chunks = max_live_episodes, rollout_chunks
+        self.instructions = instructions
         self._envs = None  # InProcessEnvs or EnvWorkerPool, made on first use
         self._env_stats_seen = dict.fromkeys(STATS, 0)
         self.tokenizer = self.chat = None
@@ -183,7 +186,8 @@ class RolloutDataModule(pl.LightningDataModule):
             for s in range(0, len(tasks), wave):  # each wave reuses env slots 0..wave-1
                 e, st = run_episodes(self.env_batch(), tasks[s: s + wave], groups[s: s + wave], actor, self.tokenizer,
                                      self.chat, self.max_context, self.max_action_tokens,
-                                     progress=bar.update if bar else None, chunks=self.rollout_chunks)
+                                     progress=bar.update if bar else None, chunks=self.rollout_chunks,
+                                     instructions=self.instructions)
                 eps += e
                 for k in ("episodes", "env_steps", "generated_tokens", "env_errors", "gen_seconds", "env_seconds"):
                     setattr(stats, k, getattr(stats, k) + getattr(st, k))

@@ -69,13 +69,15 @@ def run_episodes(
     max_action_tokens: int,
     progress: Callable[[int], None] | None = None,
     chunks: int = 1,
+    instructions: str | None = None,
 ) -> tuple[list[Episode], RolloutStats]:
     """Run one episode per task (episode ``i`` in env slot ``i``) in lock-step; episodes in input order.
 
     ``envs``: a list of env instances (stepped here, one after another) or an env batch
     (:mod:`cope.envpool`). ``chunks > 1`` splits the live episodes into that many parts, each with its
     own actor (``actor.fork()``): while one part's env steps run in the workers, the actor generates
-    for the next part, so generation and env time overlap.
+    for the next part, so generation and env time overlap. ``instructions`` replaces the env's system
+    prompt (None: the env's own rules and action format).
     """
     assert len(tasks) == len(groups)
     batch = envs if hasattr(envs, "submit") else InProcessEnvs(envs=list(envs))
@@ -87,7 +89,8 @@ def run_episodes(
     stats = RolloutStats()
     eps = [Episode(task=t, group=g) for t, g in zip(tasks, groups)]
     admissible: list[list[str] | None] = [None] * len(eps)
-    system = [*chat.system_open, *_encode(tokenizer, batch.instructions), *chat.turn_end, *chat.newline, *chat.user_open]
+    rules = batch.instructions if instructions is None else instructions
+    system = [*chat.system_open, *_encode(tokenizer, rules), *chat.turn_end, *chat.newline, *chat.user_open]
     t0 = time.perf_counter()
     firsts = batch.reset(list(enumerate(tasks)))
     stats.env_seconds += time.perf_counter() - t0

@@ -1,0 +1,45 @@
+"""Raw-package replays for bench/env_speed.py: each env's own package, called as its README calls it.
+
+Each entry ``RAW[name](env_cfg, tasks)`` prepares the package's env for the same tasks our adapter
+runs (same game / task and variation) and returns ``run(plans) -> (steps, seconds)``, which resets
+each task and steps its recorded action texts, timing resets and steps only. Envs that are ours
+(maze, the WebShop-compatible shop, terminal tasks) have no raw package and no entry.
+"""
+from __future__ import annotations
+
+import time
+
+RAW_NOTES = {
+    "scienceworld": "scienceworld.ScienceWorldEnv.step() as shipped (it rebuilds the valid-action list every step)",
+}
+
+
+def _adapter(env_cfg):
+    from hydra.utils import instantiate
+
+    return instantiate(env_cfg)()
+
+
+def scienceworld(env_cfg, tasks):
+    import scienceworld
+
+    adapter = _adapter(env_cfg)
+    pairs = [adapter.task_pair(t) for t in tasks]  # (task name, variation); starts no JVM
+    simplifications = adapter.simplifications
+    adapter.close()
+    raw = scienceworld.ScienceWorldEnv("", envStepLimit=10**6)
+
+    def run(plans):
+        n, t0 = 0, time.perf_counter()
+        for (name, variation), plan in zip(pairs, plans):
+            raw.load(name, variation, simplifications)
+            raw.reset()
+            for a in plan:
+                raw.step(a)
+                n += 1
+        return n, time.perf_counter() - t0
+
+    return run
+
+
+RAW = {"scienceworld": scienceworld}
