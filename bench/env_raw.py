@@ -11,6 +11,7 @@ import time
 
 RAW_NOTES = {
     "scienceworld": "scienceworld.ScienceWorldEnv.step() as shipped (it rebuilds the valid-action list every step)",
+    "textworld": "textworld.start(game, EnvInfos(score, max_score, won, lost, objective, feedback)).step()",
 }
 
 
@@ -42,4 +43,28 @@ def scienceworld(env_cfg, tasks):
     return run
 
 
-RAW = {"scienceworld": scienceworld}
+def textworld(env_cfg, tasks):
+    import textworld
+
+    adapter = _adapter(env_cfg)
+    paths = [adapter.game_file(t) for t in tasks]  # generated into the cache if missing
+    admissible = adapter.admissible
+    adapter.close()
+    infos = textworld.EnvInfos(score=True, max_score=True, won=True, lost=True, objective=True, feedback=True,
+                               admissible_commands=admissible)
+    envs = {p: textworld.start(p, request_infos=infos) for p in set(paths)}
+
+    def run(plans):
+        n, t0 = 0, time.perf_counter()
+        for path, plan in zip(paths, plans):
+            env = envs[path]
+            env.reset()
+            for a in plan:
+                env.step(a)
+                n += 1
+        return n, time.perf_counter() - t0
+
+    return run
+
+
+RAW = {"scienceworld": scienceworld, "textworld": textworld}

@@ -39,6 +39,7 @@ class EnvReset:
     task_description: str = ""  # goal in words (already contained in `observation` if the env shows it)
     admissible_actions: list[str] | None = None  # None when the env does not know them
     info: dict[str, Any] = field(default_factory=dict)
+    harness: str = ""  # adapter-added text (e.g. a truncation notice), shown after `observation`, never a target
 
 
 @dataclass

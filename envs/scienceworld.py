@@ -33,8 +33,7 @@ and the next action should be one of them; with ``ambiguity="first"`` the adapte
 
 Observation vs harness: ``observation`` is the simulator's text only (at reset: the task description, a
 blank line, then ``look around``); the adapter's notices (malformed action, observation cut at
-``max_observation_chars``, step limit) go to ``harness``. A cut reset observation is flagged in
-``EnvReset.info["truncated"]`` (a reset has no harness text).
+``max_observation_chars``, step limit) go to ``harness`` (also at reset: ``EnvReset.harness``).
 
 JVM: ``-Xmx{jvm_heap_mb}m`` plus ``jvm_args``; the defaults (384 MB, SerialGC) keep one JVM at ~300 MB
 RSS instead of ~750 MB; ``-XX:hashCode=2`` (default) fixes Java's identity hashes, which makes the order
@@ -165,7 +164,8 @@ class ScienceWorldEnv:
             observation=observation,
             task_description=description,
             admissible_actions=self._admissible() if self.admissible else None,
-            info={"task_name": name, "variation": variation, "truncated": cut},
+            info={"task_name": name, "variation": variation},
+            harness=f"[Observation cut at {self.max_observation_chars} characters.]" if cut else "",
         )
 
     def step(self, action: str) -> EnvStep:

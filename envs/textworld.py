@@ -40,9 +40,8 @@ TextWorld's other framework commands: they would desync the episode from the tra
 Observation vs harness: the game's text is the observation, tidied (the opening banner removed, runs
 of blank lines collapsed to one, centring and trailing spaces and surrounding whitespace stripped,
 and after a win or loss the "Would you like to RESTART, RESTORE ...?" prompt dropped); our notices
-(refusals above, truncation at ``max_observation_chars``, the step limit) go to ``harness``. The
-first observation has no harness channel (``EnvReset``): its truncation notice is
-``info["truncated"]``.
+(refusals above, truncation at ``max_observation_chars``, the step limit) go to ``harness``
+(``EnvReset.harness`` for the first observation).
 
 Speed: one Jericho interpreter per env instance, started on the first reset and reused: a reset to
 the same game only restarts it, another game is loaded into the same interpreter.
@@ -215,7 +214,8 @@ class TextWorldEnv:
             observation=obs,
             task_description=(state["objective"] or "").strip(),
             admissible_actions=self._admissible(state),
-            info={"game_file": path, "max_score": state["max_score"], "points": state["score"], "truncated": notice},
+            info={"game_file": path, "max_score": state["max_score"], "points": state["score"]},
+            harness=notice,
         )
 
     def step(self, action: str) -> EnvStep:

@@ -303,3 +303,25 @@ def test_env_text_cannot_inject_special_tokens(tok, chat):
     assert ep.tokens[: len(head)] == head and not special & set(instr)
     # Every special id left in the transcript is scaffold (PROMPT) or a sampled stop (ACTION).
     assert all(ep.roles[i] in (Role.PROMPT, Role.ACTION) for i, t in enumerate(ep.tokens) if t in special)
+
+
+class _NoticeAtReset(MazeEnv):
+    """A maze whose first observation comes with adapter text (as a cut observation's notice would)."""
+
+    def reset(self, task):
+        r = super().reset(task)
+        r.harness = "[observation cut]"
+        return r
+
+
+def test_reset_harness_text_is_harness_role():
+    tok, chat = tiny_tokenizer(), tiny_chat()
+    (ep,), _ = run_episodes([_NoticeAtReset(sizes=[6], max_steps=8)], [HAND_TASK], [0],
+                            Scripted({0: [[*tok.encode("north", add_special_tokens=False), chat.stop_id]]}),
+                            tok, chat, MAX_CONTEXT, MAX_ACTION)
+    first_turn = slice(0, ep.prompt_len)
+    roles = ep.roles[first_turn]
+    harness = [t for t, r in zip(ep.tokens[first_turn], roles) if r == Role.HARNESS]
+    obs = [t for t, r in zip(ep.tokens[first_turn], roles) if r == Role.OBSERVATION]
+    assert tok.decode(harness) == "\n[observation cut]"
+    assert tok.decode(obs) == HAND_OBS[0]

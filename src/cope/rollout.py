@@ -102,6 +102,8 @@ def run_episodes(
             continue
         admissible[i] = first.admissible_actions
         ep.append(_encode(tokenizer, first.observation), Role.OBSERVATION)
+        if getattr(first, "harness", ""):
+            ep.append(_encode(tokenizer, ("\n" if first.observation else "") + first.harness), Role.HARNESS)
         ep.append(chat.close_turn(), Role.PROMPT)
         ep.prompt_len = len(ep.tokens)
         if ep.prompt_len + max_action_tokens + len(chat.turn_end) > max_context:

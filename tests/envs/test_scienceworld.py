@@ -180,7 +180,7 @@ def test_reset_is_deterministic_and_reuses_the_jvm(env):
     pid = env.jvm_pid
     assert first.observation.startswith(first.task_description + "\n\nThis room is called the hallway.")
     assert first.task_description.startswith("Your task is to boil water.")
-    assert first.admissible_actions is None and first.info == {"task_name": "boil", "variation": 0, "truncated": False}
+    assert first.admissible_actions is None and first.info == {"task_name": "boil", "variation": 0} and first.harness == ""
     other = env.reset(_task("test", 0))
     assert other.info["variation"] == 14
     again = env.reset(_task("train", 0))
@@ -261,7 +261,7 @@ def test_step_limit_and_observation_cap(env):
     try:
         env.max_steps, env.max_observation_chars = 3, 60
         first = env.reset(_task("train", 0))
-        assert len(first.observation) == 60 and first.info["truncated"]
+        assert len(first.observation) == 60 and first.harness == "[Observation cut at 60 characters.]"
         outs = [env.step("look around") for _ in range(3)]
     finally:
         env.max_steps, env.max_observation_chars = saved

@@ -249,7 +249,7 @@ def test_first_observation_and_task_description(cache):
     assert "-= " in first.observation  # then the first room
     assert not BANNER_CHARS.search(first.observation) and first.observation == first.observation.strip()
     assert first.admissible_actions and "look" in first.admissible_actions
-    assert first.info["max_score"] == 1 and first.info["points"] == 0 and first.info["truncated"] == ""
+    assert first.info["max_score"] == 1 and first.info["points"] == 0 and first.harness == ""
     assert env.example_actions() == first.admissible_actions
 
 
@@ -257,7 +257,7 @@ def test_first_observation_and_task_description(cache):
 def test_observation_cap(cache):
     env = _env(cache, "tw-cooking", max_observation_chars=40)
     first = env.reset(_task())
-    assert len(first.observation) == 40 and "40 of" in first.info["truncated"]
+    assert len(first.observation) == 40 and "40 of" in first.harness
     out = env.step("examine cookbook")
     assert out.valid and len(out.observation) == 40
     assert re.fullmatch(r"\[observation truncated: 40 of \d+ characters shown\]", out.harness)
