@@ -26,7 +26,7 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
-test: system-deps $(STAMP)
+test: system-deps $(STAMP) appworld-venv
 	$(BIN)/python -m pytest $(ARGS)
 
 test-all: $(STAMP)
@@ -34,6 +34,18 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/sample_efficiency.py $(ARGS)
+
+# AppWorld pins pydantic 1: it gets its own venv; the env runs there through cope.envs.remote.RemoteEnv.
+# Its data needs a download on a machine with internet (docs/envs/appworld.md).
+appworld-venv: .venv-appworld/.installed
+
+.venv-appworld/.installed:
+	$(PY) -m venv .venv-appworld
+	.venv-appworld/bin/python -m pip install --quiet --upgrade pip
+	.venv-appworld/bin/python -m pip install --quiet appworld==0.1.3.post1
+	.venv-appworld/bin/appworld install
+	.venv-appworld/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -2,7 +2,8 @@
 
 A policy's action is the decoded text of the ids it sampled. Models add noise around an otherwise
 good command: surrounding whitespace, surrounding quotes or backticks, a trailing period, a leading
-``Action:`` label, runs of inner spaces. :func:`clean_action` removes exactly that and nothing else;
+``Action:`` label, runs of inner spaces (in one-line actions; multi-line ones keep their indentation).
+:func:`clean_action` removes exactly that and nothing else;
 each env then decides validity on the cleaned text with its own grammar. Anything still wrong after
 clean-up (two commands on two lines, prose, an empty string) is the env's "malformed" case: the
 action is invalid and the adapter says so in *harness* text (never an ECHO target).
@@ -20,7 +21,8 @@ _SPACES = re.compile(r"[ \t]+")
 
 def clean_action(text: str, *, lower: bool = False, keep_period: bool = False) -> str:
     """Strip whitespace, one layer of matching quotes/backticks (also a ```` ``` ```` fence), an
-    ``Action:`` label, a trailing period (unless ``keep_period``) and collapse inner runs of spaces.
+    ``Action:`` label, a trailing period (unless ``keep_period``) and collapse inner runs of spaces
+    (one-line actions only: multi-line code keeps its indentation, minus trailing spaces).
     Newlines inside the action are kept, so a multi-line answer stays visibly multi-line for the env
     to refuse (or, for code/shell envs, to run). ``lower`` lower-cases the result.
 
@@ -42,7 +44,10 @@ def clean_action(text: str, *, lower: bool = False, keep_period: bool = False) -
             s = s[1:-1].strip()
         if not keep_period and s.endswith(".") and not s.endswith(".."):
             s = s[:-1].rstrip()
-    s = "\n".join(_SPACES.sub(" ", line).strip() for line in s.split("\n"))
+    if "\n" in s:  # a script or code: keep indentation, drop trailing spaces only
+        s = "\n".join(line.rstrip() for line in s.split("\n"))
+    else:
+        s = _SPACES.sub(" ", s)
     return s.lower() if lower else s
 
 

@@ -69,7 +69,11 @@ class RemoteEnv:
         self.target, self.kwargs, self.python = target, plain(kwargs or {}), python
         self.timeout_s, self.start_timeout_s, self.env_vars = timeout_s, start_timeout_s, plain(env_vars or {})
         self._worker: WorkerProcess | None = None
-        info = self._call("describe", None, start_timeout_s)
+        try:
+            info = self._call("describe", None, start_timeout_s)
+        except BaseException:
+            self.close()  # do not leave the child running until garbage collection
+            raise
         self.name, self.max_steps = info["name"], info["max_steps"]
         self._instructions, self._num_tasks = info["instructions"], info["num_tasks"]
         self._has_examples = info["has_example_actions"]

@@ -1,0 +1,245 @@
+"""AppWorld (the real benchmark, PyPI ``appworld==0.1.3.post1``): an agent completes everyday tasks
+for a "supervisor" by writing Python that calls the APIs of nine simulated apps (spotify, gmail,
+venmo, amazon, ...); hidden tests on the final app databases decide success.
+
+AppWorld pins pydantic 1, so it cannot live in the trainer's venv. It runs in its own venv, one
+child process per env instance, through `cope.envs.remote.RemoteEnv` (:class:`RemoteAppWorldEnv`,
+the ``env=appworld`` config); :class:`AppWorldEnv` is the in-process adapter that runs inside it::
+
+    python3 -m venv .venv-appworld
+    .venv-appworld/bin/pip install appworld==0.1.3.post1
+    .venv-appworld/bin/appworld install            # unpacks the app code shipped in the package (offline)
+    .venv-appworld/bin/pip install --no-deps -e .   # this project, so cope.envs imports there
+    .venv-appworld/bin/appworld download data --root /path/to/appworld   # needs internet
+    export APPWORLD_ROOT=/path/to/appworld          # or env.root=...
+
+Tasks: the dataset files of the data folder (``data/datasets/<name>.txt``: ``train``, ``dev``,
+``test_normal``, ``test_challenge``); our ``train`` split is ``train_dataset`` (default ``train``),
+``test`` is ``test_dataset`` (default ``dev``), task ids in file order.
+
+Actions: Python code, run by ``world.execute`` in the task's persistent IPython shell (a code fence
+around it is dropped; indentation is kept). Observation: AppWorld's output (what the code printed,
+``Execution successful.``, or ``Execution failed. Traceback: ...``). Invalid: an empty action (not
+run; harness notice) and code whose execution failed (AppWorld's traceback is the observation).
+The episode ends when the supervisor's task is marked complete (``apis.supervisor.complete_task``)
+or after ``max_steps`` actions; then AppWorld's hidden tests run (``world.evaluate()``).
+``success`` = all tests pass; ``score`` = fraction of tests passed. Reward at the end only:
+``reward_mode=sparse`` pays 1.0 on success, ``pass_rate`` pays the score.
+
+Each instance writes its AppWorld outputs under its own experiment name
+(``<experiment_name>/<random id>``: episodes of one task run concurrently) and deletes them after
+the evaluation unless ``keep_outputs``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+from cope.envs.base import SPLITS, EnvReset, EnvStep, Task
+from cope.envs.remote import RemoteEnv
+
+DATASETS = ("train", "dev", "test_normal", "test_challenge")
+REWARD_MODES = ("sparse", "pass_rate")
+VENV_RECIPE = ("python3 -m venv .venv-appworld && .venv-appworld/bin/pip install appworld==0.1.3.post1 && "
+               ".venv-appworld/bin/appworld install && .venv-appworld/bin/pip install --no-deps -e .")
+DATA_RECIPE = ("on a machine with internet run `.venv-appworld/bin/appworld download data --root <dir>` and "
+               "point APPWORLD_ROOT (or env.root) at <dir>")
+INSTRUCTIONS = """You complete tasks for your supervisor by writing Python code that calls the APIs of everyday apps.
+Each turn, answer with Python code only. It runs in a persistent Python shell; you see what it prints.
+The apps' APIs are methods of the `apis` object: apis.<app_name>.<api_name>(...). Look them up with
+print(apis.api_docs.show_app_descriptions())
+print(apis.api_docs.show_api_descriptions(app_name='spotify'))
+print(apis.api_docs.show_api_doc(app_name='spotify', api_name='login'))
+Apps need a login first; your supervisor's passwords: apis.supervisor.show_account_passwords().
+When the task is done, call apis.supervisor.complete_task() (with answer=... if the task asks a question).
+That ends the episode."""
+_FENCE = re.compile(r"^```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?```$", re.DOTALL)
+
+
+def strip_code(text: str) -> str:
+    """The code in ``text``: surrounding blank lines, one Markdown code fence and a common indentation
+    removed; relative indentation kept (unlike `cope.envs.actions.clean_action`, which strips lines)."""
+    s = text.strip("\n").rstrip()
+    if s.lstrip().startswith("```"):
+        match = _FENCE.match(s.strip())
+        if match:
+            s = match.group(1)
+    lines = s.split("\n")
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    return textwrap.dedent("\n".join(lines)).rstrip()
+
+
+def _appworld():
+    try:
+        import appworld
+        from appworld import AppWorld, load_task_ids
+    except ImportError as e:
+        raise ImportError(f"AppWorld is not installed in this interpreter ({sys.executable}). It pins pydantic 1, "
+                          f"so it needs its own venv: {VENV_RECIPE}; then use env=appworld, which runs the env in "
+                          "that venv (docs/envs/appworld.md)") from e
+    try:
+        _ = appworld.apps.api_docs
+    except (AttributeError, ModuleNotFoundError) as e:
+        raise ImportError("the appworld package is not fully installed: run `.venv-appworld/bin/appworld install` "
+                          "(offline: it unpacks the app code shipped in the package)") from e
+    return AppWorld, load_task_ids
+
+
+class AppWorldEnv:
+    """AppWorld behind the `cope.envs.base.Env` protocol (runs where ``appworld`` is installed).
+
+    Args:
+        train_dataset: AppWorld dataset used as our ``train`` split.
+        test_dataset: AppWorld dataset used as our ``test`` split.
+        root: AppWorld root (the folder holding ``data/``); None: ``$APPWORLD_ROOT``, else the cwd.
+        experiment_name: Prefix of the per-instance AppWorld experiment (output folder) name.
+        max_steps: Actions per episode; the tests run after the last one.
+        max_observation_chars: Cap on one observation; the cut is announced in the harness text.
+        reward_mode: ``sparse`` (1.0 when all tests pass) or ``pass_rate`` (fraction passed).
+        timeout_seconds: AppWorld's limit on one code execution.
+        keep_outputs: Keep AppWorld's output folder (logs, final databases) after an episode.
+        name: Env name used in task ids.
+    """
+
+    def __init__(self, train_dataset: str = "train", test_dataset: str = "dev", root: str | None = None,
+                 experiment_name: str = "cope", max_steps: int = 40, max_observation_chars: int = 6000,
+                 reward_mode: str = "sparse", timeout_seconds: int = 100, keep_outputs: bool = False,
+                 name: str = "appworld") -> None:
+        for arg, value in (("train_dataset", train_dataset), ("test_dataset", test_dataset)):
+            if value not in DATASETS:
+                raise ValueError(f"{arg} must be one of {DATASETS}, got {value!r}")
+        if reward_mode not in REWARD_MODES:
+            raise ValueError(f"reward_mode must be one of {REWARD_MODES}, got {reward_mode!r}")
+        for arg, value in (("max_steps", max_steps), ("max_observation_chars", max_observation_chars),
+                           ("timeout_seconds", timeout_seconds)):
+            if value < 1:
+                raise ValueError(f"{arg} must be >= 1, got {value!r}")
+        if not experiment_name or not name:
+            raise ValueError("experiment_name and name must be non-empty strings")
+        self.datasets = {"train": train_dataset, "test": test_dataset}
+        self.root = os.path.abspath(root or os.environ.get("APPWORLD_ROOT") or os.getcwd())
+        self.experiment = f"{experiment_name}/{uuid.uuid4().hex[:12]}"
+        self.max_steps, self.max_observation_chars, self.reward_mode = max_steps, max_observation_chars, reward_mode
+        self.timeout_seconds, self.keep_outputs, self.name = timeout_seconds, bool(keep_outputs), name
+        self._ids: dict[str, list[str]] = {}
+        self._world = None
+        self._steps = 0
+
+    @property
+    def instructions(self) -> str:
+        return INSTRUCTIONS
+
+    def _task_ids(self, split: str) -> list[str]:
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        if split not in self._ids:
+            _, load_task_ids = _appworld()
+            data = Path(self.root, "data")
+            dataset = data / "datasets" / f"{self.datasets[split]}.txt"
+            if not (data / "tasks").is_dir() or not dataset.is_file():
+                raise FileNotFoundError(f"AppWorld data not found: no {dataset} or {data / 'tasks'} (APPWORLD_ROOT="
+                                        f"{self.root}). The data is a separate download: {DATA_RECIPE}")
+            os.environ["APPWORLD_ROOT"] = self.root  # appworld's path store reads it on every use
+            self._ids[split] = load_task_ids(self.datasets[split])
+        return self._ids[split]
+
+    def num_tasks(self, split: str) -> int:
+        return len(self._task_ids(split))
+
+    def example_actions(self) -> list[str]:
+        """Well-formed code actions (format only) for the tiny model's random-walk warm start."""
+        return ["print(apis.api_docs.show_app_descriptions())",
+                "print(apis.api_docs.show_api_descriptions(app_name='supervisor'))",
+                "print(apis.api_docs.show_api_doc(app_name='supervisor', api_name='show_profile'))",
+                "print(apis.supervisor.show_profile())", "apis.supervisor.complete_task()"]
+
+    def reset(self, task: Task) -> EnvReset:
+        ids = self._task_ids(task.split)
+        if not 0 <= task.index < len(ids):
+            raise ValueError(f"task index {task.index} out of range for split {task.split!r} ({len(ids)} tasks)")
+        self.close()
+        AppWorld, _ = _appworld()
+        self._world = AppWorld(task_id=ids[task.index], experiment_name=self.experiment,
+                               timeout_seconds=self.timeout_seconds)
+        self._steps = 0
+        t, s = self._world.task, self._world.task.supervisor
+        observation = (f"Task: {t.instruction}\nSupervisor: {s.first_name} {s.last_name}, email {s.email}, "
+                       f"phone {s.phone_number}")
+        return EnvReset(observation=observation, task_description=t.instruction,
+                        info={"task_id": t.id, "dataset": self.datasets[task.split]})
+
+    def step(self, action: str) -> EnvStep:
+        if self._world is None:
+            raise RuntimeError("AppWorldEnv.step called before reset (or after the episode ended)")
+        self._steps += 1
+        code = strip_code(action)
+        harness, valid = "", bool(code)
+        if code:
+            output = self._world.execute(code)
+            valid = not output.startswith("Execution failed")
+        else:
+            output, harness = "", "Invalid action: empty. Answer with Python code to run."
+        if len(output) > self.max_observation_chars:
+            harness = f"[observation truncated: first {self.max_observation_chars} of {len(output)} characters shown]"
+            output = output[: self.max_observation_chars]
+        completed = self._world.task_completed()
+        done = completed or self._steps >= self.max_steps
+        success, score, info = False, 0.0, {"completed": completed}
+        if done:
+            tracker = self._world.evaluate()
+            success = bool(tracker.success)
+            score = tracker.pass_count / tracker.num_tests if tracker.num_tests else float(success)
+            info.update(pass_count=tracker.pass_count, num_tests=tracker.num_tests)
+            self.close()
+        reward = (1.0 if success else 0.0) if self.reward_mode == "sparse" else score
+        return EnvStep(observation=output, reward=reward if done else 0.0, done=done, valid=valid,
+                       success=success, score=score, harness=harness, info=info)
+
+    def close(self) -> None:
+        world, self._world = self._world, None
+        if world is None:
+            return
+        try:
+            world.close()
+        finally:
+            if not self.keep_outputs:
+                shutil.rmtree(Path(self.root, "experiments", "outputs", self.experiment), ignore_errors=True)
+
+
+def _find_python(python: str) -> str:
+    """``python`` as given, else relative to the project root; a clear error with the venv recipe."""
+    for candidate in (Path(python), Path(__file__).resolve().parents[1] / python):
+        if candidate.exists():
+            return str(candidate)
+    raise FileNotFoundError(f"the AppWorld interpreter {python!r} does not exist. Create its venv first: {VENV_RECIPE}")
+
+
+class RemoteAppWorldEnv(RemoteEnv):
+    """:class:`AppWorldEnv` in a child process of the AppWorld venv's interpreter (``env=appworld``).
+
+    Args:
+        python: Interpreter of the AppWorld venv; a relative path is tried from the cwd, then from
+            the project root.
+        timeout_s: Deadline of one reset or step (AppWorld's own code timeout is ``timeout_seconds``).
+        start_timeout_s: Deadline of the child's start (imports, first task list).
+        Other args: as :class:`AppWorldEnv`.
+    """
+
+    def __init__(self, python: str = ".venv-appworld/bin/python", train_dataset: str = "train",
+                 test_dataset: str = "dev", root: str | None = None, experiment_name: str = "cope",
+                 max_steps: int = 40, max_observation_chars: int = 6000, reward_mode: str = "sparse",
+                 timeout_seconds: int = 100, keep_outputs: bool = False, name: str = "appworld",
+                 timeout_s: float = 300.0, start_timeout_s: float = 600.0) -> None:
+        kwargs = {"train_dataset": train_dataset, "test_dataset": test_dataset,
+                  "root": os.path.abspath(root) if root else None, "experiment_name": experiment_name,
+                  "max_steps": max_steps, "max_observation_chars": max_observation_chars, "reward_mode": reward_mode,
+                  "timeout_seconds": timeout_seconds, "keep_outputs": keep_outputs, "name": name}
+        AppWorldEnv(**kwargs)  # argument errors surface here, as a ValueError, before a child starts
+        super().__init__(target="cope.envs.appworld.AppWorldEnv", kwargs=kwargs, python=_find_python(python),
+                         timeout_s=timeout_s, start_timeout_s=start_timeout_s)
