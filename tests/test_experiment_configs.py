@@ -8,6 +8,7 @@ import pytest
 
 EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "experiment").glob("*.yaml"))
 NEEDS = {"scienceworld": "scienceworld", "textworld": "textworld", "alfworld": "alfworld", "tau2": "tau2"}
+EXTRA = {"tau2": ["env.user_model=some-user-model"]}  # the preset's user model has no default
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -19,7 +20,8 @@ def test_experiment_composes_and_builds(name, cope_cache, tmp_path):
     if pkg and importlib.util.find_spec(pkg) is None:
         pytest.skip(f"needs the extra `{name}` (package {pkg})")
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"experiment={name}", f"paths.output_dir={tmp_path}"])
+        cfg = compose(config_name="config", overrides=[f"experiment={name}", f"paths.output_dir={tmp_path}",
+                                                                 *EXTRA.get(name, [])])
     assert cfg.env._target_.startswith("cope.envs."), cfg.env._target_
     assert cfg.data.max_action_tokens >= 16 and cfg.data.max_context >= 4096
     factory = instantiate(cfg.env)
