@@ -40,7 +40,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
-from cope.envs.base import SPLITS, EnvReset, EnvStep, Task
+from cope.envs.base import EnvReset, EnvStep, Task, check_split
 from cope.envs.remote import RemoteEnv
 
 DATASETS = ("train", "dev", "test_normal", "test_challenge")
@@ -136,8 +136,7 @@ class AppWorldEnv:
         return INSTRUCTIONS
 
     def _task_ids(self, split: str) -> list[str]:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        check_split(split)
         if split not in self._ids:
             _, load_task_ids = _appworld()
             data = Path(self.root, "data")

@@ -19,6 +19,13 @@ from typing import Any, Protocol, runtime_checkable
 SPLITS = ("train", "test")
 
 
+def check_split(split: str) -> str:
+    """``split`` itself, or a ValueError naming the known splits."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return split
+
+
 @dataclass(frozen=True)
 class Task:
     """One task: a split and an index inside it. The env turns the index into a concrete task

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cope.envs.base import SPLITS, EnvReset, EnvStep, Task
+from cope.envs.base import EnvReset, EnvStep, Task, check_split
 
 DIRECTIONS: dict[str, tuple[int, int]] = {"north": (-1, 0), "south": (1, 0), "east": (0, 1), "west": (0, -1)}
 INSTRUCTIONS = (
@@ -149,9 +149,7 @@ class MazeEnv:
         return INSTRUCTIONS
 
     def num_tasks(self, split: str) -> int:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        return self._num_tasks[split]
+        return self._num_tasks[check_split(split)]
 
     def generate(self, split: str, index: int) -> MazeLayout:
         """The layout of task ``index`` of ``split``; the same task always gives the same layout."""

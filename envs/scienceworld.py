@@ -47,7 +47,7 @@ from collections.abc import Sequence
 
 from cope.envs import scienceworld_text as sw_text
 from cope.envs.actions import single_line
-from cope.envs.base import SPLITS, EnvReset, EnvStep, Task
+from cope.envs.base import SPLITS, EnvReset, EnvStep, Task, check_split
 from cope.envs.scienceworld_jvm import DEFAULT_JVM_ARGS, Simulator, backend
 from cope.envs.scienceworld_tasks import (
     TEST_SPLITS,
@@ -140,9 +140,7 @@ class ScienceWorldEnv:
         return self._instructions
 
     def num_tasks(self, split: str) -> int:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        return len(self._maps[split])
+        return len(self._maps[check_split(split)])
 
     def task_pair(self, task: Task) -> tuple[str, int]:
         """The (ScienceWorld task name, variation) of ``task``."""

@@ -35,7 +35,7 @@ import uuid
 from copy import deepcopy
 from typing import Any
 
-from cope.envs.base import SPLITS, EnvReset, EnvStep, Task
+from cope.envs.base import EnvReset, EnvStep, Task, check_split
 from cope.envs.tau2_format import build_instructions, example_call, parse_action, render_messages
 from cope.envs.tau2_tasks import load_tau2, split_tasks
 
@@ -149,9 +149,7 @@ class Tau2Env:
         return self._prompt()[0]
 
     def _tasks(self, split: str) -> list:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        return split_tasks(self.task_set, self.train_split, self.test_split)[split]
+        return split_tasks(self.task_set, self.train_split, self.test_split)[check_split(split)]
 
     def num_tasks(self, split: str) -> int:
         return len(self._tasks(split))

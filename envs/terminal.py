@@ -35,7 +35,7 @@ import shutil
 
 from cope.envs import terminal_tasks as suite
 from cope.envs.actions import clean_action
-from cope.envs.base import SPLITS, EnvReset, EnvStep, Task
+from cope.envs.base import EnvReset, EnvStep, Task, check_split
 from cope.envs.sandbox import Sandbox, SandboxResult, unavailable_reason
 from cope.envs.terminal_tasks import TerminalTask, make_task
 from cope.envs.workdir import Snapshot, add_files, pack
@@ -142,9 +142,7 @@ class TerminalEnv:
         return INSTRUCTIONS
 
     def num_tasks(self, split: str) -> int:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        return self._num_tasks[split]
+        return self._num_tasks[check_split(split)]
 
     def active_families(self, split: str = "train") -> list[str]:
         """The families a split's tasks come from: the chosen ones (minus or only the held-out ones) whose

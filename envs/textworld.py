@@ -53,7 +53,7 @@ import random
 import re
 
 from cope.envs.actions import single_line
-from cope.envs.base import SPLITS, EnvReset, EnvStep, Task
+from cope.envs.base import EnvReset, EnvStep, Task, check_split
 from cope.envs.textworld_games import (
     TRACED_KEY,
     action_patterns,
@@ -188,9 +188,7 @@ class TextWorldEnv:
         return INSTRUCTIONS
 
     def num_tasks(self, split: str) -> int:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        return self._num_tasks[split]
+        return self._num_tasks[check_split(split)]
 
     def game_file(self, task: Task) -> str:
         """The task's ``.z8`` game file, generated into the cache when missing."""

@@ -42,7 +42,7 @@ import re
 from typing import Any
 
 from cope.envs.actions import single_line
-from cope.envs.base import SPLITS, EnvReset, EnvStep, Task
+from cope.envs.base import EnvReset, EnvStep, Task, check_split
 from cope.envs.webshop_reward import purchase_reward
 from cope.envs.webshop_search import STOPWORDS, Catalog, load_catalog
 
@@ -148,9 +148,7 @@ class WebShopEnv:
         return INSTRUCTIONS
 
     def num_tasks(self, split: str) -> int:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        return self._num_tasks[split]
+        return self._num_tasks[check_split(split)]
 
     def goal(self, split: str, index: int) -> dict[str, Any]:
         """The goal of task ``index`` of ``split``: asin, instruction, attributes, goal_options, price_upper."""
