@@ -12,6 +12,7 @@ import time
 RAW_NOTES = {
     "scienceworld": "scienceworld.ScienceWorldEnv.step() as shipped (it rebuilds the valid-action list every step)",
     "textworld": "textworld.start(game, EnvInfos(score, max_score, won, lost, objective, feedback)).step()",
+    "alfworld": "textworld.gym env with AlfredDemangler + AlfredInfos (as alfworld's AlfredTWEnv), generated games",
 }
 
 
@@ -67,4 +68,32 @@ def textworld(env_cfg, tasks):
     return run
 
 
-RAW = {"scienceworld": scienceworld, "textworld": textworld}
+def alfworld(env_cfg, tasks):
+    import textworld
+    import textworld.gym
+    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+
+    adapter = _adapter(env_cfg)
+    paths = [adapter.game_file(t.split, t.index) for t in tasks]  # generated into the cache if missing
+    adapter.close()
+    infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+    envs = {}
+    for p in set(paths):  # how alfworld's AlfredTWEnv runs a game
+        env_id = textworld.gym.register_games([p], infos, batch_size=1, asynchronous=False, max_episode_steps=10**6,
+                                              wrappers=[AlfredDemangler(shuffle=False), AlfredInfos])
+        envs[p] = textworld.gym.make(env_id)
+
+    def run(plans):
+        n, t0 = 0, time.perf_counter()
+        for path, plan in zip(paths, plans):
+            env = envs[path]
+            env.reset()
+            for a in plan:
+                env.step([a])
+                n += 1
+        return n, time.perf_counter() - t0
+
+    return run
+
+
+RAW = {"scienceworld": scienceworld, "textworld": textworld, "alfworld": alfworld}

@@ -156,11 +156,17 @@ def main() -> None:
     head += f"{'adapter/raw':>13}{'pool ratio':>12}"
     lines += [f"env steps/s, median of {args.rounds} interleaved rounds, {args.episodes} episodes x <= {args.steps} steps "
               f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores)", head]
+    print("\n".join(lines), flush=True)
     for name in args.envs:
         try:
             r = bench_env(name, args)
         except ImportError as e:
             lines.append(f"{name:<14}skipped: {e}")
+            print(lines[-1], flush=True)
+            continue
+        except Exception as e:  # noqa: BLE001 - one broken env must not hide the others' numbers
+            lines.append(f"{name:<14}failed: {e!r}"[:300])
+            print(lines[-1], flush=True)
             continue
         results[name] = r
         m = r["steps_per_s"]
@@ -169,8 +175,9 @@ def main() -> None:
         lines.append(f"{name:<14}{cell('raw')}{cell('adapter')}" + "".join(cell(f"pool {w}") for w in args.workers)
                      + (f"{r['adapter_over_raw']:>13.2f}" if "adapter_over_raw" in r else f"{'-':>13}")
                      + (f"{ratio:>12.2f}" if ratio else f"{'-':>12}"))
+        print(lines[-1], flush=True)
     lines.append("raw = " + "; ".join(f"{k}: {v}" for k, v in RAW_NOTES.items()))
-    print("\n".join(lines))
+    print(lines[-1])
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

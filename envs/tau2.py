@@ -30,6 +30,7 @@ is split by position in the task file: every third task (positions 2, 5, 8, ...)
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from copy import deepcopy
@@ -38,6 +39,8 @@ from typing import Any
 from cope.envs.base import EnvReset, EnvStep, Task, check_split
 from cope.envs.tau2_format import build_instructions, example_call, parse_action, render_messages
 from cope.envs.tau2_tasks import load_tau2, split_tasks
+
+log = logging.getLogger(__name__)
 
 DOMAINS = ("mock", "airline", "retail", "telecom", "telecom-workflow")
 SOLO_DOMAINS = ("mock", "telecom", "telecom-workflow")
@@ -306,8 +309,15 @@ class Tau2Env:
         run = t["SimulationRun"](id=str(uuid.uuid4()), task_id=self._task.id, start_time=self._start_time,
                                  end_time=t["now"](), duration=time.perf_counter() - self._t0,
                                  termination_reason=self._reason, messages=self._messages)
-        result = t["evaluate"](simulation=run, task=self._task, evaluation_type=t["EvaluationType"](self.evaluation_type),
-                               solo_mode=self.solo_mode, domain=self.domain)
+        try:
+            result = t["evaluate"](simulation=run, task=self._task,
+                                   evaluation_type=t["EvaluationType"](self.evaluation_type),
+                                   solo_mode=self.solo_mode, domain=self.domain)
+        except (ValueError, KeyError, AssertionError) as e:
+            # An env assertion of the task raised on the final database (e.g. it looks up an entity the
+            # agent deleted). tau2 itself would crash here; for training it is a failed task: reward 0.
+            log.warning("tau2 evaluation of %s raised %r: counted as reward 0", self._task.id, e)
+            return 0.0, {**info, "termination": self._reason.value, "evaluation_error": repr(e)}
         return float(result.reward), {**info, "termination": self._reason.value,
                                       "reward_info": result.model_dump(mode="json")}
 

@@ -8,7 +8,8 @@ import pytest
 
 EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "experiment").glob("*.yaml"))
 NEEDS = {"scienceworld": "scienceworld", "textworld": "textworld", "alfworld": "alfworld", "tau2": "tau2"}
-EXTRA = {"tau2": ["env.user_model=some-user-model"]}  # the preset's user model has no default
+EXTRA = {"tau2": ["env.user_model=some-user-model"],  # the preset's user model has no default
+         "alfworld": ["env.source=generated"]}  # the official games are a download
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

@@ -232,6 +232,17 @@ def test_ending_at_once_scores_zero(domain, task_id):
 
 
 @needs_tau2
+def test_env_assertion_that_raises_is_a_failed_task():
+    """create_task_1_with_env_assertions asserts on a task the agent never created: tau2's evaluator raises
+    ValueError('Task task_2 not found'); the adapter scores it 0 instead of aborting the episode."""
+    env = _env(domain="mock")
+    env.reset(_find(env, "create_task_1_with_env_assertions"))
+    out = env.step(DONE)
+    assert out.done and out.reward == 0.0 and not out.success
+    assert "not found" in out.info["evaluation_error"] and "reward_info" not in out.info
+
+
+@needs_tau2
 def test_malformed_and_unknown_tool_are_invalid():
     env = _env(max_errors=5)
     env.reset(_find(env, "create_task_1"))
