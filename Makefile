@@ -18,7 +18,11 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: here it is the CPU wheel; unpinned, pip would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[all]"
-	$(BIN)/python -m pip check
+	# pip check, except its "not supported on this platform" notes: pip >= 26 says that of textworld's
+	# manylinux1 wheel, which it installed and which runs; any real conflict still fails the install
+	$(BIN)/python -m pip check > $(VENV)/pip-check.txt || true
+	cat $(VENV)/pip-check.txt
+	! grep -v -e "is not supported on this platform" -e "^No broken requirements found" $(VENV)/pip-check.txt
 	touch $(STAMP)
 
 install: $(STAMP)
