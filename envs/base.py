@@ -85,6 +85,10 @@ class Env(Protocol):
     def close(self) -> None: ...
 
 
-# Optional, not part of the protocol check: an env whose steps report no admissible actions (a shell,
-# tool calls) may define ``example_actions(self) -> list[str]``: a few well-formed actions for the
-# current state. Only the tiny model's format-only warm start (random walks) uses them.
+# Optional, not part of the protocol check:
+# * ``example_actions(self) -> list[str]``: an env whose steps report no admissible actions (a shell,
+#   tool calls) may list a few well-formed actions for the current state. Only the tiny model's
+#   format-only warm start (random walks) uses them.
+# * ``max_instances: int`` (class attribute): a memory-heavy env (one JVM per instance) says how many
+#   instances should live at once; with ``data.max_live_episodes=null`` the DataModule runs an epoch's
+#   episodes in waves of that many, and the tiny warm start walks with at most that many.

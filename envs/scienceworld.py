@@ -83,6 +83,8 @@ class ScienceWorldEnv:
         name: Env name used in task ids.
     """
 
+    max_instances = 16  # one JVM (~300-450 MB) per instance: the trainer runs at most this many episodes at once
+
     def __init__(
         self,
         tasks: Sequence[str] | None = None,

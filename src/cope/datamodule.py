@@ -133,6 +133,10 @@ class RolloutDataModule(pl.LightningDataModule):
         probe = env()
         self.env_name = probe.name
         self.num_train_tasks, self.num_test_tasks = probe.num_tasks("train"), probe.num_tasks("test")
+        if max_live_episodes is None and getattr(probe, "max_instances", None):
+            self.max_live_episodes = int(probe.max_instances)  # memory-heavy env: run the episodes in waves
+            log.info("%s: at most %d live episodes at once (the env's max_instances; data.max_live_episodes overrides)",
+                     probe.name, self.max_live_episodes)
         probe.close()
 
     # -- wiring ---------------------------------------------------------------------------------

@@ -173,7 +173,9 @@ def build_tiny_base(
     opt = torch.optim.AdamW(model.parameters(), lr=warm_start_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / warm_start_steps))
     t0, pool = time.perf_counter(), []
-    walkers = [_WithExamples(env_factory()) for _ in range(warm_start_walks)]
+    walkers = [_WithExamples(env_factory())]
+    walks = min(warm_start_walks, getattr(walkers[0].env, "max_instances", None) or warm_start_walks)
+    walkers += [_WithExamples(env_factory()) for _ in range(walks - 1)]
     model.train()
     for step in range(warm_start_steps):
         for attempt in range(3):

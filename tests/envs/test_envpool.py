@@ -183,3 +183,26 @@ def test_remote_env_missing_interpreter_is_a_clear_error(tmp_path):
 def test_worker_modules_import_without_torch():
     code = "import cope.envs.worker, cope.envs.remote, cope.envs.chaos, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class _HeavyMaze(MazeEnv):
+    max_instances = 3  # as a JVM-backed env declares how many instances may live at once
+
+
+def test_max_instances_bounds_live_episodes_and_instances():
+    """An env's max_instances turns data.max_live_episodes=null into waves of that size: an epoch of
+    8 episodes runs with 3 env instances; an explicit data.max_live_episodes wins."""
+    from cope.datamodule import RolloutDataModule
+    from tiny_fixtures import tiny_policy
+
+    heavy = functools.partial(_HeavyMaze, sizes=[6], max_steps=4)
+    assert RolloutDataModule(env=heavy, max_live_episodes=5, progress=False).max_live_episodes == 5
+    dm = RolloutDataModule(env=heavy, tasks_per_epoch=2, group_size=4, max_context=512, max_action_tokens=4,
+                           progress=False)
+    assert dm.max_live_episodes == 3
+    policy = tiny_policy()
+    dm.connect(policy.tokenizer, policy.chat)
+    eps, stats = dm.run(policy.model, [_task(i // 4) for i in range(8)], [i // 4 for i in range(8)], 1.0, "test")
+    assert len(eps) == 8 and stats.episodes == 8 and [e.task.index for e in eps] == [i // 4 for i in range(8)]
+    assert len(dm.env_batch().envs) == 3
+    dm.teardown("fit")
