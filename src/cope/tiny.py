@@ -88,17 +88,20 @@ def _describe(env_factory: Callable[[], Env]) -> str:
     return f"{type(env_factory).__module__}.{getattr(env_factory, '__qualname__', type(env_factory).__name__)}"
 
 
-def _random_walks(envs: list[Env], tokenizer, chat, seed: int, max_context: int, max_action_tokens: int):
+def _random_walks(envs: list[Env], tokenizer, chat, seed: int, max_context: int, max_action_tokens: int,
+                  num_tasks: int | None = None):
     """One random walk per env instance (instances are reused across calls: JVM-backed envs start once)."""
     rng = random.Random(seed)
     n = len(envs)
-    tasks = [Task(envs[0].name, "train", rng.randrange(envs[0].num_tasks("train"))) for _ in range(n)]
+    pool = min(envs[0].num_tasks("train"), num_tasks or envs[0].num_tasks("train"))
+    tasks = [Task(envs[0].name, "train", rng.randrange(pool)) for _ in range(n)]
     actor = RandomWalkActor(tokenizer, chat.stop_id, seed)
     episodes, _ = run_episodes(envs, tasks, list(range(n)), actor, tokenizer, chat, max_context, max_action_tokens)
     return [e for e in episodes if not e.aborted]
 
 
-def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, episodes: int = 200):
+def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, episodes: int = 200,
+                    num_tasks: int | None = None):
     """Byte-level BPE on env text (random walks); every string stays encodable (byte fallback)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -108,7 +111,7 @@ def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, 
     texts = [env.instructions] + ["system\n", "user\n", "assistant\n"] * 200
     seen: list[str] = []
     for _ in range(episodes):
-        r = env.reset(Task(env.name, "train", rng.randrange(env.num_tasks("train"))))
+        r = env.reset(Task(env.name, "train", rng.randrange(min(env.num_tasks("train"), num_tasks or env.num_tasks("train")))))
         texts.append(r.observation)
         for k in range(env.max_steps):
             if not r.admissible_actions:
@@ -150,11 +153,12 @@ def build_tiny_base(
     tokenizer_episodes: int = 200,
     warm_start_walks: int = 128,
     max_action_tokens: int = 8,
+    warm_start_tasks: int | None = None,
 ) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    tokenizer = train_tokenizer(env_factory, vocab_size, seed, tokenizer_episodes)
+    tokenizer = train_tokenizer(env_factory, vocab_size, seed, tokenizer_episodes, warm_start_tasks)
     chat = ChatFormat.chatml(tokenizer)
     cfg = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -181,7 +185,8 @@ def build_tiny_base(
         for attempt in range(3):
             if pool:
                 break
-            pool = _random_walks(walkers, tokenizer, chat, seed + step + 7919 * attempt, max_context, max_action_tokens)
+            pool = _random_walks(walkers, tokenizer, chat, seed + step + 7919 * attempt, max_context, max_action_tokens,
+                                 warm_start_tasks)
         if not pool:
             raise RuntimeError("the tiny model's warm start got no episode from the env (every random walk aborted); "
                                "see the env errors logged above")
@@ -222,6 +227,7 @@ def tiny_policy(
     tokenizer_episodes: int = 200,
     warm_start_walks: int = 128,
     warm_start_action_tokens: int = 8,
+    warm_start_tasks: int | None = None,
     seed: int = 0,
     dtype: str = "fp32",
     quantization: str | None = None,
@@ -234,6 +240,10 @@ def tiny_policy(
         max_context=max_context, warm_start_steps=warm_start_steps, warm_start_batch=warm_start_batch,
         warm_start_lr=warm_start_lr, seed=seed, version=1,
     )
+    if warm_start_tasks is not None:
+        if warm_start_tasks < 1:
+            raise ValueError(f"model.warm_start_tasks must be >= 1 or null, got {warm_start_tasks}")
+        spec.update(warm_start_tasks=warm_start_tasks)
     if (tokenizer_episodes, warm_start_walks, warm_start_action_tokens) != (200, 128, 8):  # old cache keys stay valid
         spec.update(tokenizer_episodes=tokenizer_episodes, warm_start_walks=warm_start_walks,
                     warm_start_action_tokens=warm_start_action_tokens)
@@ -249,7 +259,7 @@ def tiny_policy(
         with torch.random.fork_rng(devices=[]):  # the build reseeds torch: keep the caller's RNG (LoRA init) as it was
             build_tiny_base(env_factory, out, hidden_size, num_layers, num_heads, vocab_size, max_context,
                             warm_start_steps, warm_start_batch, warm_start_lr, seed,
-                            tokenizer_episodes, warm_start_walks, warm_start_action_tokens)
+                            tokenizer_episodes, warm_start_walks, warm_start_action_tokens, warm_start_tasks)
         (out / "spec.json").write_text(json.dumps(spec, indent=1))
     return load_pretrained(str(out), lora=lora, dtype=dtype, quantization=quantization,
                            gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation)
