@@ -1,5 +1,5 @@
-"""The tiny model's format-only warm start (src/cope/tiny.py): which tasks its random walks visit,
-envs without admissible actions, and its bounds on env instances."""
+"""The tiny model's format-only warm start (src/cope/tiny.py): which tasks its random walks visit, and
+envs without admissible actions (their example actions stand in)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +8,7 @@ from cope.envs.maze import MazeEnv
 from cope.tiny import _random_walks, _WithExamples
 from tiny_fixtures import maze_factory, tiny_chat, tiny_tokenizer
 
+
 def test_warm_start_tasks_limits_the_walked_tasks():
     tok, chat = tiny_tokenizer(), tiny_chat()
     envs = [maze_factory() for _ in range(8)]
@@ -15,6 +16,7 @@ def test_warm_start_tasks_limits_the_walked_tasks():
     assert len(eps) == 8 and {e.task.index for e in eps} <= {0, 1}
     wide = _random_walks(envs, tok, chat, seed=0, max_context=512, max_action_tokens=8)
     assert max(e.task.index for e in wide) > 1
+
 
 class _Shell(MazeEnv):
     """A maze that hides its admissible moves, as a shell env has none, but lists example actions."""
@@ -31,6 +33,7 @@ class _Shell(MazeEnv):
 
     def example_actions(self):
         return ["north", "east"]
+
 
 def test_envs_without_admissible_actions_walk_their_example_actions():
     tok, chat = tiny_tokenizer(), tiny_chat()
