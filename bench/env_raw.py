@@ -16,6 +16,21 @@ RAW_NOTES = {
 }
 
 
+def _replayer(envs, step):
+    """``run(plans)``: episode i resets ``envs[i]`` and steps its plan with ``step(env, action)``."""
+
+    def run(plans):
+        n, t0 = 0, time.perf_counter()
+        for env, plan in zip(envs, plans):
+            env.reset()
+            for a in plan:
+                step(env, a)
+                n += 1
+        return n, time.perf_counter() - t0
+
+    return run
+
+
 def _adapter(env_cfg):
     from hydra.utils import instantiate
 
@@ -54,18 +69,7 @@ def textworld(env_cfg, tasks):
     infos = textworld.EnvInfos(score=True, max_score=True, won=True, lost=True, objective=True, feedback=True,
                                admissible_commands=admissible)
     envs = {p: textworld.start(p, request_infos=infos) for p in set(paths)}
-
-    def run(plans):
-        n, t0 = 0, time.perf_counter()
-        for path, plan in zip(paths, plans):
-            env = envs[path]
-            env.reset()
-            for a in plan:
-                env.step(a)
-                n += 1
-        return n, time.perf_counter() - t0
-
-    return run
+    return _replayer([envs[p] for p in paths], lambda env, a: env.step(a))
 
 
 def alfworld(env_cfg, tasks):
@@ -82,18 +86,7 @@ def alfworld(env_cfg, tasks):
         env_id = textworld.gym.register_games([p], infos, batch_size=1, asynchronous=False, max_episode_steps=10**6,
                                               wrappers=[AlfredDemangler(shuffle=False), AlfredInfos])
         envs[p] = textworld.gym.make(env_id)
-
-    def run(plans):
-        n, t0 = 0, time.perf_counter()
-        for path, plan in zip(paths, plans):
-            env = envs[path]
-            env.reset()
-            for a in plan:
-                env.step([a])
-                n += 1
-        return n, time.perf_counter() - t0
-
-    return run
+    return _replayer([envs[p] for p in paths], lambda env, a: env.step([a]))
 
 
 RAW = {"scienceworld": scienceworld, "textworld": textworld, "alfworld": alfworld}

@@ -55,3 +55,19 @@ def test_sample_efficiency_smoke(tmp_path):
     assert summary["algos"]["cope"]["forecast_targets_early_mean"] is not None  # CoPE logs forecast/targets
     again = _run("sample_efficiency.py", args)  # finished runs are reused: the study resumes
     assert again.stdout.count("(reused)") == 2
+
+
+@pytest.mark.parametrize("envs", [["maze", "webshop"], ["textworld"]])
+def test_env_speed_smoke(envs, tmp_path):
+    """bench/env_speed.py replays through every variant (raw where the package exists) and writes its table."""
+    if envs == ["textworld"]:
+        pytest.importorskip("textworld", reason="needs the textworld extra")
+    proc = _run("env_speed.py", ["--envs", *envs, "--episodes", "2", "--steps", "3", "--rounds", "1",
+                                 "--workers", "1", "2", "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "env_speed.json").read_text())["results"]
+    assert sorted(data) == sorted(envs), proc.stdout
+    for name in envs:
+        keys = set(data[name]["steps_per_s"])
+        assert {"adapter", "pool 1", "pool 2"} <= keys and all(v > 0 for v in data[name]["steps_per_s"].values())
+        assert ("raw" in keys) == (name == "textworld")
+    assert (tmp_path / "env_speed.md").read_text().count("\n") >= 4

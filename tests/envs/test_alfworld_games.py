@@ -16,21 +16,7 @@ from cope.envs.alfworld_scenes import TASK_TYPES
 from cope.envs.base import Task
 
 pytest.importorskip("alfworld", reason="needs the alfworld extra (alfworld==0.4.2)")
-GEN = "alfworld-generated"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def alfworld_data(tmp_path_factory):
-    """alfworld creates $ALFWORLD_DATA on import: keep it in a temp folder."""
-    folder = tmp_path_factory.mktemp("alfworld_data")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ALFWORLD_DATA", str(folder))
-        yield folder
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("alfworld_generated"))
+from alfworld_fixtures import GEN, alfworld_data, cache  # noqa: E402,F401 - fixtures used by name
 
 
 @pytest.fixture(scope="module")
