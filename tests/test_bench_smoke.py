@@ -71,3 +71,12 @@ def test_env_speed_smoke(envs, tmp_path):
         assert {"adapter", "pool 1", "pool 2"} <= keys and all(v > 0 for v in data[name]["steps_per_s"].values())
         assert ("raw" in keys) == (name == "textworld")
     assert (tmp_path / "env_speed.md").read_text().count("\n") >= 4
+
+
+def test_rollout_speed_smoke(tmp_path):
+    """bench/rollout_speed.py runs the three settings with the micro policy and prints a line for each."""
+    proc = _run("rollout_speed.py", ["--env", "maze", "--episodes", "4", "--rounds", "1", "--workers", "2",
+                                     "--cache-dir", str(tmp_path / "cache")])
+    lines = [ln for ln in proc.stdout.splitlines() if "speed-up" in ln]
+    assert [ln.split()[0] for ln in lines] == ["in-process", "workers", "workers+overlap"], proc.stdout
+    assert all(" 0 " not in ln.split("env steps")[1] for ln in lines)
