@@ -275,6 +275,11 @@ class EnvWorkerPool:
         live = [s for s, st in self._slots.items() if s % self.num_workers == w and st.task is not None]
         for s in live:
             self._replay(s)
+        for s in live:  # a replay that killed the worker took the slots replayed before it along
+            st = self._slots[s]
+            if st.task is not None and st.made_on != self._generation[w]:
+                self.stats["replay_failures"] += 1
+                st.task, st.lost = None, True
         for req in queue:  # their slots' factories first, while the new worker is idle
             if not (req.cmd == "step" and self._slots[req.slot].lost):
                 self._ready_slot(req.slot)
@@ -303,9 +308,11 @@ class EnvWorkerPool:
             log.warning("slot %d: replay after a worker restart failed (%r); its episode is aborted", slot, e)
             st.task, st.lost = None, True
             w = slot % self.num_workers
-            if isinstance(e, WorkerFailure) and self._workers[w] is not None:
-                self._workers[w].kill()
-                self._workers[w] = None
+            if isinstance(e, WorkerFailure):
+                if self._workers[w] is not None:
+                    self._workers[w].kill()
+                    self._workers[w] = None
+                self._generation[w] += 1  # every slot made on the dead worker must be made again
 
     def close(self) -> None:
         for w, wp in enumerate(self._workers):

@@ -206,3 +206,31 @@ def test_max_instances_bounds_live_episodes_and_instances():
     assert len(eps) == 8 and stats.episodes == 8 and [e.task.index for e in eps] == [i // 4 for i in range(8)]
     assert len(dm.env_batch().envs) == 3
     dm.teardown("fit")
+
+
+def test_replay_that_crashes_loses_every_slot_it_took_along(tmp_path, monkeypatch):
+    """Slot 0's step kills the worker; replaying slot 1 works, replaying slot 2 kills the new worker too
+    (its replay meets a fault). Slot 1's restored state died with that worker: both 1 and 2 are
+    reported lost (never stepped on a fresh, un-reset env), and the pool keeps serving."""
+    from pathlib import Path
+
+    monkeypatch.setenv("PYTHONPATH", f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    import faulty_env  # noqa: F401 - the workers import it by name
+
+    flag = tmp_path / "flag"
+    factory = functools.partial(faulty_env.FlagCrashMaze, flag=str(flag), sizes=[6], max_steps=20)
+    pool = EnvWorkerPool(factory, num_workers=1, reset_timeout_s=60)
+    try:
+        pool.reset([(0, _task(0)), (1, _task(1)), (2, _task(2))])
+        assert not any(isinstance(r, BaseException) for r in pool.submit([(1, "north"), (2, "east")]).results())
+        flag.write_text("on")  # from now on, "east" (slot 2's history) kills the worker
+        res = pool.submit([(0, "crash"), (1, "north"), (2, "north")]).results()
+        assert isinstance(res[0], WorkerFailure)
+        assert isinstance(res[1], WorkerFailure) and "lost" in str(res[1])
+        assert isinstance(res[2], WorkerFailure) and "lost" in str(res[2])
+        assert pool.stats["replay_failures"] == 2
+        flag.unlink()
+        assert not any(isinstance(r, BaseException) for r in pool.reset([(1, _task(1)), (2, _task(2))]))
+        assert not isinstance(pool.submit([(1, "north")]).results()[0], BaseException)
+    finally:
+        pool.close()
