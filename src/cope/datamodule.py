@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 
 from cope.advantages import group_advantages
 from cope.batch import collate
-from cope.envpool import STATS, EnvWorkerPool, InProcessEnvs
+from cope.envbatch import STATS, InProcessEnvs
+from cope.envpool import EnvWorkerPool
 from cope.envs.base import Env, Task
 from cope.episode import Episode
 from cope.generation import CachedSamplingActor

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from cope.chat import ChatFormat
-from cope.envpool import EnvWorkerPool, InProcessEnvs
+from cope.envbatch import InProcessEnvs
+from cope.envpool import EnvWorkerPool
 from cope.envs.base import Env, Task
 from cope.episode import EndReason, Episode, Role, Step
 

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from cope.envpool import EnvWorkerPool, InProcessEnvs
+from cope.envbatch import InProcessEnvs
+from cope.envpool import EnvWorkerPool
 from cope.envs.base import Task
 
 
