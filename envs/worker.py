@@ -15,7 +15,8 @@ Commands: ``make`` (argument: a picklable env factory; creates the slot's instan
 ``call`` (``(method, args)``, e.g. ``example_actions``), ``close`` (one slot), ``exit``.
 
 The child runs ``python -m cope.envs.worker``: its own stdout is redirected to stderr so that an env
-that prints (game engines do) cannot corrupt the channel; it exits when the parent goes away (EOF on
+that prints (game engines do) cannot corrupt the channel; a reader thread takes requests off the pipe
+as they arrive (the parent never blocks on a busy child while the child blocks on a full reply pipe); it exits when the parent goes away (EOF on
 stdin, and SIGKILL via ``PR_SET_PDEATHSIG`` on Linux). It starts a new session so the parent can kill
 the whole process group, including grandchildren such as a JVM.
 """
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import select
 import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -116,12 +119,23 @@ def main() -> None:
     in_fd = sys.stdin.fileno()
     envs: dict[int, Any] = {}
     factories: dict[int, Any] = {}
-    try:
+    inbox: queue.Queue = queue.Queue()
+
+    def drain() -> None:  # read requests as they come, so the parent never blocks writing to a busy child
         while True:
             try:
-                rid, cmd, slot, arg = _read(in_fd)
-            except EOFError:
+                inbox.put(_read(in_fd))
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        while True:
+            msg = inbox.get()
+            if msg is None:
                 break
+            rid, cmd, slot, arg = msg
             if cmd == "exit":
                 _write(out_fd, (rid, True, None))
                 break

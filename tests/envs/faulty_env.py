@@ -16,3 +16,12 @@ class FlagCrashMaze(MazeEnv):
         if action == self.always_crash_on or (action == self.crash_on and os.path.exists(self.flag)):
             os._exit(70)
         return super().step(action)
+
+
+class LoudMaze(MazeEnv):
+    """Answers every step with a 200 kB observation (larger than a pipe buffer)."""
+
+    def step(self, action: str):
+        r = super().step("north")
+        r.observation = "x" * 200_000
+        return r

@@ -235,3 +235,30 @@ def test_replay_that_crashes_loses_every_slot_it_took_along(tmp_path, monkeypatc
         assert not isinstance(pool.submit([(1, "north")]).results()[0], BaseException)
     finally:
         pool.close()
+
+
+def test_large_requests_and_replies_do_not_deadlock(monkeypatch):
+    """Eight 100 kB actions to one worker whose answers are 200 kB each: more than a pipe holds both ways.
+    The worker's reader thread keeps taking requests, so neither side blocks forever."""
+    import threading
+    from pathlib import Path
+
+    monkeypatch.setenv("PYTHONPATH", f"{Path(__file__).parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    import faulty_env
+
+    pool = EnvWorkerPool(functools.partial(faulty_env.LoudMaze, sizes=[6], max_steps=20), num_workers=1)
+    out = {}
+
+    def run():
+        pool.reset([(s, _task(s)) for s in range(8)])
+        out["res"] = pool.submit([(s, "n" * 100_000) for s in range(8)]).results()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(60)
+    try:
+        assert not t.is_alive(), "deadlock: parent and worker both blocked on full pipes"
+        assert [len(r.observation) for r in out["res"]] == [200_000] * 8
+    finally:
+        if not t.is_alive():
+            pool.close()
