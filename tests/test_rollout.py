@@ -325,3 +325,10 @@ def test_reset_harness_text_is_harness_role():
     obs = [t for t, r in zip(ep.tokens[first_turn], roles) if r == Role.OBSERVATION]
     assert tok.decode(harness) == "\n[observation cut]"
     assert tok.decode(obs) == HAND_OBS[0]
+
+
+def test_fewer_env_instances_than_episodes_is_an_error():
+    tok, chat = tiny_tokenizer(), tiny_chat()
+    with pytest.raises(ValueError, match="only 1 env instances"):
+        run_episodes([maze_factory()], maze_tasks(2), [0, 1], Scripted({0: [[chat.stop_id]], 1: [[chat.stop_id]]}),
+                     tok, chat, MAX_CONTEXT, MAX_ACTION)

@@ -194,9 +194,7 @@ class RolloutDataModule(pl.LightningDataModule):
                                      progress=bar.update if bar else None, chunks=self.rollout_chunks,
                                      instructions=self.instructions)
                 eps += e
-                for k in ("episodes", "env_steps", "generated_tokens", "env_errors", "gen_seconds", "env_seconds"):
-                    setattr(stats, k, getattr(stats, k) + getattr(st, k))
-                stats.errors += st.errors
+                stats.add(st)
         finally:
             model.train(was_training)
             if bar:

@@ -52,6 +52,12 @@ class RolloutStats:
     env_seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
 
+    def add(self, other: "RolloutStats") -> None:
+        """Accumulate another run's stats (the waves of one epoch)."""
+        for k in ("episodes", "env_steps", "generated_tokens", "env_errors", "gen_seconds", "env_seconds"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.errors += other.errors
+
 
 def _encode(tokenizer, text: str) -> list[int]:
     if not text:
@@ -81,9 +87,7 @@ def run_episodes(
     prompt (None: the env's own rules and action format).
     """
     assert len(tasks) == len(groups)
-    batch = envs if hasattr(envs, "submit") else InProcessEnvs(envs=list(envs))
-    if isinstance(envs, list) and len(envs) < len(tasks):
-        raise ValueError(f"{len(tasks)} episodes but only {len(envs)} env instances")
+    batch = envs if hasattr(envs, "submit") else InProcessEnvs(envs=list(envs))  # too few instances: ValueError
     if hasattr(actor, "reset"):
         actor.reset()
     actors = [actor] + [actor.fork() for _ in range(chunks - 1)]
@@ -103,7 +107,7 @@ def run_episodes(
             continue
         admissible[i] = first.admissible_actions
         ep.append(_encode(tokenizer, first.observation), Role.OBSERVATION)
-        if getattr(first, "harness", ""):
+        if first.harness:
             ep.append(_encode(tokenizer, ("\n" if first.observation else "") + first.harness), Role.HARNESS)
         ep.append(chat.close_turn(), Role.PROMPT)
         ep.prompt_len = len(ep.tokens)

@@ -88,13 +88,17 @@ def _describe(env_factory: Callable[[], Env]) -> str:
     return f"{type(env_factory).__module__}.{getattr(env_factory, '__qualname__', type(env_factory).__name__)}"
 
 
+def _walked_tasks(env: Env, limit: int | None) -> int:
+    """How many train tasks (indices 0..n-1) the warm start walks: all, or the first ``limit``."""
+    return min(env.num_tasks("train"), limit or env.num_tasks("train"))
+
+
 def _random_walks(envs: list[Env], tokenizer, chat, seed: int, max_context: int, max_action_tokens: int,
                   num_tasks: int | None = None):
     """One random walk per env instance (instances are reused across calls: JVM-backed envs start once)."""
     rng = random.Random(seed)
     n = len(envs)
-    pool = min(envs[0].num_tasks("train"), num_tasks or envs[0].num_tasks("train"))
-    tasks = [Task(envs[0].name, "train", rng.randrange(pool)) for _ in range(n)]
+    tasks = [Task(envs[0].name, "train", rng.randrange(_walked_tasks(envs[0], num_tasks))) for _ in range(n)]
     actor = RandomWalkActor(tokenizer, chat.stop_id, seed)
     episodes, _ = run_episodes(envs, tasks, list(range(n)), actor, tokenizer, chat, max_context, max_action_tokens)
     return [e for e in episodes if not e.aborted]
@@ -111,7 +115,7 @@ def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, 
     texts = [env.instructions] + ["system\n", "user\n", "assistant\n"] * 200
     seen: list[str] = []
     for _ in range(episodes):
-        r = env.reset(Task(env.name, "train", rng.randrange(min(env.num_tasks("train"), num_tasks or env.num_tasks("train")))))
+        r = env.reset(Task(env.name, "train", rng.randrange(_walked_tasks(env, num_tasks))))
         texts.append(r.observation)
         for k in range(env.max_steps):
             if not r.admissible_actions:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cope.envs.sandbox import SANDBOX_UID, Sandbox, unavailable_reason
+from cope.envs.sandbox import SANDBOX_UID, Sandbox, _count_processes, unavailable_reason
 from cope.envs.workdir import Snapshot, pack
 
 _REASON = "bwrap not installed (Debian package: bubblewrap)" if shutil.which("bwrap") is None else unavailable_reason()
@@ -46,17 +46,6 @@ def _marked(pattern: str) -> list[int]:
             except OSError:
                 pass
     return found
-
-
-def _uid_processes(uid: int) -> int:
-    n = 0
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                n += os.stat(f"/proc/{pid}").st_uid == uid
-            except OSError:
-                pass
-    return n
 
 
 def test_no_network_reaches_a_host_listener(sandbox, state):
@@ -112,7 +101,7 @@ def test_fork_bomb_is_bounded(sandbox, state):
 
     def watch():
         while not stop.is_set():
-            peak[0] = max(peak[0], _uid_processes(sandbox.host_uid))
+            peak[0] = max(peak[0], _count_processes(sandbox.host_uid))
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch) if sandbox.host_uid is not None else None
@@ -133,7 +122,7 @@ def test_fork_bomb_is_bounded(sandbox, state):
     if sandbox.host_uid is not None:
         assert sandbox.max_processes // 2 < peak[0] <= sandbox.max_processes + 3, peak[0]  # the limit binds
         time.sleep(0.2)
-        assert _uid_processes(sandbox.host_uid) == 0  # and nothing is left afterwards
+        assert _count_processes(sandbox.host_uid) == 0  # and nothing is left afterwards
 
 
 def test_disk_is_capped(sandbox, state):
