@@ -11,7 +11,7 @@ variations (``test_split``); the selected tasks' variations are interleaved over
 
 Lean steps: the package's ``ScienceWorldEnv.step`` also fetches look/inventory/task text and the full
 valid-action list on every call (8-20 steps/s). The adapter calls the simulator's ``step``, ``getScore``
-and ``getCompleted`` only; the valid-action list (one JSON call) is fetched only when
+and ``getCompleted`` only; the valid-action list (one list call) is fetched only when
 ``admissible_actions=True`` (optionally capped to ``max_admissible_actions``, a deterministic sample).
 
 Scores and rewards: ``score`` is the simulator's score divided by 100, i.e. in [0, 1] (the package's
@@ -41,7 +41,6 @@ of objects in room descriptions (otherwise random per load) and so every transcr
 """
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 
@@ -265,8 +264,8 @@ class ScienceWorldEnv:
     def _admissible(self, cap: int | None = None) -> list[str]:
         if self._menu is not None:
             return [str(i) for i in range(len(self._menu))]
-        found = json.loads(self._sim.server.getValidActionObjectCombinationsJSON())["validActions"]
-        actions = sorted({a["action"] for a in found})
+        # the plain list call: same set as the JSON call with templates, 2-4x cheaper (measured)
+        actions = sorted(set(self._sim.server.getValidActionObjectCombinations()))
         cap = self.max_admissible if cap is None else cap
         if 0 < cap < len(actions):
             actions = sorted(random.Random(f"{self._task.id}/{self._steps}").sample(actions, cap))
