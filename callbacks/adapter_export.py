@@ -38,11 +38,14 @@ def export_adapter(policy, path: Path, info: dict | None = None) -> Path:
         ``path``.
     """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    policy.model.save_pretrained(str(path))
-    policy.tokenizer.save_pretrained(str(path))
     meta = {"base_model": str(policy.source), "format": "peft", **(info or {})}
-    (path / EXPORT_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        policy.model.save_pretrained(str(path))
+        policy.tokenizer.save_pretrained(str(path))
+        (path / EXPORT_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    except OSError as e:  # a full disk, a read-only folder: say where (save_pretrained's own message often does not)
+        raise OSError(e.errno, f"adapter export to {path} failed: {e.strerror or e}") from e
     return path
 
 

@@ -96,7 +96,8 @@ class SampleEfficiency(Callback):
         self.val_rows.append(row)
         if self.reached is None and success is not None and success >= self.threshold:
             self.reached = {k: row[k] for k in ("episodes", "env_steps", "global_step")}
-            metrics = {"efficiency/episodes_to_threshold": row["episodes"], "efficiency/env_steps_to_threshold": row["env_steps"]}
+            metrics = {"efficiency/episodes_to_threshold": row["episodes"], "efficiency/env_steps_to_threshold": row["env_steps"],
+                       "epoch": row["epoch"]}
             for logger in trainer.loggers:  # logger methods are rank-zero-only themselves
                 logger.log_metrics(metrics, step=trainer.global_step)
         out = _run_dir(trainer)  # on every rank: log_dir is a collective

@@ -18,6 +18,7 @@ from pathlib import Path
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import WandbLogger
 
+from cope.checkpoint_io import atomic_write_bytes
 from cope.episode import Episode, Role
 
 COLUMNS = ["epoch", "task", "episode", "step", "action", "valid", "reward", "observation"]
@@ -72,6 +73,14 @@ class TrajectoryTable(Callback):
                 obs = feedback_text(ep, j, tokenizer)[: self.max_chars]
                 out.append([epoch, ep.task.id, i, j, s.action_text[: self.max_chars], bool(s.valid), float(s.reward), obs])
         return out
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # lines an earlier process wrote for the epoch this fit starts at or later: that epoch runs again
+        path = _run_dir(trainer) / "trajectories.jsonl"
+        if trainer.is_global_zero and path.exists():
+            keep = [ln for ln in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                    if ln.strip() and json.loads(ln).get("epoch", -1) < trainer.current_epoch]
+            atomic_write_bytes(path, "".join(keep).encode("utf-8"))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if (trainer.current_epoch + 1) % self.every_n_epochs:

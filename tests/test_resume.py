@@ -58,7 +58,8 @@ def test_loop_and_optimizer_restored(resumed):
     s = resumed["start"]
     assert (s["epoch"], s["global_step"]) == (2, 2)
     assert s["adam_steps"] and all(n == 2 for n in s["adam_steps"])  # AdamW moments came back, not a fresh optimizer
-    assert (resumed["final"]["epoch"], resumed["final"]["global_step"]) == (3, 3)
+    # written at the end of the last epoch (0-based index 2), after its one optimizer step
+    assert (resumed["final"]["epoch"], resumed["final"]["global_step"]) == (2, 3)
 
 
 def test_adapter_restored_at_resume_start(resumed):

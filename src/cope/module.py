@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 
 from cope.objectives import ForwardOut, Objective, combine
 from cope.policy import Policy
@@ -59,6 +60,7 @@ class AgentRLModule(pl.LightningModule):
         self.objectives = objectives
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.strict_loading = False  # checkpoints carry adapter weights only
+        self.last_validation: dict[str, float] = {}  # val/* of the newest validation, with val/epoch
 
     @property
     def needs_ref(self) -> bool:
@@ -101,6 +103,13 @@ class AgentRLModule(pl.LightningModule):
             self.model.train(was)
 
     # -- training --------------------------------------------------------------------------------
+    def on_train_start(self) -> None:
+        # rows an earlier process logged for the epoch this fit starts at (or later) are gone from the
+        # run's history: that epoch is run again (a resume after a crash) or the folder is reused
+        for lg in self.trainer.loggers:
+            if hasattr(lg, "rewind"):
+                lg.rewind(self.current_epoch)
+
     def on_train_epoch_start(self) -> None:
         dm = self.trainer.datamodule
         if dm is not None and dm.last_rollout_metrics:
@@ -122,6 +131,12 @@ class AgentRLModule(pl.LightningModule):
             dm.last_val_episodes = []
         dm.last_val_episodes.extend(eps)
         self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(batch))
+
+    def on_validation_end(self) -> None:
+        if self.trainer.sanity_checking or self.trainer.state.fn != TrainerFn.FITTING:  # not the pre-fit validation
+            return
+        vals = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("val/")}
+        self.last_validation = {**vals, "val/epoch": float(self.current_epoch)}
 
     def configure_optimizers(self):
         params = self.policy.trainable_parameters()

@@ -1,0 +1,55 @@
+"""Every shipped model config runs end to end on a locally saved tiny model of its family.
+
+The Qwen2.5 presets give ``lora.target_modules`` as a YAML list; before configs were turned into plain
+containers on their way to library constructors (``cope.run.instantiate_plain``), peft held an OmegaConf
+``ListConfig`` there and the adapter export at the end of the run could not serialize it (a 0-byte
+``adapter_config.json``, exit 1). Here each preset trains one epoch through ``python train.py`` on a
+tiny Qwen2 saved with ``save_pretrained`` (same architecture family, no download), exports, and the
+export loads with plain peft onto the same base and reproduces the trained adapter's weights."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_fixtures import save_tiny
+
+MODEL_CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "model").glob("*.yaml")
+                       if p.stem != "tiny")  # tiny: tests/test_train_e2e.py runs it end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+def test_every_pretrained_preset_is_covered():
+    assert {"qwen2.5-7b", "qwen2.5-14b"} <= set(MODEL_CONFIGS)
+
+
+@pytest.mark.parametrize("preset", MODEL_CONFIGS)
+def test_preset_trains_exports_and_reloads(train_script, tmp_path, tiny_folder, preset):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    proc = train_script([f"model={preset}", f"model.path={tiny_folder}", "model.dtype=fp32", "trainer.max_epochs=1",
+                         "data.tasks_per_epoch=1", "data.group_size=2", "data.val_tasks=2", "data.max_context=1024",
+                         "data.progress=false", "trainer.enable_progress_bar=false", f"hydra.run.dir={run}"],
+                        tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "=== cope-trainer run summary ===" in proc.stdout
+    adapter = run / "csv" / "adapter"
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert isinstance(cfg["target_modules"], list) and "q_proj" in cfg["target_modules"], cfg["target_modules"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_folder)), str(adapter))
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(saved) == len(loaded) > 0
+    for k, v in saved.items():
+        match = [lk for lk in loaded if lk.replace(".default", "").endswith(k.split("base_model.model.", 1)[-1])]
+        assert match and torch.equal(loaded[match[0]], v), k
+    assert (run / "checkpoints" / "last.ckpt").is_file()
