@@ -11,9 +11,18 @@ root is read-only, so nothing else can be written, and the home folder, the repo
 
 **Persistence.** A tmpfs dies with its sandbox, so the work dir travels as a tar archive (the *state*,
 bytes held by the caller): the sandbox's pid 1, a fixed bash script (:data:`_WRAPPER`), unpacks the
-state into ``/work``, runs the command under ``timeout -s KILL``, kills every other process of the
+state into ``/work``, runs the command with a timer that kills it, kills every other process of the
 namespace (background children included), then packs ``/work`` again. The host never unpacks an
-archive onto its disk: :class:`~cope.envs.workdir.Snapshot` reads it in memory.
+archive onto its disk, and checks it (:func:`~cope.envs.workdir.check_archive`) before anything reads it.
+
+**Nothing inside can steer pid 1.** A seccomp filter (:func:`seccomp_filter`, bwrap ``--seccomp``)
+makes ``ptrace``, ``process_vm_readv``/``writev`` and ``pidfd_getfd`` fail with ``EPERM``; pid 1 runs
+from an execute-only copy of bash, which the kernel makes non-dumpable, so the command (same uid, no
+capabilities) cannot open ``/proc/1/mem`` or ``/proc/1/fd/*`` either (that is how a command could
+write its own report without any debugger); debuggers (:data:`DEBUGGERS`) are covered with
+``/dev/null``. The exit status comes from bwrap itself (``--json-status-fd``, written outside the
+sandbox) and must match the report line; a report or archive that fails these checks is refused
+(:attr:`SandboxResult.rejected`), never trusted.
 
 **Limits** (per command): wall time (``timeout`` inside; the host kills the whole sandbox at
 ``timeout_s + grace_s``), address space (``RLIMIT_AS``), processes (``RLIMIT_NPROC``), file size
@@ -24,20 +33,24 @@ under that user, with the process limit raised by the user's current process cou
 the user's processes outside the sandbox too).
 
 Channels: stdin is the state (a memfd), stdout the command's stdout+stderr (a memfd, so a chatty
-command only fills a capped file), stderr the wrapper's report line followed by the new state.
+command only fills a capped file), stderr the wrapper's report line followed by the new state (or
+bwrap's own error message), ``--json-status-fd`` bwrap's status (the sandbox started; pid 1's exit code).
 """
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import platform
 import shutil
 import signal
+import struct
 import subprocess
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
-from cope.envs.workdir import is_complete, pack
+from cope.envs.workdir import LIMIT_REASONS, MAX_MEMBERS, check_archive, pack
 
 REPORT = b"COPE-SANDBOX "
 SANDBOX_UID = 1000  # the uid/gid the command sees (name "agent")
@@ -56,21 +69,32 @@ _ENV = {
     "GIT_AUTHOR_NAME": "agent", "GIT_AUTHOR_EMAIL": "agent@sandbox", "GIT_COMMITTER_NAME": "agent",
     "GIT_COMMITTER_EMAIL": "agent@sandbox", "PYTHONDONTWRITEBYTECODE": "1",
 }
+# Covered with /dev/null inside (where they exist under /usr): ptrace is denied anyway, this leaves no hint.
+DEBUGGERS = ("gdb", "gdb-multiarch", "gdbserver", "strace", "ltrace", "lldb", "lldb-server")
+# machine -> (AUDIT_ARCH_*, numbers of ptrace, process_vm_readv, process_vm_writev, pidfd_getfd)
+_DENIED_SYSCALLS = {"x86_64": (0xC000003E, (101, 310, 311, 438)), "aarch64": (0xC00000B7, (117, 270, 271, 438))}
+# Execute-only copies (inside path -> program): the kernel makes a process that runs one non-dumpable.
+_EXEC_ONLY = {"/.cope/bash": "bash", "/.cope/timeout": "timeout"}
+_INIT = "/.cope/bash"
 # pid 1 of the sandbox: $1 = time limit (s), $2 = the command. fd 3 = the report channel (bwrap's stderr).
-# As pid 1 it ignores signals sent from inside the namespace, and `kill -KILL -1` spares only pid 1.
+# As pid 1 it gets only the signals it has handlers for, from inside the namespace: bash's own SIGINT handler
+# (while it waits) would end it, so INT/QUIT get a no-op trap (children start with the default). It and
+# `timeout` (the command's parent) run from execute-only copies, so the command cannot rewrite either.
 _WRAPPER = r"""
 exec 3>&2 2>/dev/null
+trap : INT QUIT
 umask 022
 cd /work || exit 1
-tar -xpf - -C /work || { printf 'COPE-SANDBOX setup 1 0 0\n' >&3; exit 0; }
+tar -xpf - -C /work || { printf 'COPE-SANDBOX setup 1 0 0\n' >&3; exit 1; }
 exec </dev/null
 msg=$(bash -n -c "$2" 2>&1 3>&-)
 if [ $? -ne 0 ]; then
   printf '%s\n' "$msg"
+  rc=2
   printf 'COPE-SANDBOX syntax 2 0 0\n' >&3
 else
   t0=$EPOCHREALTIME
-  timeout -s KILL "$1" bash -c "$2" 2>&1 3>&-
+  /.cope/timeout -s KILL "$1" bash -c "$2" 2>&1 3>&-
   rc=$?
   t1=$EPOCHREALTIME
   kill -KILL -1
@@ -78,22 +102,59 @@ else
 fi
 chmod u+rwx /work
 tar -cf - -C /work . >&3
+exit "$rc"
 """
+
+
+def seccomp_filter(machine: str | None = None) -> bytes:
+    """A classic-BPF seccomp program (``struct sock_filter[]``, what bwrap's ``--seccomp`` reads): on the
+    native architecture, ``ptrace``, ``process_vm_readv``, ``process_vm_writev`` and ``pidfd_getfd``
+    fail with ``EPERM``; so does every syscall of another ABI (x32 numbers, 32-bit compat), which have
+    other numbers for the same calls. Everything else is allowed."""
+    machine = machine or platform.machine()
+    if machine not in _DENIED_SYSCALLS:
+        raise OSError(f"no seccomp filter for machine {machine!r} (known: {sorted(_DENIED_SYSCALLS)})")
+    arch, denied = _DENIED_SYSCALLS[machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+    n = len(denied)
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (ld, 0, 0, 0),  # seccomp_data.arch, .nr
+            (jge, n + 1, 0, 0x40000000 if machine == "x86_64" else 0xFFFFFFFF)]  # x32 syscalls
+    prog += [(jeq, n - i, 0, nr) for i, nr in enumerate(denied)]
+    prog += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
+
+
+@cache
+def _program_bytes(name: str) -> bytes:
+    """The bytes of a program under /usr, for an execute-only copy of it inside the sandbox."""
+    found = shutil.which(name, path=_PATH)
+    if found is None:
+        raise OSError(f"{name} not found under /usr/bin or /bin")
+    with open(os.path.realpath(found), "rb") as f:
+        return f.read()
+
+
+def _hidden_debuggers() -> list[str]:
+    found = {os.path.realpath(os.path.join(d, name)) for d in ("/usr/local/bin", "/usr/local/sbin", "/usr/bin",
+                                                                "/usr/sbin") for name in DEBUGGERS}
+    return sorted(p for p in found if p.startswith("/usr/") and os.path.isfile(p))
 
 
 @dataclass(frozen=True)
 class SandboxResult:
     """What one command did. ``state`` is the new work dir (tar bytes), None when it could not be saved
-    (host-side kill, archive over the limits, sandbox failure): the caller keeps the previous state."""
+    (host-side kill, archive over the limits or refused, sandbox failure): the caller keeps the previous state."""
 
     output: str  # the command's stdout+stderr (first ``max_output_bytes`` bytes, UTF-8 with replacement)
     output_bytes: int  # total bytes the command wrote to stdout/stderr
-    exit_code: int | None  # None when it timed out or never ran
+    exit_code: int | None  # None when it timed out or never ran, or its report was refused
     timed_out: bool
     syntax_error: bool  # bash could not parse the command: nothing ran
     state: bytes | None
     seconds: float  # host wall time of the whole sandbox (setup, command, packing)
-    error: str = ""  # sandbox failure (bwrap's message); "" when the sandbox worked
+    error: str = ""  # sandbox failure (bwrap's message) or why the archive was not kept; "" when all worked
+    rejected: str = ""  # why the report or archive was refused as forged (exit_code, state: None); "" if not
 
 
 @lru_cache(maxsize=1)
@@ -105,7 +166,7 @@ def unavailable_reason(bwrap: str = "bwrap") -> str | None:
     try:
         res = Sandbox(timeout_s=5, bwrap=bwrap).run("echo ok", pack({}))
     except OSError as exc:
-        return f"bwrap failed to start: {exc}"
+        return f"the sandbox cannot start: {exc}"
     if res.error or res.output.strip() != "ok":
         return f"bwrap cannot create its namespaces here: {res.error or res.output!r}"
     return None
@@ -142,6 +203,7 @@ class Sandbox:
         work_size_mb: Size of the ``/work`` tmpfs (the persistent work dir).
         tmp_size_mb: Size of each of the ``/tmp`` and ``/dev/shm`` tmpfs mounts (discarded per command).
         max_output_bytes: How much of the command's output is read back.
+        max_members: Most members a returned work-dir archive may have (more: it is not kept).
         host_uid: Host uid to run sandboxes under when the host runs as root (None: pick one per
             instance from ``AUTO_UID_RANGE``); ignored otherwise.
         bwrap: The bubblewrap executable.
@@ -149,10 +211,12 @@ class Sandbox:
 
     def __init__(self, timeout_s: float = 10.0, grace_s: float = 5.0, memory_mb: int = 1024,
                  max_processes: int = 64, work_size_mb: int = 64, tmp_size_mb: int = 16,
-                 max_output_bytes: int = 1 << 16, host_uid: int | None = None, bwrap: str = "bwrap") -> None:
+                 max_output_bytes: int = 1 << 16, max_members: int = MAX_MEMBERS, host_uid: int | None = None,
+                 bwrap: str = "bwrap") -> None:
         for arg, value, low in (("timeout_s", timeout_s, 0.1), ("grace_s", grace_s, 0.5), ("memory_mb", memory_mb, 64),
                                 ("max_processes", max_processes, 4), ("work_size_mb", work_size_mb, 1),
-                                ("tmp_size_mb", tmp_size_mb, 1), ("max_output_bytes", max_output_bytes, 1)):
+                                ("tmp_size_mb", tmp_size_mb, 1), ("max_output_bytes", max_output_bytes, 1),
+                                ("max_members", max_members, 1)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{arg} must be a number >= {low}, got {value!r}")
         if host_uid is not None and (not isinstance(host_uid, int) or host_uid <= 0):
@@ -160,7 +224,7 @@ class Sandbox:
         self.timeout_s, self.grace_s = float(timeout_s), float(grace_s)
         self.memory_mb, self.max_processes = int(memory_mb), int(max_processes)
         self.work_size_mb, self.tmp_size_mb = int(work_size_mb), int(tmp_size_mb)
-        self.max_output_bytes, self.bwrap = int(max_output_bytes), bwrap
+        self.max_output_bytes, self.max_members, self.bwrap = int(max_output_bytes), int(max_members), bwrap
         if os.geteuid() == 0:
             lo, hi = AUTO_UID_RANGE
             self.host_uid = host_uid or lo + (os.getpid() * 131 + next(_uid_counter)) % (hi - lo)
@@ -181,12 +245,16 @@ class Sandbox:
         return [f"--as={self.memory_mb << 20}", f"--nproc={nproc}", f"--fsize={self.max_file_bytes}",
                 "--core=0", "--nofile=1024", f"--cpu={cpu}"]
 
-    def argv(self, command: str, timeout_s: float, etc_fds: dict[str, int]) -> list[str]:
-        """The full ``prlimit ... -- bwrap ... -- bash -c WRAPPER`` command line."""
+    def argv(self, command: str, timeout_s: float, fds: dict[str, int]) -> list[str]:
+        """The full ``prlimit ... -- bwrap ... -- /.cope/bash -c WRAPPER`` command line; ``fds`` holds the
+        memfds of the seccomp program (``"seccomp"``), of bwrap's status (``"status"``), of the
+        execute-only programs (by inside path) and of the synthetic ``/etc`` files (by name)."""
         a = [shutil.which("prlimit") or "prlimit", *self.limits(), "--", self.bwrap,
              "--unshare-all", "--unshare-user", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
              "--hostname", "sandbox", "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--as-pid-1",
-             "--ro-bind", "/usr", "/usr"]
+             "--seccomp", str(fds["seccomp"]), "--json-status-fd", str(fds["status"]), "--ro-bind", "/usr", "/usr"]
+        for path in _hidden_debuggers():
+            a += ["--ro-bind", "/dev/null", path]
         for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             path = "/" + name
             if os.path.islink(path):
@@ -195,27 +263,36 @@ class Sandbox:
                 a += ["--ro-bind", path, path]
         a += ["--ro-bind-try", "/etc/alternatives", "/etc/alternatives",
               "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-        for name, fd in etc_fds.items():
-            a += ["--perms", "0644", "--ro-bind-data", str(fd), f"/etc/{name}"]
+        for name, fd in fds.items():
+            if name in _ETC:
+                a += ["--perms", "0644", "--ro-bind-data", str(fd), f"/etc/{name}"]
+            elif name in _EXEC_ONLY:  # mode 0111: the kernel makes its process non-dumpable (no /proc/PID/mem, fd)
+                a += ["--perms", "0111", "--ro-bind-data", str(fd), name]
         tmp, work = str(self.tmp_size_mb << 20), str(self.work_size_mb << 20)
         a += ["--proc", "/proc", "--dev", "/dev", "--size", tmp, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
               "--size", tmp, "--tmpfs", "/tmp", "--size", work, "--tmpfs", "/work", "--remount-ro", "/",
               "--chdir", "/work", "--clearenv"]
         for key, value in _ENV.items():
             a += ["--setenv", key, value]
-        return a + ["--", "/bin/bash", "--noprofile", "--norc", "-c", _WRAPPER, "sandbox", f"{timeout_s:g}", command]
+        return a + ["--", _INIT, "--noprofile", "--norc", "-c", _WRAPPER, "sandbox", f"{timeout_s:g}", command]
 
     def run(self, command: str, state: bytes, timeout_s: float | None = None) -> SandboxResult:
         """Run ``command`` (bash) in ``/work`` restored from ``state``; never raises for what the
-        command does (only for host-side errors such as a missing bwrap)."""
+        command does (only for host-side errors such as a missing bwrap, and ``ValueError`` for a
+        command that cannot be a program argument at all, see :func:`unpassable`)."""
+        problem = unpassable(command)
+        if problem is not None:
+            raise ValueError(f"cannot run the command: {problem}")
         limit = self.timeout_s if timeout_s is None else float(timeout_s)
-        etc = {name: _memfd(text.encode()) for name, text in _ETC.items()}
-        fds = [fd_in := _memfd(state), fd_out := _memfd(), fd_rep := _memfd(), *etc.values()]
+        fds = {"seccomp": _memfd(seccomp_filter()), "status": _memfd(),
+               **{path: _memfd(_program_bytes(name)) for path, name in _EXEC_ONLY.items()},
+               **{name: _memfd(text.encode()) for name, text in _ETC.items()}}
+        fd_in, fd_out, fd_rep = _memfd(state), _memfd(), _memfd()
         user = {} if self.host_uid is None else {"user": self.host_uid, "group": self.host_uid, "extra_groups": []}
         t0 = time.perf_counter()
         try:
-            proc = subprocess.Popen(self.argv(command, limit, etc), stdin=fd_in, stdout=fd_out, stderr=fd_rep,
-                                    pass_fds=tuple(etc.values()), cwd="/", start_new_session=True, **user)
+            proc = subprocess.Popen(self.argv(command, limit, fds), stdin=fd_in, stdout=fd_out, stderr=fd_rep,
+                                    pass_fds=tuple(fds.values()), cwd="/", start_new_session=True, **user)
             try:
                 proc.wait(limit + self.grace_s)
                 killed = False
@@ -229,30 +306,72 @@ class Sandbox:
             seconds = time.perf_counter() - t0
             size = os.fstat(fd_out).st_size
             raw = os.pread(fd_out, self.max_output_bytes, 0)
-            report = os.pread(fd_rep, os.fstat(fd_rep).st_size, 0)
+            report = os.pread(fd_rep, min(os.fstat(fd_rep).st_size, self.max_file_bytes + (1 << 16)), 0)
+            status = os.pread(fds["status"], 1 << 16, 0)
         finally:
-            for fd in fds:
+            for fd in (fd_in, fd_out, fd_rep, *fds.values()):
                 os.close(fd)
         output = raw.decode("utf-8", errors="replace")
         if killed:
             return SandboxResult(output, size, None, True, False, None, seconds, "")
-        return _parse_report(report, output, size, seconds, limit)
+        return self._result(report, _exit_status(status), output, size, seconds, limit)
+
+    def _result(self, report: bytes, exit_status: int | None | bool, output: str, size: int, seconds: float,
+                limit: float) -> SandboxResult:
+        """Check the report line and the archive against bwrap's own exit status of pid 1."""
+        def fail(error: str = "", rejected: str = "") -> SandboxResult:
+            return SandboxResult(output, size, None, False, False, None, seconds, error, rejected)
+
+        if exit_status is False:  # bwrap never started the sandbox: its message is on the report channel
+            return fail(report[:2000].decode(errors="replace").strip() or "bwrap failed with no message")
+        line_end = report.find(b"\n")
+        fields = report[len(REPORT):line_end].decode(errors="replace").split() if report.startswith(REPORT) else []
+        if (len(fields) != 4 or fields[0] not in ("setup", "syntax", "run") or not fields[1].isdigit()
+                or int(fields[1]) != exit_status):
+            return fail(rejected=f"the report {report[:80]!r} does not match the exit status {exit_status} of "
+                                 "the sandbox's pid 1 (forged or garbled)")
+        phase, rc = fields[0], int(fields[1])
+        if phase == "setup":
+            return fail("the sandbox could not unpack the work dir")
+        try:
+            elapsed = float(fields[3]) - float(fields[2])
+        except ValueError:
+            return fail(rejected=f"the report {report[:80]!r} has unreadable times")
+        state: bytes | None = report[line_end + 1:]
+        reason = check_archive(state, max_members=self.max_members, max_bytes=self.max_file_bytes)
+        if reason is not None and not reason.startswith(LIMIT_REASONS):  # GNU tar never writes that: tampering
+            return fail(rejected=f"the returned archive is malformed: {reason}")
+        error = ""
+        if reason is not None:
+            state, error = None, f"the returned archive was not kept: {reason}"
+        if phase == "syntax":
+            return SandboxResult(output, size, 2, False, True, state, seconds, error)
+        timed_out = rc == 128 + signal.SIGKILL and elapsed >= limit - 0.05
+        return SandboxResult(output, size, None if timed_out else rc, timed_out, False, state, seconds, error)
 
 
-def _parse_report(report: bytes, output: str, size: int, seconds: float, limit: float) -> SandboxResult:
-    at = report.find(REPORT)
-    line_end = report.find(b"\n", at)
-    fields = report[at + len(REPORT):line_end].decode(errors="replace").split() if at >= 0 and line_end > 0 else []
-    if len(fields) != 4 or fields[0] not in ("run", "syntax"):
-        reason = report[:at if at >= 0 else 2000].decode(errors="replace").strip() or "no report from the sandbox"
-        return SandboxResult(output, size, None, False, False, None, seconds, reason)
-    phase, rc = fields[0], int(fields[1])
-    state: bytes | None = report[line_end + 1:]
-    error = ""
-    if not is_complete(state):
-        state, error = None, "the work dir could not be saved (over the size limits?)"
-    if phase == "syntax":
-        return SandboxResult(output, size, 2, False, True, state, seconds, error)
-    elapsed = float(fields[3]) - float(fields[2])
-    timed_out = rc == 128 + signal.SIGKILL and elapsed >= limit - 0.05
-    return SandboxResult(output, size, None if timed_out else rc, timed_out, False, state, seconds, error)
+def unpassable(command: str) -> str | None:
+    """Why ``command`` cannot be passed to bash as an argument (a NUL byte ends a C string; an unpaired
+    surrogate has no bytes), None when it can. Byte-level tokenizers can produce both."""
+    if "\x00" in command:
+        return "it contains a NUL byte (\\0), which no program argument can hold"
+    try:
+        os.fsencode(command)
+    except UnicodeEncodeError as exc:
+        return f"it is not encodable text ({exc.reason} at character {exc.start})"
+    return None
+
+
+def _exit_status(status: bytes) -> int | None | bool:
+    """pid 1's exit code from bwrap's ``--json-status-fd`` lines: False when the sandbox never started,
+    None when it started but bwrap reported no exit code."""
+    docs = []
+    for line in status.decode(errors="replace").splitlines():
+        try:
+            docs.append(dict(json.loads(line)))
+        except (ValueError, TypeError):
+            continue
+    if not any("child-pid" in d for d in docs):
+        return False
+    codes = [d["exit-code"] for d in docs if isinstance(d.get("exit-code"), int)]
+    return codes[-1] if codes else None

@@ -10,8 +10,8 @@ fence, an ``Action:`` label and one layer of quotes are dropped; periods are kep
 * a message to the user: plain text, or ``{"respond": "<text>"}``.
 
 Strict otherwise: text that starts with ``{`` must be exactly one such JSON object (a JSON error,
-extra keys, a non-object ``arguments``, an empty ``respond``, arguments to ``done`` are all
-malformed); a JSON list (several calls at once) and a Python-style call of a known tool
+nesting deeper than :data:`MAX_JSON_DEPTH`, extra keys, a non-object ``arguments``, an empty
+``respond``, arguments to ``done`` are all malformed); a JSON list (several calls at once) and a Python-style call of a known tool
 (``get_users()``) are malformed too. A malformed action never reaches tau2: the step is invalid and
 the harness text names the problem.
 """
@@ -28,6 +28,7 @@ DONE = "done"
 DONE_SCHEMA = {"name": DONE, "description": "End the conversation (call it once the user's request is resolved).",
                "parameters": {"type": "object", "properties": {}}}
 _CALL_RE = re.compile(r"^(\w+)\s*\(.*\)$", re.DOTALL)
+MAX_JSON_DEPTH = 32  # objects/lists inside one another; tau2's tools take a handful, Python's json recurses
 
 INSTRUCTIONS = """You are a customer service agent. Help the user according to the policy below.
 Each turn, answer with exactly one action:
@@ -65,6 +66,10 @@ def parse_action(text: str, tool_names: frozenset[str] | set[str] = frozenset())
             obj = json.loads(s)
         except json.JSONDecodeError as e:
             return f"Malformed JSON ({e.msg} at character {e.pos}). Send exactly one JSON object."
+        except RecursionError:  # json.loads recurses once per level: a few thousand "[" exhaust the stack
+            obj = None
+        if obj is None or _too_deep(obj):
+            return f"Malformed JSON (nested deeper than {MAX_JSON_DEPTH} levels). Send a flat JSON object."
         if not isinstance(obj, dict):
             return "A JSON action must be an object."
         if "respond" in obj:
@@ -93,6 +98,18 @@ def parse_action(text: str, tool_names: frozenset[str] | set[str] = frozenset())
     if match and (match.group(1) in tool_names or match.group(1) == DONE):
         return f'Tool calls must be JSON: {{"name": "{match.group(1)}", "arguments": {{...}}}}.'
     return Action("respond", text=s)
+
+
+def _too_deep(obj: Any) -> bool:
+    """Whether a parsed JSON value nests more than ``MAX_JSON_DEPTH`` containers (iteratively: no recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                return True
+            stack.extend((v, depth + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return False
 
 
 def _strip_titles(x: Any) -> Any:

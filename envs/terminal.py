@@ -12,10 +12,12 @@ action, an ``Action:``/``Command:`` label, a ``$ `` prompt. Unlike :func:`~cope.
 inner spaces and quotes are kept (they mean something to bash); ``clean_action`` decides only whether
 the action is the finishing word ``submit`` (any case, quotes, trailing period).
 
-Validity: an empty action, one longer than ``max_command_chars``, a bash syntax error (the command is
-parsed first and then not run) and exit code 127 (command not found; the earlier parts of a command
-list may have run) are invalid (``valid=False``, a harness notice). Any other exit code is a valid
-action whose feedback is its output. ``submit`` is valid.
+Validity: an empty action, one longer than ``max_command_chars``, one that no program argument can
+hold (a NUL byte, an unpaired surrogate: byte-level tokenizers emit them; not run), a bash syntax error
+(the command is parsed first and then not run), exit code 127 (command not found; the earlier parts of
+a command list may have run) and a command whose sandbox report or archive is refused as forged or
+malformed (``info["sandbox_rejected"]``; its result is discarded) are invalid (``valid=False``, a harness
+notice). Any other exit code is a valid action whose feedback is its output. ``submit`` is valid.
 
 Success and reward (sparse): the task's checker runs on the work dir at ``submit`` and, when the agent
 never submits, after the ``max_steps``-th action; either ends the episode. ``success`` is the checker's
@@ -36,7 +38,7 @@ import shutil
 from cope.envs import terminal_tasks as suite
 from cope.envs.actions import clean_action
 from cope.envs.base import EnvReset, EnvStep, Task, check_split
-from cope.envs.sandbox import Sandbox, SandboxResult, unavailable_reason
+from cope.envs.sandbox import Sandbox, SandboxResult, unavailable_reason, unpassable
 from cope.envs.terminal_tasks import TerminalTask, make_task
 from cope.envs.workdir import Snapshot, add_files, pack
 
@@ -199,6 +201,8 @@ class TerminalEnv:
         elif len(command) > self.max_command_chars:
             observation, valid = "", False
             harness = [f"[Invalid action: longer than {self.max_command_chars} characters; not run.]"]
+        elif (problem := unpassable(command)) is not None:
+            observation, harness, valid = "", [f"[Invalid action: {problem}; not run.]"], False
         else:
             res = self.sandbox.run(command, self._state)
             observation, harness, valid = self._feedback(res, info)
@@ -212,6 +216,11 @@ class TerminalEnv:
         if res.error and res.state is None and res.exit_code is None and not res.timed_out:
             raise RuntimeError(f"the sandbox failed: {res.error}")
         info.update(exit_code=res.exit_code, timed_out=res.timed_out, seconds=res.seconds, output_bytes=res.output_bytes)
+        if res.rejected:  # what came back could only have been made by tampering with the sandbox's pid 1
+            info["sandbox_rejected"] = res.rejected
+            notice = (f"[Invalid action: what the sandbox returned was refused ({res.rejected}); the result is "
+                      "discarded and the work dir is as it was before this command.]")
+            return "", [notice], False
         harness: list[str] = []
         text = res.output
         if len(text) > self.max_output_chars or res.output_bytes > self.sandbox.max_output_bytes:
@@ -227,7 +236,9 @@ class TerminalEnv:
         if res.state is not None:
             self._state = res.state
         else:
-            harness.append("[The work dir could not be saved (too large?); it is as it was before this command.]")
+            info["workdir_error"] = res.error
+            harness.append(f"[The work dir could not be saved ({res.error or 'too large?'}); it is as it was "
+                           "before this command.]")
         valid = not res.syntax_error and res.exit_code != 127
         if res.syntax_error:
             harness.append(HARNESS_SYNTAX)

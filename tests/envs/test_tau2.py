@@ -109,6 +109,19 @@ def test_parse_malformed(text, problem):
     assert isinstance(out, str) and problem in out
 
 
+DEEP = '{"name": "create_task", "arguments": {"user_id": ' + "[" * 100_000 + "]" * 100_000 + "}}"
+
+
+def test_deeply_nested_json_is_malformed_not_a_crash():
+    # json.loads recurses per level: 100 000 "[" raised RecursionError out of parse_action (issue 9, item 6)
+    for text in (DEEP, '{"respond": ' + "{\"a\": " * 5_000 + "1" + "}" * 5_000 + "}",
+                 '{"name": "f", "arguments": {"a": ' + "[" * 40 + "]" * 40 + "}}"):  # parses, but too deep to pass on
+        out = parse_action(text, {"f"})
+        assert isinstance(out, str) and "nested deeper than 32 levels" in out, out
+    ok = parse_action('{"name": "f", "arguments": {"a": ' + "[" * 30 + "]" * 30 + "}}", {"f"})
+    assert isinstance(ok, Action) and ok.name == "f"
+
+
 def test_example_call_fills_required_arguments():
     schema = {"type": "function", "function": {"name": "f", "parameters": {
         "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"enum": ["x", "y"], "type": "string"},
@@ -258,6 +271,16 @@ def test_malformed_and_unknown_tool_are_invalid():
     ok = env.step('{"name": "create_task", "arguments": {"user_id": "user_1", "title": "Important Meeting"}}')
     assert ok.valid and '"task_id": "task_2"' in ok.observation
     assert env.step(DONE).reward == 1.0  # the failed calls changed nothing in the database
+
+
+@needs_tau2
+def test_deeply_nested_action_is_an_invalid_step():
+    env = _env(max_errors=5)
+    env.reset(_find(env, "create_task_1"))
+    deep = env.step(DEEP)
+    assert not deep.valid and not deep.done and "nested deeper" in deep.harness and deep.info["tool_errors"] == 0
+    ok = env.step('{"name": "create_task", "arguments": {"user_id": "user_1", "title": "Important Meeting"}}')
+    assert ok.valid and '"task_id": "task_2"' in ok.observation  # the episode goes on
 
 
 @needs_tau2

@@ -145,13 +145,17 @@ def test_snapshot_never_follows_links():
             info = tarfile.TarInfo(name)
             info.type, info.linkname = tarfile.SYMTYPE, target
             tar.addfile(info)
-        info = tarfile.TarInfo("../../escape.txt")
-        info.size = 1
-        tar.addfile(info, io.BytesIO(b"x"))
     snap = Snapshot(buf.getvalue())
     assert snap.kind("answer.txt") == "symlink" and snap.read("answer.txt") is None
     assert snap.link("up") == "../../etc/passwd" and snap.text("up") is None
-    assert snap.text("escape.txt") == "x"  # ".." cannot climb above the work dir: the path is normalized
+    for name in ("../../escape.txt", "/etc/cron.d/x", "a/../../b"):  # names that climb out are refused outright
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+        with pytest.raises(ValueError, match="absolute name or one with '..'"):
+            Snapshot(buf.getvalue())
 
 
 def test_imports_without_torch():
@@ -225,6 +229,19 @@ def test_too_long_command_is_invalid():
     env.reset(_task(index=0))
     out = env.step("echo " + "x" * 30)
     assert not out.valid and out.observation == "" and "longer than 20" in out.harness
+
+
+@needs_sandbox
+@pytest.mark.parametrize(("action", "problem"), [("touch made.txt; echo a\x00b", "NUL byte"),
+                                                 ("touch made.txt; echo \ud800", "not encodable text")])
+def test_unpassable_command_is_an_invalid_action(env, action, problem):
+    # byte-level tokenizers can emit these; before, `ValueError: embedded null byte` aborted the episode
+    env.reset(_task(index=0))
+    out = env.step(action)
+    assert not out.valid and not out.done and out.observation == "" and problem in out.harness
+    assert "not run" in out.harness and out.info["exit_code"] is None
+    listing = env.step("ls")
+    assert listing.valid and "made.txt" not in listing.observation  # nothing ran, the episode goes on
 
 
 @needs_sandbox
