@@ -4,7 +4,7 @@
 where ``items`` are ``(slot, argument)`` pairs and each result is an ``EnvReset``/``EnvStep`` or the
 exception that stands for it (the engine aborts that episode). :class:`InProcessEnvs` keeps the
 instances in this process and steps them one after another; :class:`cope.envpool.EnvWorkerPool` keeps
-them in worker processes. ``stats`` counts worker events (always 0 here).
+them in worker processes. ``stats`` counts worker events (always 0 here; :data:`STATS` names them).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from cope.envs.base import Env, Task
 
-STATS = ("restarts", "timeouts", "crashes", "replays", "replay_failures")
+STATS = ("restarts", "timeouts", "crashes", "replays", "replay_failures", "close_failures")
 
 
 class Pending:

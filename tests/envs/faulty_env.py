@@ -1,5 +1,6 @@
-"""A maze that kills its process on an action while a flag file exists (imported by env workers in
-tests/envs/test_envpool.py, which put this folder on PYTHONPATH): lets a test make a *replay* crash."""
+"""Mazes that misbehave on cue (imported by env workers in tests/envs/test_envpool*.py, which put this
+folder on PYTHONPATH): one kills its process on an action while a flag file exists (lets a test make a
+*replay* crash), one answers with huge observations, one writes given bytes into the reply channel."""
 from __future__ import annotations
 
 import os
@@ -25,3 +26,16 @@ class LoudMaze(MazeEnv):
         r = super().step("north")
         r.observation = "x" * 200_000
         return r
+
+
+class GarbageMaze(MazeEnv):
+    """Writes ``garbage`` (hex) into the worker's reply channel before answering ``action``."""
+
+    def __init__(self, garbage: str, action: str = "garble", **kw):
+        super().__init__(**kw)
+        self.garbage, self.action = bytes.fromhex(garbage), action
+
+    def step(self, action: str):
+        if action == self.action:
+            os.write(int(os.environ["COPE_ENV_WORKER_FD"]), self.garbage)
+        return super().step(action)
