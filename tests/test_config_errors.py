@@ -5,7 +5,9 @@ is the first expensive step, and it comes after every config check). Key/option/
 `python train.py ...`; bad values through `cope.run.train` in-process (same code path after composition)."""
 from __future__ import annotations
 
+import logging
 import time
+from pathlib import Path
 
 import pytest
 
@@ -51,6 +53,7 @@ def test_bad_value(run_train, tmp_path, monkeypatch, override, key, value):
     cache = tmp_path / "cache"
     monkeypatch.setenv("COPE_CACHE", str(cache))
     import lightning.pytorch  # noqa: F401  (import time is not what is measured)
+    import peft  # noqa: F401  (the config check imports every `_target_`, model.lora's peft.LoraConfig too)
 
     t0 = time.perf_counter()
     with pytest.raises(Exception) as err:
@@ -67,3 +70,156 @@ def test_missing_model_path(train_script, tmp_path):
     proc, report = _run(train_script, tmp_path, ["model=qwen2.5-7b", "model.path=/nonexistent/dir"])
     assert "FileNotFoundError" in proc.stderr, report
     assert "model.path" in proc.stderr and "/nonexistent/dir" in proc.stderr, report
+
+
+# -- the typed check of the composed config (cope.config_check), issue 9 item 7 -------------------------------
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def _compose_plain(overrides: list[str], tmp_path):
+    """The run config without `debug=fast` (its tiny-model sizes are not arguments of a pretrained loader)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="test"):
+        return compose(config_name="config", overrides=[f"paths.output_dir={tmp_path}", *overrides])
+
+
+def _fails_fast(run, tmp_path, monkeypatch) -> str:
+    """Run ``run()`` (a train call) with an empty COPE_CACHE: it must raise a ValueError quickly, before the
+    tiny model is built. Returns the message."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("COPE_CACHE", str(cache))
+    import lightning.pytorch  # noqa: F401  (import time is not what is measured)
+    import peft  # noqa: F401  (the check imports every `_target_`, model.lora's peft.LoraConfig too)
+
+    t0 = time.perf_counter()
+    with pytest.raises(Exception) as err:
+        run()
+    msg = f"{type(err.value).__name__}: {err.value}"
+    assert isinstance(err.value, ValueError) or "ValueError(" in msg, msg  # a constructor's, wrapped by Hydra
+    assert time.perf_counter() - t0 < 10, "the error came late\n" + msg
+    assert not (cache / "tiny").exists(), "the tiny model was built before the config error surfaced\n" + msg
+    return msg
+
+
+@pytest.mark.parametrize("overrides, key, value, expected", [
+    (["data.group_size=abc"], "data.group_size", "'abc'", "expected int"),
+    (["seed=abc"], "seed", "'abc'", "expected int"),
+    (["algo=cope", "cope.weight=abc"], "cope.weight", "'abc'", "expected float"),  # a knob, typed where it lands
+    (["module.optimizer.lr=fast"], "module.optimizer.lr", "'fast'", "expected float"),
+    (["trainer.max_epochs=two"], "trainer.max_epochs", "'two'", "expected int"),
+    (["data.progress=maybe"], "data.progress", "'maybe'", "expected bool"),
+    (["ckpt_path=5"], "ckpt_path", "5", "expected str | null"),
+])
+def test_wrong_type_names_key(run_train, tmp_path, monkeypatch, overrides, key, value, expected):
+    msg = _fails_fast(lambda: run_train(overrides, tmp_path), tmp_path, monkeypatch)
+    assert "ConfigError" in msg and key in msg and value in msg and expected in msg, msg
+
+
+@pytest.mark.parametrize("override, key, value, rule", [
+    ("trainer.check_val_every_n_epoch=0", "trainer.check_val_every_n_epoch", "0", ">= 1"),
+    ("trainer.max_epochs=0", "trainer.max_epochs", "0", "-1 (no limit) or >= 1"),
+    ("algo.objectives.kl.weight=-0.5", "algo.objectives.kl", "-0.5", "weight must be >= 0"),
+    ("data.max_live_episodes=0", "data.max_live_episodes", "0", "null (all at once) or >= 1"),
+    ("data.max_context=100000", "data.max_context", "100000", "exceeds the model's 2048 positions (model.max_context)"),
+])
+def test_bad_range_names_key(run_train, tmp_path, monkeypatch, override, key, value, rule):
+    msg = _fails_fast(lambda: run_train([override], tmp_path), tmp_path, monkeypatch)
+    assert key in msg and value in msg and rule in msg, msg
+
+
+def test_max_context_beyond_pretrained_positions(tmp_path, monkeypatch):
+    """A pretrained model's limit is read from <model.path>/config.json, without loading the model."""
+    from cope.run import train
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "qwen2", "max_position_embeddings": 512}')
+    cfg = _compose_plain(["model=qwen2.5-7b", f"model.path={model_dir}", "data.max_context=1024"], tmp_path)
+    msg = _fails_fast(lambda: train(cfg), tmp_path, monkeypatch)
+    assert "data.max_context = 1024" in msg and "512 positions" in msg and str(model_dir / "config.json") in msg, msg
+
+
+def test_entry_point_names_key(train_script, tmp_path):
+    """Through `python train.py`: the key and the type, not Lightning's bare AssertionError."""
+    proc, report = _run(train_script, tmp_path, ["debug=fast", "trainer.max_epochs=two"])
+    assert "trainer.max_epochs = 'two': expected int | null" in proc.stderr, report
+    assert "AssertionError" not in proc.stderr, report
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["+callbacks.probes.bogus=1"], "callbacks.probes.bogus: not an argument of cope.callbacks.probes.HeldOutProbes"),
+    (["model.lora.r=abc"], "model.lora.r = 'abc': expected int (peft."),
+    (["model.lora.target_modules=[q_proj,5]"], "model.lora.target_modules = ['q_proj', 5]: expected list[str] | str | null"),
+    (["env.max_steps=abc"], "env.max_steps = 'abc': expected int (cope.envs.maze.MazeEnv)"),
+    (["algo=empg", "algo.callbacks.empg.k=abc"], "algo.callbacks.empg.k = 'abc': expected float"),
+    (["algo.advantage_mode=3"], "data.advantage_mode = 3 (from ${algo.advantage_mode}): expected str"),
+    (["trainer.precision=bogus"], "trainer.precision = 'bogus': expected one of 64, 32, 16"),
+    (["env._target_=nope.Env"], "env._target_ = 'nope.Env': cannot be imported"),
+    (["validate_before_fit=maybe"], "validate_before_fit = 'maybe': expected bool"),
+    (["seed=abc"], "seed = 'abc'"),  # reported once: data.seed and forecast seeds interpolate it
+])
+def test_check_names_key_in_every_block(compose, tmp_path, overrides, problem):
+    from cope.config_check import ConfigError, check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose(overrides, tmp_path))
+    assert problem in str(err.value), str(err.value)
+    assert len(err.value.problems) == 1, str(err.value)
+
+
+def test_check_reports_every_problem_at_once(compose, tmp_path):
+    from cope.config_check import ConfigError, check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose(["data.group_size=abc", "trainer.max_epochs=two", "data.progress=maybe"], tmp_path))
+    assert sorted(p.split(" ")[0] for p in err.value.problems) == ["data.group_size", "data.progress", "trainer.max_epochs"]
+
+
+@pytest.mark.parametrize("overrides, warning", [
+    (["data.group_size=1"], "data.group_size=1: one episode per group, so every group-relative advantage is 0"),
+    (["algo.objectives.pg.weight=0"], "every algo.objectives.*.weight is 0: training changes nothing"),
+])
+def test_noop_settings_warn(compose, tmp_path, caplog, overrides, warning):
+    from cope.config_check import check_config
+
+    with caplog.at_level(logging.WARNING, logger="cope.config_check"):
+        check_config(compose(overrides, tmp_path))
+    got = [r.getMessage() for r in caplog.records if r.name == "cope.config_check"]
+    assert len(got) == 1 and warning in got[0], got
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+SHIPPED = (
+    [["debug=fast", f"algo={o}"] for o in _options("algo")]
+    + [["debug=fast", f"env={o}"] for o in _options("env")]
+    + [["debug=fast", f"trainer={o}"] for o in _options("trainer")]
+    + [["debug=fast", f"logger={o}"] for o in _options("logger")]
+    + [["debug=fast", "algo=cope", *o] for o in (["cope.normalize=adaptive"], ["cope.normalize=per_step"], ["cope.K=1"],
+                                                  ["cope.layout=plain"], ["cope.anchors=sample"],
+                                                  ["cope.min_score=-1", "cope.mask_invalid=false"])]
+    + [[]]  # `python train.py` as shipped
+    + [[f"model={o}"] for o in _options("model")]
+    # presets are for pretrained models; the tiny model's 2048 positions are too few for their contexts
+    + [[f"experiment={o}", "model=qwen2.5-7b"] for o in _options("experiment")]
+)
+
+
+@pytest.mark.parametrize("overrides", SHIPPED, ids=lambda o: " ".join(o) or "defaults")
+def test_shipped_configs_validate(tmp_path, caplog, overrides):
+    from cope.config_check import check_config
+
+    with caplog.at_level(logging.WARNING, logger="cope.config_check"):
+        check_config(_compose_plain(overrides, tmp_path))
+    assert not [r for r in caplog.records if r.name == "cope.config_check"], caplog.text
+
+
+@pytest.mark.parametrize("name", _options("experiment"))
+def test_preset_on_tiny_model_is_refused(tmp_path, name):
+    from cope.config_check import ConfigError, check_config
+
+    with pytest.raises(ConfigError, match=r"data.max_context = \d+: exceeds the model's 2048 positions"):
+        check_config(_compose_plain([f"experiment={name}"], tmp_path))

@@ -97,10 +97,11 @@ class RolloutDataModule(pl.LightningDataModule):
         super().__init__()
         for name, v in dict(tasks_per_epoch=tasks_per_epoch, group_size=group_size, minibatch_size=minibatch_size,
                             ppo_epochs=ppo_epochs, max_context=max_context, max_action_tokens=max_action_tokens,
-                            val_batch_size=val_batch_size, rollout_chunks=rollout_chunks,
-                            max_live_episodes=max_live_episodes or 1).items():
+                            val_batch_size=val_batch_size, rollout_chunks=rollout_chunks).items():
             if v < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {v}")
+        if max_live_episodes is not None and max_live_episodes < 1:  # 0 is not "unlimited": that is null
+            raise ValueError(f"data.max_live_episodes must be null (all at once) or >= 1, got {max_live_episodes}")
         if val_tasks < 0 or temperature < 0 or not 0 < top_p <= 1:
             raise ValueError("data.val_tasks and data.temperature must be >= 0 and data.top_p in (0, 1]")
         self.env_factory = env

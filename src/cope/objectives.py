@@ -31,10 +31,10 @@ class Objective(abc.ABC):
     """Base class: a name, a weight (optionally scheduled), and ``__call__(out, batch) -> (loss, metrics)``.
 
     Args:
-        weight: multiplier of the loss in the total.
+        weight: multiplier of the loss in the total, >= 0 (0 switches the objective off).
         schedule: ``constant`` or ``linear`` (from ``weight`` to ``final_weight`` over ``schedule_steps``
             optimizer steps, then flat).
-        final_weight: end point of the linear schedule.
+        final_weight: end point of the linear schedule, >= 0.
         schedule_steps: length of the linear schedule in optimizer steps.
     """
 
@@ -46,6 +46,9 @@ class Objective(abc.ABC):
             raise ValueError(f"{type(self).__name__}.schedule must be 'constant' or 'linear', got {schedule!r}")
         if schedule == "linear" and schedule_steps <= 0:
             raise ValueError(f"{type(self).__name__}.schedule_steps must be > 0 for a linear schedule")
+        for key, w in (("weight", weight), ("final_weight", final_weight)):
+            if not w >= 0:  # a negative weight would ascend the loss (for KL: push away from the reference)
+                raise ValueError(f"{type(self).__name__}.{key} must be >= 0, got {w}")
         self.weight = float(weight)
         self.schedule = schedule
         self.final_weight = float(final_weight)

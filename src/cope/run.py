@@ -12,6 +12,8 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from cope.config_check import check_config
+
 log = logging.getLogger(__name__)
 
 
@@ -29,6 +31,7 @@ def _instantiate_named(section: DictConfig | None, what: str) -> list[Any]:
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run one training job from a composed config; returns the final metrics."""
+    check_config(cfg)  # every key typed against its `_target_`, before any seeding, instantiation or model load
     import lightning.pytorch as pl
 
     t_start = time.perf_counter()

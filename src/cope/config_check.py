@@ -1,0 +1,348 @@
+"""A typed check of the composed run config, run before anything is seeded, instantiated or loaded.
+
+Every component block mirrors its constructor (``_target_``), so the constructor's signature *is* the
+schema. This pass walks the whole composed config (data, module with its optimizer and scheduler
+partials, model with ``lora``, env, trainer, logger, ``callbacks.*``, ``algo.objectives.*``,
+``algo.callbacks.*``, any ``_target_`` nested deeper), resolves each ``_target_``
+(``hydra.utils.get_object``), reads ``inspect.signature`` and the type hints, and checks that every
+key is a parameter (with ``**kwargs``: keys a base class declares are typed, others pass) and every
+value, interpolations resolved, fits its annotation (ints are valid floats; bools are not numbers).
+The plain root keys get a small schema, :class:`RunKeys`; knobs that only feed component blocks
+through interpolation (``cope.*``, ``algo.advantage_mode``) are typed where they land, and the message
+names them (``... (from ${cope.weight})``). All problems go into one :class:`ConfigError`, one line
+per full dotted key with its value and the expected type.
+
+Why not Hydra structured configs: they need a dataclass per component that repeats (and drifts from)
+each constructor, third-party ones included (Trainer, LoraConfig, AdamW); the signatures are one source
+of truth and cover whatever ``_target_`` names. What types cannot say has one place each:
+
+* value ranges of our own classes: their constructors (run next, still before the model build);
+* value ranges third-party classes check late or with a bare assert: :data:`RANGES` (Lightning's Trainer);
+* cross-field: ``data.max_context`` must fit the model's positions (``model.max_context`` of the tiny
+  model, else ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk);
+* settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0).
+
+Arguments ``cope.run.train`` passes when it builds a block (:data:`PASSED_AT_BUILD`) are not config
+keys. Torch-free itself; importing the target classes is its only cost (no model build).
+"""
+from __future__ import annotations
+
+import collections.abc as cabc
+import dataclasses
+import enum
+import inspect
+import json
+import logging
+import re
+import sys
+import types
+import typing
+from pathlib import Path, PurePath
+from typing import Any, Callable, Optional
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+log = logging.getLogger(__name__)
+
+HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})
+# what cope.run.train passes when it instantiates a root block (not config keys)
+PASSED_AT_BUILD = {"data": ("env",), "trainer": ("callbacks", "logger"), "module": ("policy", "objectives"),
+                   "model": ("env_factory",)}
+# value rules types cannot express, for classes (and their subclasses) that check them late or with a bare
+# assert; keyed by "module.QualName" of the class as defined
+RANGES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "lightning.pytorch.trainer.trainer.Trainer": {
+        "max_epochs": (lambda v: v == -1 or v >= 1, "-1 (no limit) or >= 1"),
+        "min_epochs": (lambda v: v >= 0, ">= 0"),
+        "max_steps": (lambda v: v == -1 or v >= 1, "-1 (no limit) or >= 1"),
+        "check_val_every_n_epoch": (lambda v: v >= 1, ">= 1 or null"),
+        "log_every_n_steps": (lambda v: v >= 1, ">= 1"),
+        "accumulate_grad_batches": (lambda v: v >= 1, ">= 1"),
+        "reload_dataloaders_every_n_epochs": (lambda v: v >= 0, ">= 0"),
+        "num_sanity_val_steps": (lambda v: v >= -1, ">= -1"),
+        "gradient_clip_val": (lambda v: v >= 0, ">= 0 or null"),
+    },
+}
+_INTERP = re.compile(r"^\$\{([A-Za-z_][\w.]*)\}$")
+
+
+@dataclasses.dataclass
+class RunKeys:
+    """The plain root keys of ``conf/config.yaml`` (component blocks are typed by their ``_target_``)."""
+
+    seed: int
+    paths: dict[str, str]
+    ckpt_path: Optional[str] = None  # null, `last`, `auto` or a checkpoint file (meaning: cope.run)
+    validate_before_fit: bool = True
+
+
+class ConfigError(ValueError):
+    """One or more config keys are wrong; the message has one line per key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid config:\n  " + "\n  ".join(problems))
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Check the composed run config; raise :class:`ConfigError` listing every bad key, log no-op warnings."""
+    c = _Checker()
+    c.call(cfg, "", RunKeys, open_keys=True)
+    if not c.errors:
+        c.cross_field(cfg)
+    if c.errors:
+        raise ConfigError(c.errors)
+    for w in c.warnings:
+        log.warning(w)
+
+
+class _Checker:
+    def __init__(self):
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
+        self.bad: set[str] = set()  # keys reported: values interpolated from them are not reported again
+
+    def fail(self, key: str, msg: str) -> None:
+        self.errors.append(f"{key}{msg}")
+        self.bad.add(key)
+
+    # -- walking ------------------------------------------------------------------------------------
+    def get(self, parent, name, key: str) -> Any:
+        try:
+            return parent[name]
+        except MissingMandatoryValue:
+            self.fail(key, ": no value given (???)")
+        except OmegaConfBaseException as e:
+            self.fail(key, f": {type(e).__name__}: {str(e).splitlines()[0]}")
+        return _UNSET
+
+    def target(self, node: DictConfig, key: str) -> None:
+        path = node.get("_target_")
+        try:
+            fn = get_object(path)
+        except Exception as e:
+            why = " ".join(str(e).split())
+            self.fail(f"{key}._target_", f" = {path!r}: cannot be imported ({type(e).__name__}: {why})")
+            return
+        self.call(node, key, fn, open_keys=False)
+
+    def call(self, node: DictConfig, key: str, fn: Any, open_keys: bool) -> None:
+        """``node``'s keys against the parameters of ``fn`` (a callable, or a dataclass schema).
+
+        ``open_keys``: keys ``fn`` does not name are walked, not rejected (the root schema)."""
+        params, var_kw = _parameters(fn)
+        where = "the root schema cope.config_check.RunKeys" if fn is RunKeys else _qualname(fn)
+        for name in node.keys():
+            if name in HYDRA_KEYS:
+                continue
+            full = f"{key}.{name}" if key else str(name)
+            if name in PASSED_AT_BUILD.get(key, ()):
+                self.fail(full, f": set by cope.run.train when it builds `{key}`; not a config key")
+            elif name in params:
+                self.value(node, name, full, params[name].annotation, where)
+            elif var_kw is not None:
+                ann = _base_annotation(fn, name)  # **kwargs: typed where a base class declares the key
+                if ann is None:
+                    self.plain(self.get(node, name, full), full)
+                else:
+                    self.value(node, name, full, ann, where)
+            elif open_keys:
+                self.plain(self.get(node, name, full), full)
+            else:
+                self.fail(full, f": not an argument of {where} (it takes: {', '.join(params) or 'nothing'})")
+        if not node.get("_partial_", False):
+            for name, p in params.items():
+                if p.default is inspect.Parameter.empty and name not in node and name not in PASSED_AT_BUILD.get(key, ()):
+                    self.fail(f"{key}.{name}" if key else name, f": missing (required by {where})")
+        self.ranges(node, key, fn)
+
+    def value(self, parent: DictConfig, name, key: str, ann: Any, where: str) -> None:
+        v = self.plain(self.get(parent, name, key), key)  # a nested component (lora, optimizer) is checked here
+        origin = ""
+        if OmegaConf.is_interpolation(parent, name):
+            raw = str(parent._get_node(name)._value())
+            m = _INTERP.match(raw)
+            if m and m.group(1) in self.bad:
+                return  # its source is already reported
+            origin = f" (from {raw})"
+        if v is not _UNSET and not _conforms(v, ann):
+            self.fail(key, f" = {v!r}{origin}: expected {_type_name(ann)} ({where})")
+
+    def plain(self, v: Any, key: str) -> Any:
+        """``v`` as plain data; each component block in it is checked and stands as :data:`_BUILT`."""
+        if isinstance(v, DictConfig):
+            if "_target_" in v:
+                self.target(v, key)
+                return _BUILT
+            return {k: self.plain(self.get(v, k, f"{key}.{k}"), f"{key}.{k}") for k in v.keys()}
+        if isinstance(v, ListConfig):
+            return [self.plain(self.get(v, i, f"{key}[{i}]"), f"{key}[{i}]") for i in range(len(v))]
+        return v
+
+    def ranges(self, node: DictConfig, key: str, fn: Any) -> None:
+        for cls in (fn.__mro__ if inspect.isclass(fn) else ()):
+            for name, (ok, rule) in RANGES.get(f"{cls.__module__}.{cls.__qualname__}", {}).items():
+                v = node.get(name) if f"{key}.{name}" not in self.bad else None
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and not ok(v):
+                    self.fail(f"{key}.{name}", f" = {v!r}: must be {rule} ({_qualname(cls)})")
+
+    # -- cross-field rules and no-op warnings ---------------------------------------------------------
+    def cross_field(self, cfg: DictConfig) -> None:
+        data, model = cfg.get("data"), cfg.get("model")
+        if isinstance(data, DictConfig) and isinstance(model, DictConfig):
+            limit = model_positions(model)
+            ctx = data.get("max_context")
+            if limit is not None and isinstance(ctx, int) and ctx > limit[0]:
+                self.fail("data.max_context", f" = {ctx}: exceeds the model's {limit[0]} positions ({limit[1]})")
+            if data.get("group_size") == 1:
+                self.warnings.append("data.group_size=1: one episode per group, so every group-relative advantage is 0 "
+                                     "and the policy gradient is 0 (only auxiliary objectives train)")
+        objectives = [o for o in ((cfg.get("algo") or {}).get("objectives") or {}).values() if o is not None]
+        if objectives and all(o.get("weight", 1.0) == 0 and o.get("final_weight", 0.0) == 0 for o in objectives):
+            self.warnings.append("every algo.objectives.*.weight is 0: training changes nothing")
+
+
+def model_positions(model: DictConfig) -> tuple[int, str] | None:
+    """The model's position limit and where it comes from, when known without loading the model."""
+    if isinstance(model.get("max_context"), int):
+        return model.max_context, "model.max_context"
+    path = model.get("path")
+    if not isinstance(path, str):
+        return None
+    file = Path(path).expanduser() / "config.json"
+    if not file.is_file():
+        try:  # a hub id already in the local HF cache (no network)
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(path, "config.json")
+            file = Path(hit) if isinstance(hit, str) else None
+        except Exception:
+            file = None
+    if file is None:
+        return None
+    try:
+        spec = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None  # the model loader reports a damaged folder
+    n = spec.get("max_position_embeddings", (spec.get("text_config") or {}).get("max_position_embeddings"))
+    return (n, f"max_position_embeddings in {file}") if isinstance(n, int) else None
+
+
+# -- signatures and annotations -------------------------------------------------------------------------
+_UNSET = type("_Unset", (), {"__repr__": lambda self: "<unreadable>"})()  # a value already reported
+_BUILT = type("_Built", (), {"__repr__": lambda self: "<component>"})()  # a component block, checked on its own
+
+
+def _qualname(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _parameters(fn: Any) -> tuple[dict[str, inspect.Parameter], inspect.Parameter | None]:
+    """Named parameters with resolved annotations, and the ``**kwargs`` parameter if any."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return {}, inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)  # unreadable: accept anything
+    hints = _hints(fn, sig)
+    params = {n: p.replace(annotation=hints.get(n, Any)) for n, p in sig.parameters.items()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    var_kw = next((p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+    return params, var_kw
+
+
+def _hints(fn: Any, sig: inspect.Signature) -> dict[str, Any]:
+    init = fn.__init__ if inspect.isclass(fn) else fn
+    for obj in (init, fn if dataclasses.is_dataclass(fn) else None):
+        if obj is not None:
+            try:
+                return typing.get_type_hints(obj)
+            except Exception:
+                pass
+    # some names are not importable (TYPE_CHECKING-only): evaluate each annotation alone, the rest is Any
+    module = sys.modules.get(getattr(fn, "__module__", ""), None)
+    globs = getattr(inspect.unwrap(init), "__globals__", None) or (vars(module) if module else {})
+    out = {}
+    for name, p in sig.parameters.items():
+        ann = p.annotation
+        if isinstance(ann, str):
+            try:
+                ann = eval(ann, dict(globs))  # noqa: S307 (annotations of installed code)
+            except Exception:
+                ann = Any
+        out[name] = Any if ann is inspect.Parameter.empty else ann
+    return out
+
+
+def _base_annotation(fn: Any, name: str) -> Any:
+    """The annotation of ``name`` in the first base class ``__init__`` that declares it (for ``**kwargs``)."""
+    for cls in (fn.__mro__[1:] if inspect.isclass(fn) else ()):
+        if "__init__" in vars(cls) and cls is not object:
+            params, _ = _parameters(cls)
+            if name in params:
+                return params[name].annotation
+    return None
+
+
+_SEQUENCES = (list, tuple, cabc.Sequence, cabc.MutableSequence, cabc.Iterable, cabc.Collection, set, frozenset)
+_MAPPINGS = (dict, cabc.Mapping, cabc.MutableMapping)
+
+
+def _conforms(v: Any, ann: Any) -> bool:
+    """Whether a plain config value fits ``ann``; annotation forms this does not read are no claim (True)."""
+    if v is _BUILT or ann is Any or isinstance(ann, (str, typing.TypeVar, typing.ForwardRef)):
+        return True
+    if ann is None or ann is type(None):
+        return v is None
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(v, a) for a in args)
+    if origin is typing.Literal:
+        return any(v == a and type(v) is type(a) for a in args)
+    if origin is typing.Annotated:
+        return _conforms(v, args[0])
+    if ann is bool:
+        return isinstance(v, bool)
+    if ann is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if ann is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if ann is str:
+        return isinstance(v, str)
+    if isinstance(ann, type) and issubclass(ann, PurePath):
+        return isinstance(v, (str, PurePath))
+    if isinstance(ann, type) and issubclass(ann, enum.Enum):
+        return isinstance(v, ann) or (isinstance(v, str) and v in ann.__members__) or any(v == m.value for m in ann)
+    if (origin or ann) in _SEQUENCES:
+        if not isinstance(v, (list, tuple)):
+            return False
+        if (origin or ann) is tuple and args and args[-1] is not Ellipsis:
+            return len(v) == len(args) and all(_conforms(x, a) for x, a in zip(v, args))
+        return not args or all(_conforms(x, args[0]) for x in v)
+    if (origin or ann) in _MAPPINGS:
+        return isinstance(v, dict) and (len(args) != 2 or all(_conforms(k, args[0]) and _conforms(x, args[1])
+                                                               for k, x in v.items()))
+    if (origin or ann) is cabc.Callable:
+        return callable(v)
+    if isinstance(ann, type):
+        try:
+            return isinstance(v, ann)
+        except TypeError:
+            return True
+    return True
+
+
+def _type_name(ann: Any) -> str:
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if ann is None or ann is type(None):
+        return "null"
+    if origin in (typing.Union, types.UnionType) or origin is typing.Literal:
+        literals = [repr(x) for a in args if typing.get_origin(a) is typing.Literal for x in typing.get_args(a)]
+        literals += [repr(a) for a in args] if origin is typing.Literal else []
+        rest = [_type_name(a) for a in args if origin is not typing.Literal and typing.get_origin(a) is not typing.Literal]
+        return " | ".join(([f"one of {', '.join(literals)}"] if literals else []) + rest)
+    if origin is not None:
+        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]" if inner else getattr(origin, "__name__", str(origin))
+    return getattr(ann, "__name__", str(ann).replace("typing.", ""))
