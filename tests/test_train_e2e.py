@@ -30,6 +30,7 @@ def test_exit_and_summary(run):
     proc, run_dir, report = run
     assert "held-out success:" in proc.stdout, report
     assert f"episodes {EPOCHS * TASKS * GROUP}," in proc.stdout, report
+    assert f"after epoch {EPOCHS - 1}" in proc.stdout, report  # the newest validation's epoch
 
 
 @pytest.mark.parametrize("rel", [
@@ -72,7 +73,8 @@ def test_checkpoint_holds_adapter_only(ckpt):
 
 def test_checkpoint_training_state(ckpt):
     assert ckpt["optimizer_states"] and ckpt["optimizer_states"][0]["state"], "optimizer state missing"
-    assert ckpt["epoch"] == EPOCHS and ckpt["global_step"] == EPOCHS  # one minibatch (8 episodes) per epoch
+    # written after the last epoch (0-based index EPOCHS - 1); one minibatch (8 episodes) per epoch
+    assert ckpt["epoch"] == EPOCHS - 1 and ckpt["global_step"] == EPOCHS
     assert "rng" in ckpt and {"torch", "python"} <= set(ckpt["rng"])
     dm = ckpt["RolloutDataModule"]  # Lightning keys the datamodule's state_dict by its class name
     assert dm["counters"]["episodes"] == EPOCHS * TASKS * GROUP

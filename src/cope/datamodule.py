@@ -120,6 +120,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self._collate_transforms: list[CollateTransform] = []
         self._scored_transforms: list[ScoredTransform] = []
         self._rng = random.Random(seed)
+        self._served: tuple[tuple[int, int], DataLoader] | None = None  # (policy version, its epoch's loader)
         if env_workers < 0:
             raise ValueError(f"data.env_workers must be >= 0, got {env_workers}")
         if env_step_timeout_s <= 0 or env_reset_timeout_s <= 0:
@@ -217,6 +218,17 @@ class RolloutDataModule(pl.LightningDataModule):
         return self.trainer.strategy.reduce(t, reduce_op="sum").tolist()
 
     def train_dataloader(self) -> DataLoader:
+        # One batch of experience per policy version: Lightning asks twice when a fit restarts from a
+        # checkpoint (before and after it resets its loops), with no optimizer step in between; a
+        # second collection would spend rollouts and shift the task stream against an uninterrupted run.
+        version = (id(self.trainer), self.trainer.global_step)
+        if self._served is not None and self._served[0] == version:
+            return self._served[1]
+        loader = self._collect_epoch()
+        self._served = (version, loader)
+        return loader
+
+    def _collect_epoch(self) -> DataLoader:
         module = self.trainer.lightning_module
         t0 = time.perf_counter()
         tasks, groups = self._sample_tasks()

@@ -7,14 +7,23 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from cope.checkpoint_io import LAST, check_checkpoint_file, check_free_space
 from cope.config_check import check_config
 
 log = logging.getLogger(__name__)
+
+
+def instantiate_plain(node: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` with every config container turned into a plain ``dict``/``list``
+    before it reaches a constructor (``_convert_="all"``): library classes (peft's ``LoraConfig``,
+    Lightning, torch) then hold nothing OmegaConf-typed that they would fail to serialize later."""
+    return instantiate(node, _convert_="all", **kwargs)
 
 
 def _instantiate_named(section: DictConfig | None, what: str) -> list[Any]:
@@ -23,10 +32,35 @@ def _instantiate_named(section: DictConfig | None, what: str) -> list[Any]:
         if node is None:
             continue
         try:
-            out.append(instantiate(node))
+            out.append(instantiate_plain(node))
         except Exception as e:
             raise ValueError(f"could not build {what}.{name}: {e}") from e
     return out
+
+
+def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> str | None:
+    """``ckpt_path`` as the fit gets it: ``None`` (fresh start), ``last`` (``<checkpoint_dir>/last.ckpt``, which
+    must exist), ``auto`` (that file if it exists, else a fresh start) or a file path (must exist).
+
+    The file is checked for damage here, before any model is built."""
+    if ckpt_path is None:
+        return None
+    last = checkpoint_dir / LAST
+    if ckpt_path in ("last", "auto"):
+        if not last.exists():
+            if ckpt_path == "auto":
+                log.info("ckpt_path=auto: no checkpoint at %s, starting a new run", last)
+                return None
+            raise FileNotFoundError(f"ckpt_path=last: there is no checkpoint at {last} (nothing to resume; use the same "
+                                    "hydra.run.dir as the run to resume, ckpt_path=auto to resume only if one exists, "
+                                    "or drop ckpt_path to start a new run)")
+        path = last
+    else:
+        path = Path(ckpt_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file")
+    check_checkpoint_file(path)
+    return str(path)
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -35,42 +69,57 @@ def train(cfg: DictConfig) -> dict[str, float]:
     import lightning.pytorch as pl
 
     t_start = time.perf_counter()
+    output_dir = Path(cfg.paths.output_dir)
+    ckpt_dir = Path(cfg.callbacks.checkpoint.dirpath) if cfg.get("callbacks") and cfg.callbacks.get("checkpoint") \
+        else output_dir / "checkpoints"
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, ckpt_dir)
     pl.seed_everything(cfg.seed, workers=True)
-    env_factory = instantiate(cfg.env)
-    datamodule = instantiate(cfg.data, env=env_factory)
+    env_factory = instantiate_plain(cfg.env)
+    datamodule = instantiate_plain(cfg.data, env=env_factory)
     objectives = _instantiate_named(cfg.algo.objectives, "algo.objectives")
     callbacks = _instantiate_named(cfg.callbacks, "callbacks") + _instantiate_named(cfg.algo.get("callbacks"), "algo.callbacks")
-    logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
-    policy = instantiate(cfg.model)(env_factory=env_factory)
+    logger = instantiate_plain(cfg.logger) if cfg.get("logger") else False
+    trainer = instantiate_plain(cfg.trainer, callbacks=callbacks, logger=logger)
+    policy = instantiate_plain(cfg.model)(env_factory=env_factory)
     datamodule.connect(policy.tokenizer, policy.chat)
-    module = instantiate(cfg.module, _partial_=True)(policy=policy, objectives=objectives)  # no config conversion of objects
+    module = instantiate_plain(cfg.module, _partial_=True)(policy=policy, objectives=objectives)  # no config conversion of objects
+    if trainer.is_global_zero:
+        check_free_space(output_dir, policy)
     before: dict[str, float] = {}
+    failed = True
     try:
-        if cfg.validate_before_fit and cfg.ckpt_path is None:
+        if cfg.validate_before_fit and ckpt_path is None:
             before = {k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()}
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        failed = False
     finally:
         for lg in trainer.loggers:
             if hasattr(lg, "experiment") and type(lg).__name__ == "WandbLogger":
                 lg.experiment.finish()
-    after = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "rollout/", "perf/"))}
-    result = {**{f"start/{k}": v for k, v in before.items()}, **after, "wall_seconds": time.perf_counter() - t_start}
-    result.update({f"counters/{k}": float(v) for k, v in datamodule.counters.items()})
-    if trainer.is_global_zero:
-        _summary(result, trainer)
+        result = _result(before, trainer, datamodule, module, t_start)
+        if trainer.is_global_zero:
+            _summary(result, trainer, failed)
     return result
 
 
-def _summary(r: dict[str, float], trainer) -> None:
-    lines = ["", "=== cope-trainer run summary ==="]
-    if "start/val/success" in r:
-        lines.append(f"held-out success: {r['start/val/success']:.3f} at start -> {r.get('val/success', float('nan')):.3f} at end")
+def _result(before: dict, trainer, datamodule, module, t_start: float) -> dict[str, float]:
+    after = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("rollout/", "perf/"))}
+    after.update(module.last_validation)  # the newest validation during fit, with the epoch it ran after
+    result = {**{f"start/{k}": v for k, v in before.items()}, **after, "wall_seconds": time.perf_counter() - t_start}
+    result.update({f"counters/{k}": float(v) for k, v in datamodule.counters.items()})
+    return result
+
+
+def _summary(r: dict[str, float], trainer, failed: bool = False) -> None:
+    lines = ["", "=== cope-trainer run summary" + (" (the run FAILED: see the error below) ===" if failed else " ===")]
+    if "val/success" in r or "start/val/success" in r:
+        start = f"{r['start/val/success']:.3f} at start -> " if "start/val/success" in r else ""
+        end = (f"{r['val/success']:.3f} after epoch {int(r['val/epoch'])}" if "val/success" in r and "val/epoch" in r
+               else "not validated since")
+        lines.append(f"held-out success: {start}{end}")
     lines.append(f"episodes {int(r.get('counters/episodes', 0))}, env steps {int(r.get('counters/env_steps', 0))}, "
                  f"epochs {trainer.current_epoch}, wall {r['wall_seconds']:.0f}s")
     if "perf/tokens_per_s" in r:
         lines.append(f"rollout generation {r['perf/tokens_per_s']:.0f} tokens/s")
     lines.append(f"outputs in {trainer.default_root_dir}")
     print("\n".join(lines), flush=True)
-
-
