@@ -15,7 +15,7 @@ state into ``/work``, runs the command with a timer that kills it, kills every o
 namespace (background children included), then packs ``/work`` again. The host never unpacks an
 archive onto its disk, and checks it (:func:`~cope.envs.workdir.check_archive`) before anything reads it.
 
-**Nothing inside can steer pid 1.** A seccomp filter (:func:`seccomp_filter`, bwrap ``--seccomp``)
+**Nothing inside can steer pid 1.** A seccomp filter (:mod:`cope.envs.sandbox_guard`, bwrap ``--seccomp``)
 makes ``ptrace``, ``process_vm_readv``/``writev`` and ``pidfd_getfd`` fail with ``EPERM``; pid 1 runs
 from an execute-only copy of bash, which the kernel makes non-dumpable, so the command (same uid, no
 capabilities) cannot open ``/proc/1/mem`` or ``/proc/1/fd/*`` either (that is how a command could
@@ -41,15 +41,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import platform
 import shutil
 import signal
-import struct
 import subprocess
 import time
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import lru_cache
 
+from cope.envs.sandbox_guard import EXEC_ONLY, hidden_debuggers, program_bytes, seccomp_filter
 from cope.envs.workdir import LIMIT_REASONS, MAX_MEMBERS, check_archive, pack
 
 REPORT = b"COPE-SANDBOX "
@@ -69,12 +68,6 @@ _ENV = {
     "GIT_AUTHOR_NAME": "agent", "GIT_AUTHOR_EMAIL": "agent@sandbox", "GIT_COMMITTER_NAME": "agent",
     "GIT_COMMITTER_EMAIL": "agent@sandbox", "PYTHONDONTWRITEBYTECODE": "1",
 }
-# Covered with /dev/null inside (where they exist under /usr): ptrace is denied anyway, this leaves no hint.
-DEBUGGERS = ("gdb", "gdb-multiarch", "gdbserver", "strace", "ltrace", "lldb", "lldb-server")
-# machine -> (AUDIT_ARCH_*, numbers of ptrace, process_vm_readv, process_vm_writev, pidfd_getfd)
-_DENIED_SYSCALLS = {"x86_64": (0xC000003E, (101, 310, 311, 438)), "aarch64": (0xC00000B7, (117, 270, 271, 438))}
-# Execute-only copies (inside path -> program): the kernel makes a process that runs one non-dumpable.
-_EXEC_ONLY = {"/.cope/bash": "bash", "/.cope/timeout": "timeout"}
 _INIT = "/.cope/bash"
 # pid 1 of the sandbox: $1 = time limit (s), $2 = the command. fd 3 = the report channel (bwrap's stderr).
 # As pid 1 it gets only the signals it has handlers for, from inside the namespace: bash's own SIGINT handler
@@ -104,41 +97,6 @@ chmod u+rwx /work
 tar -cf - -C /work . >&3
 exit "$rc"
 """
-
-
-def seccomp_filter(machine: str | None = None) -> bytes:
-    """A classic-BPF seccomp program (``struct sock_filter[]``, what bwrap's ``--seccomp`` reads): on the
-    native architecture, ``ptrace``, ``process_vm_readv``, ``process_vm_writev`` and ``pidfd_getfd``
-    fail with ``EPERM``; so does every syscall of another ABI (x32 numbers, 32-bit compat), which have
-    other numbers for the same calls. Everything else is allowed."""
-    machine = machine or platform.machine()
-    if machine not in _DENIED_SYSCALLS:
-        raise OSError(f"no seccomp filter for machine {machine!r} (known: {sorted(_DENIED_SYSCALLS)})")
-    arch, denied = _DENIED_SYSCALLS[machine]
-    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
-    allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
-    n = len(denied)
-    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (ld, 0, 0, 0),  # seccomp_data.arch, .nr
-            (jge, n + 1, 0, 0x40000000 if machine == "x86_64" else 0xFFFFFFFF)]  # x32 syscalls
-    prog += [(jeq, n - i, 0, nr) for i, nr in enumerate(denied)]
-    prog += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
-    return b"".join(struct.pack("=HBBI", *ins) for ins in prog)
-
-
-@cache
-def _program_bytes(name: str) -> bytes:
-    """The bytes of a program under /usr, for an execute-only copy of it inside the sandbox."""
-    found = shutil.which(name, path=_PATH)
-    if found is None:
-        raise OSError(f"{name} not found under /usr/bin or /bin")
-    with open(os.path.realpath(found), "rb") as f:
-        return f.read()
-
-
-def _hidden_debuggers() -> list[str]:
-    found = {os.path.realpath(os.path.join(d, name)) for d in ("/usr/local/bin", "/usr/local/sbin", "/usr/bin",
-                                                                "/usr/sbin") for name in DEBUGGERS}
-    return sorted(p for p in found if p.startswith("/usr/") and os.path.isfile(p))
 
 
 @dataclass(frozen=True)
@@ -253,7 +211,7 @@ class Sandbox:
              "--unshare-all", "--unshare-user", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
              "--hostname", "sandbox", "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--as-pid-1",
              "--seccomp", str(fds["seccomp"]), "--json-status-fd", str(fds["status"]), "--ro-bind", "/usr", "/usr"]
-        for path in _hidden_debuggers():
+        for path in hidden_debuggers():
             a += ["--ro-bind", "/dev/null", path]
         for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             path = "/" + name
@@ -266,7 +224,7 @@ class Sandbox:
         for name, fd in fds.items():
             if name in _ETC:
                 a += ["--perms", "0644", "--ro-bind-data", str(fd), f"/etc/{name}"]
-            elif name in _EXEC_ONLY:  # mode 0111: the kernel makes its process non-dumpable (no /proc/PID/mem, fd)
+            elif name in EXEC_ONLY:  # mode 0111: the kernel makes its process non-dumpable (no /proc/PID/mem, fd)
                 a += ["--perms", "0111", "--ro-bind-data", str(fd), name]
         tmp, work = str(self.tmp_size_mb << 20), str(self.work_size_mb << 20)
         a += ["--proc", "/proc", "--dev", "/dev", "--size", tmp, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
@@ -285,7 +243,7 @@ class Sandbox:
             raise ValueError(f"cannot run the command: {problem}")
         limit = self.timeout_s if timeout_s is None else float(timeout_s)
         fds = {"seccomp": _memfd(seccomp_filter()), "status": _memfd(),
-               **{path: _memfd(_program_bytes(name)) for path, name in _EXEC_ONLY.items()},
+               **{path: _memfd(program_bytes(name)) for path, name in EXEC_ONLY.items()},
                **{name: _memfd(text.encode()) for name, text in _ETC.items()}}
         fd_in, fd_out, fd_rep = _memfd(state), _memfd(), _memfd()
         user = {} if self.host_uid is None else {"user": self.host_uid, "group": self.host_uid, "extra_groups": []}

@@ -27,22 +27,19 @@ keys. Torch-free itself; importing the target classes is its only cost (no model
 """
 from __future__ import annotations
 
-import collections.abc as cabc
 import dataclasses
-import enum
 import inspect
 import json
 import logging
 import re
-import sys
-import types
-import typing
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from cope.signatures import BUILT, UNSET, base_annotation, conforms, parameters, qualname, type_name
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +113,7 @@ class _Checker:
             self.fail(key, ": no value given (???)")
         except OmegaConfBaseException as e:
             self.fail(key, f": {type(e).__name__}: {str(e).splitlines()[0]}")
-        return _UNSET
+        return UNSET
 
     def target(self, node: DictConfig, key: str) -> None:
         path = node.get("_target_")
@@ -132,8 +129,8 @@ class _Checker:
         """``node``'s keys against the parameters of ``fn`` (a callable, or a dataclass schema).
 
         ``open_keys``: keys ``fn`` does not name are walked, not rejected (the root schema)."""
-        params, var_kw = _parameters(fn)
-        where = "the root schema cope.config_check.RunKeys" if fn is RunKeys else _qualname(fn)
+        params, var_kw = parameters(fn)
+        where = "the root schema cope.config_check.RunKeys" if fn is RunKeys else qualname(fn)
         for name in node.keys():
             if name in HYDRA_KEYS:
                 continue
@@ -143,7 +140,7 @@ class _Checker:
             elif name in params:
                 self.value(node, name, full, params[name].annotation, where)
             elif var_kw is not None:
-                ann = _base_annotation(fn, name)  # **kwargs: typed where a base class declares the key
+                ann = base_annotation(fn, name)  # **kwargs: typed where a base class declares the key
                 if ann is None:
                     self.plain(self.get(node, name, full), full)
                 else:
@@ -167,15 +164,15 @@ class _Checker:
             if m and m.group(1) in self.bad:
                 return  # its source is already reported
             origin = f" (from {raw})"
-        if v is not _UNSET and not _conforms(v, ann):
-            self.fail(key, f" = {v!r}{origin}: expected {_type_name(ann)} ({where})")
+        if v is not UNSET and not conforms(v, ann):
+            self.fail(key, f" = {v!r}{origin}: expected {type_name(ann)} ({where})")
 
     def plain(self, v: Any, key: str) -> Any:
-        """``v`` as plain data; each component block in it is checked and stands as :data:`_BUILT`."""
+        """``v`` as plain data; each component block in it is checked and stands as :data:`BUILT`."""
         if isinstance(v, DictConfig):
             if "_target_" in v:
                 self.target(v, key)
-                return _BUILT
+                return BUILT
             return {k: self.plain(self.get(v, k, f"{key}.{k}"), f"{key}.{k}") for k in v.keys()}
         if isinstance(v, ListConfig):
             return [self.plain(self.get(v, i, f"{key}[{i}]"), f"{key}[{i}]") for i in range(len(v))]
@@ -186,7 +183,7 @@ class _Checker:
             for name, (ok, rule) in RANGES.get(f"{cls.__module__}.{cls.__qualname__}", {}).items():
                 v = node.get(name) if f"{key}.{name}" not in self.bad else None
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and not ok(v):
-                    self.fail(f"{key}.{name}", f" = {v!r}: must be {rule} ({_qualname(cls)})")
+                    self.fail(f"{key}.{name}", f" = {v!r}: must be {rule} ({qualname(cls)})")
 
     # -- cross-field rules and no-op warnings ---------------------------------------------------------
     def cross_field(self, cfg: DictConfig) -> None:
@@ -228,121 +225,3 @@ def model_positions(model: DictConfig) -> tuple[int, str] | None:
         return None  # the model loader reports a damaged folder
     n = spec.get("max_position_embeddings", (spec.get("text_config") or {}).get("max_position_embeddings"))
     return (n, f"max_position_embeddings in {file}") if isinstance(n, int) else None
-
-
-# -- signatures and annotations -------------------------------------------------------------------------
-_UNSET = type("_Unset", (), {"__repr__": lambda self: "<unreadable>"})()  # a value already reported
-_BUILT = type("_Built", (), {"__repr__": lambda self: "<component>"})()  # a component block, checked on its own
-
-
-def _qualname(fn: Any) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _parameters(fn: Any) -> tuple[dict[str, inspect.Parameter], inspect.Parameter | None]:
-    """Named parameters with resolved annotations, and the ``**kwargs`` parameter if any."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return {}, inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)  # unreadable: accept anything
-    hints = _hints(fn, sig)
-    params = {n: p.replace(annotation=hints.get(n, Any)) for n, p in sig.parameters.items()
-              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    var_kw = next((p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-    return params, var_kw
-
-
-def _hints(fn: Any, sig: inspect.Signature) -> dict[str, Any]:
-    init = fn.__init__ if inspect.isclass(fn) else fn
-    for obj in (init, fn if dataclasses.is_dataclass(fn) else None):
-        if obj is not None:
-            try:
-                return typing.get_type_hints(obj)
-            except Exception:
-                pass
-    # some names are not importable (TYPE_CHECKING-only): evaluate each annotation alone, the rest is Any
-    module = sys.modules.get(getattr(fn, "__module__", ""), None)
-    globs = getattr(inspect.unwrap(init), "__globals__", None) or (vars(module) if module else {})
-    out = {}
-    for name, p in sig.parameters.items():
-        ann = p.annotation
-        if isinstance(ann, str):
-            try:
-                ann = eval(ann, dict(globs))  # noqa: S307 (annotations of installed code)
-            except Exception:
-                ann = Any
-        out[name] = Any if ann is inspect.Parameter.empty else ann
-    return out
-
-
-def _base_annotation(fn: Any, name: str) -> Any:
-    """The annotation of ``name`` in the first base class ``__init__`` that declares it (for ``**kwargs``)."""
-    for cls in (fn.__mro__[1:] if inspect.isclass(fn) else ()):
-        if "__init__" in vars(cls) and cls is not object:
-            params, _ = _parameters(cls)
-            if name in params:
-                return params[name].annotation
-    return None
-
-
-_SEQUENCES = (list, tuple, cabc.Sequence, cabc.MutableSequence, cabc.Iterable, cabc.Collection, set, frozenset)
-_MAPPINGS = (dict, cabc.Mapping, cabc.MutableMapping)
-
-
-def _conforms(v: Any, ann: Any) -> bool:
-    """Whether a plain config value fits ``ann``; annotation forms this does not read are no claim (True)."""
-    if v is _BUILT or ann is Any or isinstance(ann, (str, typing.TypeVar, typing.ForwardRef)):
-        return True
-    if ann is None or ann is type(None):
-        return v is None
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if origin in (typing.Union, types.UnionType):
-        return any(_conforms(v, a) for a in args)
-    if origin is typing.Literal:
-        return any(v == a and type(v) is type(a) for a in args)
-    if origin is typing.Annotated:
-        return _conforms(v, args[0])
-    if ann is bool:
-        return isinstance(v, bool)
-    if ann is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    if ann is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    if ann is str:
-        return isinstance(v, str)
-    if isinstance(ann, type) and issubclass(ann, PurePath):
-        return isinstance(v, (str, PurePath))
-    if isinstance(ann, type) and issubclass(ann, enum.Enum):
-        return isinstance(v, ann) or (isinstance(v, str) and v in ann.__members__) or any(v == m.value for m in ann)
-    if (origin or ann) in _SEQUENCES:
-        if not isinstance(v, (list, tuple)):
-            return False
-        if (origin or ann) is tuple and args and args[-1] is not Ellipsis:
-            return len(v) == len(args) and all(_conforms(x, a) for x, a in zip(v, args))
-        return not args or all(_conforms(x, args[0]) for x in v)
-    if (origin or ann) in _MAPPINGS:
-        return isinstance(v, dict) and (len(args) != 2 or all(_conforms(k, args[0]) and _conforms(x, args[1])
-                                                               for k, x in v.items()))
-    if (origin or ann) is cabc.Callable:
-        return callable(v)
-    if isinstance(ann, type):
-        try:
-            return isinstance(v, ann)
-        except TypeError:
-            return True
-    return True
-
-
-def _type_name(ann: Any) -> str:
-    origin, args = typing.get_origin(ann), typing.get_args(ann)
-    if ann is None or ann is type(None):
-        return "null"
-    if origin in (typing.Union, types.UnionType) or origin is typing.Literal:
-        literals = [repr(x) for a in args if typing.get_origin(a) is typing.Literal for x in typing.get_args(a)]
-        literals += [repr(a) for a in args] if origin is typing.Literal else []
-        rest = [_type_name(a) for a in args if origin is not typing.Literal and typing.get_origin(a) is not typing.Literal]
-        return " | ".join(([f"one of {', '.join(literals)}"] if literals else []) + rest)
-    if origin is not None:
-        inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
-        return f"{getattr(origin, '__name__', str(origin))}[{inner}]" if inner else getattr(origin, "__name__", str(origin))
-    return getattr(ann, "__name__", str(ann).replace("typing.", ""))

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from cope.envs.sandbox import DEBUGGERS, Sandbox, seccomp_filter, unavailable_reason, unpassable
+from cope.envs.sandbox import Sandbox, unavailable_reason, unpassable
+from cope.envs.sandbox_guard import DEBUGGERS, seccomp_filter
 from cope.envs.workdir import Snapshot, add_files, check_archive, pack
 
 _REASON = "bwrap not installed (Debian package: bubblewrap)" if shutil.which("bwrap") is None else unavailable_reason()
