@@ -75,10 +75,6 @@ class ObservationLoss(Objective):
 
     def __init__(self, weight: float = 0.05, schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0):
         super().__init__(weight=weight, schedule=schedule, final_weight=final_weight, schedule_steps=schedule_steps)
-        if weight < 0:
-            raise ValueError(f"ObservationLoss.weight must be >= 0, got {weight}")
-        if final_weight < 0:
-            raise ValueError(f"ObservationLoss.final_weight must be >= 0, got {final_weight}")
 
     def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         valid = ~batch["aborted"].bool()  # (N,)
