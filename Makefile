@@ -39,7 +39,7 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/sample_efficiency.py $(ARGS)
 
-# AppWorld pins pydantic 1: it gets its own venv; the env runs there through cope.envs.remote.RemoteEnv.
+# AppWorld pins pydantic 1: it gets its own venv; the env runs there through cope.envs.runtime.remote.RemoteEnv.
 # Its data needs a download on a machine with internet (docs/envs/appworld.md).
 appworld-venv: .venv-appworld/.installed
 

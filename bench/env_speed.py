@@ -98,8 +98,8 @@ def replay(batch, tasks, plans) -> tuple[int, float]:
 
 
 def bench_env(name: str, args) -> dict:
-    from cope.envbatch import InProcessEnvs
-    from cope.envpool import EnvWorkerPool
+    from cope.envs.runtime.batch import InProcessEnvs
+    from cope.envs.runtime.pool import EnvWorkerPool
 
     factory, env_cfg = env_factory(name, args.cache_dir, args.override)
     tasks, plans = record(factory, args.episodes, args.steps, args.seed)

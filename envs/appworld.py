@@ -3,7 +3,7 @@ for a "supervisor" by writing Python that calls the APIs of nine simulated apps 
 venmo, amazon, ...); hidden tests on the final app databases decide success.
 
 AppWorld pins pydantic 1, so it cannot live in the trainer's venv. It runs in its own venv, one
-child process per env instance, through `cope.envs.remote.RemoteEnv` (:class:`RemoteAppWorldEnv`,
+child process per env instance, through `cope.envs.runtime.remote.RemoteEnv` (:class:`RemoteAppWorldEnv`,
 the ``env=appworld`` config); :class:`AppWorldEnv` is the in-process adapter that runs inside it::
 
     python3 -m venv .venv-appworld
@@ -41,7 +41,7 @@ import uuid
 from pathlib import Path
 
 from cope.envs.base import EnvReset, EnvStep, Task, check_split
-from cope.envs.remote import RemoteEnv
+from cope.envs.runtime.remote import RemoteEnv
 
 DATASETS = ("train", "dev", "test_normal", "test_challenge")
 REWARD_MODES = ("sparse", "pass_rate")

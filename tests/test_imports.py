@@ -72,10 +72,15 @@ print(json.dumps({{"bad": bad, "extras": sorted(EXTRAS)}}))
 
 
 def test_envs_import_without_torch():
-    code = """
-import sys
+    """Every module under envs/ (env families, the env runtime) imports with torch blocked: the
+    AppWorld venv and the env workers have no torch."""
+    envs = [m for m in MODULES if m == "cope.envs" or m.startswith("cope.envs.")]
+    assert "cope.envs.runtime.pool" in envs and "cope.envs.webshop.env" in envs, envs
+    code = f"""
+import importlib, sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
-import cope.envs, cope.envs.maze
+for name in {envs!r}:
+    importlib.import_module(name)
 from cope.envs.maze import MazeEnv
 env = MazeEnv(sizes=[6], max_steps=4)
 print(env.name, env.num_tasks("train") > 0, "torch" in sys.modules and sys.modules["torch"] is not None)
@@ -83,3 +88,14 @@ print(env.name, env.num_tasks("train") > 0, "torch" in sys.modules and sys.modul
     proc = _run(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["maze", "True", "False"], proc.stdout
+
+
+def test_pyproject_lists_every_package():
+    """setuptools installs only the packages pyproject.toml names: each folder with an ``__init__.py``
+    under a mapped root (an env family, the env runtime) must be listed, or ``pip install`` drops it."""
+    tomllib = pytest.importorskip("tomllib")
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join([pkg, *init.parent.relative_to(root).parts])
+             for pkg, root in ROOTS.items() for init in root.rglob("__init__.py") if "__pycache__" not in init.parts}
+    assert found <= set(setup["packages"]), sorted(found - set(setup["packages"]))
+    assert {setup["package-dir"][k] for k in ROOTS} == {str(r.relative_to(REPO)) for r in ROOTS.values()}

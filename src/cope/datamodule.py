@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader
 
 from cope.advantages import group_advantages
 from cope.batch import collate
-from cope.envbatch import STATS, InProcessEnvs
-from cope.envpool import EnvWorkerPool
 from cope.envs.base import Env, Task
+from cope.envs.runtime.batch import STATS, InProcessEnvs
+from cope.envs.runtime.pool import EnvWorkerPool
 from cope.episode import Episode
 from cope.generation import CachedSamplingActor
 from cope.rollout import RolloutStats, run_episodes
@@ -61,7 +61,7 @@ class RolloutDataModule(pl.LightningDataModule):
         seed: task-sampling seed (combined with the rank).
         progress: show a progress bar while collecting rollouts.
         env_workers: 0 steps the env instances in this process, one after another; N > 0 runs them in
-            N worker processes (:mod:`cope.envpool`: parallel steps, deadlines, restarts).
+            N worker processes (:mod:`cope.envs.runtime.pool`: parallel steps, deadlines, restarts).
         env_step_timeout_s / env_reset_timeout_s: deadlines of one step / reset (workers only).
         env_python: interpreter of the env workers (default: this one).
         max_live_episodes: at most this many episodes run at once (env instances, generation batch);

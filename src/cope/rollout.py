@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from cope.chat import ChatFormat
-from cope.envbatch import InProcessEnvs
-from cope.envpool import EnvWorkerPool
 from cope.envs.base import Env, Task
+from cope.envs.runtime.batch import InProcessEnvs
+from cope.envs.runtime.pool import EnvWorkerPool
 from cope.episode import EndReason, Episode, Role, Step
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Tests for the ALFWorld adapter (`cope.envs.alfworld`); the generator and the experts are in
+"""Tests for the ALFWorld adapter (`cope.envs.alfworld.env`); the generator and the experts are in
 test_alfworld_games.py.
 
 Everything runs on alfworld-style generated games through the real engine (alfworld 0.4.2's grammar and
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cope.envs.alfworld import (
+from cope.envs.alfworld.env import (
     HARNESS_MALFORMED, HARNESS_TIMEOUT, NOTHING_HAPPENS, AlfWorldEnv, missing_data_message,
 )
 from cope.envs.base import Env, Task
@@ -84,7 +84,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_imports_without_torch_or_the_engine():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import cope.envs.alfworld, cope.envs.alfworld_games, cope.envs.alfworld_scenes\n"
+            "import cope.envs.alfworld.env, cope.envs.alfworld.games, cope.envs.alfworld.scenes\n"
             "heavy = [m for m in ('torch', 'alfworld', 'textworld', 'fast_downward', 'numpy') if sys.modules.get(m)]\n"
             "print('ok', heavy)")
     result = _run(code)
@@ -94,7 +94,7 @@ def test_imports_without_torch_or_the_engine():
 
 def test_missing_package_error_names_the_extra(tmp_path):
     code = ("import sys; sys.modules['alfworld'] = None\n"
-            "from cope.envs.alfworld import AlfWorldEnv; from cope.envs.base import Task\n"
+            "from cope.envs.alfworld.env import AlfWorldEnv; from cope.envs.base import Task\n"
             f"env = AlfWorldEnv(source='generated', cache_dir={str(tmp_path)!r})\n"
             "try:\n    env.reset(Task(env.name, 'train', 0))\n"
             "except ImportError as e:\n    print('ImportError:', e)\n")
@@ -175,7 +175,7 @@ def test_same_task_same_game_and_close_is_safe(env, cache):
 def _fake_official_tree(root: Path, cache: str) -> None:
     """json_2.1.1/<split>/<task_type>-<Obj>-None-<Parent>-<N>/trial_<id>/ made of generated games, plus the
     folders AlfredTWEnv skips (movable, Sliced, unsolvable)."""
-    from cope.envs.alfworld_games import ensure_game
+    from cope.envs.alfworld.games import ensure_game
 
     def add(split, folder, index, task_types, solvable=True):
         src = Path(ensure_game(cache, "train", index, task_types)).parent
@@ -234,7 +234,7 @@ def test_train_one_epoch_on_generated_games(run_train, tmp_path, cache):
 def test_engine_memo_changes_nothing_but_time(cache, monkeypatch):
     from collections import OrderedDict
 
-    from cope.envs import alfworld_engine
+    from cope.envs.alfworld import engine as alfworld_engine
 
     monkeypatch.setattr(alfworld_engine, "_MEMO", OrderedDict())  # empty memos for this test
     monkeypatch.setattr(alfworld_engine, "_PARSES", OrderedDict())

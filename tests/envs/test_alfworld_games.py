@@ -1,6 +1,6 @@
-"""Tests for the alfworld-style (generated) games (`cope.envs.alfworld_games`, `cope.envs.alfworld_scenes`):
+"""Tests for the alfworld-style (generated) games (`cope.envs.alfworld.games`, `cope.envs.alfworld.scenes`):
 determinism, cache, file layout, splits, and three experts that must win them through our adapter
-(`cope.envs.alfworld`) on the real engine: the stored walkthrough, alfworld's fast-downward planner, and a
+(`cope.envs.alfworld.env`) on the real engine: the stored walkthrough, alfworld's fast-downward planner, and a
 hand-coded expert that sees only the text and the admissible commands.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cope.envs.alfworld import NOTHING_HAPPENS, AlfWorldEnv
-from cope.envs.alfworld_scenes import TASK_TYPES
+from cope.envs.alfworld.env import NOTHING_HAPPENS, AlfWorldEnv
+from cope.envs.alfworld.scenes import TASK_TYPES
 from cope.envs.base import Task
 
 pytest.importorskip("alfworld", reason="needs the alfworld extra (alfworld==0.4.2)")
@@ -31,8 +31,8 @@ def _task(split="train", index=0) -> Task:
 
 
 def test_generator_is_deterministic_and_byte_identical(tmp_path):
-    from cope.envs.alfworld_games import ensure_game, game_files
-    from cope.envs.alfworld_scenes import sample_scene
+    from cope.envs.alfworld.games import ensure_game, game_files
+    from cope.envs.alfworld.scenes import sample_scene
 
     for split, index in (("train", 0), ("train", 5), ("test", 2)):
         a = ensure_game(str(tmp_path / "a"), split, index)
@@ -48,7 +48,7 @@ def test_generator_is_deterministic_and_byte_identical(tmp_path):
 
 
 def test_generated_files_look_like_an_official_game_folder(tmp_path):
-    from cope.envs.alfworld_games import GENERATOR_NAME, ensure_game
+    from cope.envs.alfworld.games import GENERATOR_NAME, ensure_game
 
     path = Path(ensure_game(str(tmp_path), "test", 4))
     game = json.loads(path.read_text())
@@ -65,7 +65,7 @@ def test_generated_files_look_like_an_official_game_folder(tmp_path):
 
 
 def test_cache_is_reused_and_written_atomically(tmp_path):
-    from cope.envs.alfworld_games import ensure_game
+    from cope.envs.alfworld.games import ensure_game
 
     path = Path(ensure_game(str(tmp_path), "train", 3))
     path.write_text(path.read_text())  # same bytes, new mtime
@@ -77,7 +77,7 @@ def test_cache_is_reused_and_written_atomically(tmp_path):
 
 
 def test_train_and_test_use_disjoint_floor_plans_and_every_task_type():
-    from cope.envs.alfworld_scenes import floor_plans, sample_scene
+    from cope.envs.alfworld.scenes import floor_plans, sample_scene
 
     seen = {"train": set(), "test": set()}
     types = set()

@@ -14,32 +14,32 @@ import time
 
 import pytest
 
-from cope.envbatch import InProcessEnvs
-from cope.envpool import EnvWorkerPool
 from cope.envs.base import Task
+from cope.envs.runtime.batch import InProcessEnvs
+from cope.envs.runtime.pool import EnvWorkerPool
 
 
 def _factory(name: str, tmp_path):
     if name == "scienceworld":
-        from cope.envs.scienceworld import ScienceWorldEnv
+        from cope.envs.scienceworld.env import ScienceWorldEnv
 
         return functools.partial(ScienceWorldEnv, tasks=["boil"], max_steps=20)
     if name == "textworld":
-        from cope.envs.textworld import TextWorldEnv
+        from cope.envs.textworld.env import TextWorldEnv
 
         return functools.partial(TextWorldEnv, challenge="tw-coin_collector", level=1, cache_dir=str(tmp_path / "tw"),
                                  max_steps=20)
     if name == "alfworld":
-        from cope.envs.alfworld import AlfWorldEnv
+        from cope.envs.alfworld.env import AlfWorldEnv
 
         return functools.partial(AlfWorldEnv, source="generated", task_types=["pick_and_place_simple"],
                                  cache_dir=str(tmp_path / "alf"), max_steps=20)
     if name == "webshop":
-        from cope.envs.webshop import WebShopEnv
+        from cope.envs.webshop.env import WebShopEnv
 
         return functools.partial(WebShopEnv, max_steps=20)
     if name == "terminal":
-        from cope.envs.terminal import TerminalEnv
+        from cope.envs.terminal.env import TerminalEnv
 
         return functools.partial(TerminalEnv, max_steps=20, families=["create_file"])
     raise KeyError(name)

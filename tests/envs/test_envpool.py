@@ -1,6 +1,6 @@
-"""The env worker pool (src/cope/envpool.py): parallel steps, deadlines, restarts, replay, accounting.
+"""The env worker pool (envs/runtime/pool.py): parallel steps, deadlines, restarts, replay, accounting.
 
-Faults come from envs/chaos.py (a wrapper that kills its own process, sleeps or raises on cue)."""
+Faults come from envs/runtime/chaos.py (a wrapper that kills its own process, sleeps or raises on cue)."""
 from __future__ import annotations
 
 import functools
@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from cope.envbatch import InProcessEnvs
-from cope.envpool import EnvWorkerPool
 from cope.envs.base import Task
-from cope.envs.chaos import ChaosEnv
 from cope.envs.maze import MazeEnv
-from cope.envs.remote import RemoteEnv
-from cope.envs.worker import WorkerFailure, WorkerTimeout
+from cope.envs.runtime.batch import InProcessEnvs
+from cope.envs.runtime.chaos import ChaosEnv
+from cope.envs.runtime.pool import EnvWorkerPool
+from cope.envs.runtime.remote import RemoteEnv
+from cope.envs.runtime.worker import WorkerFailure, WorkerTimeout
 
 MAZE = functools.partial(MazeEnv, sizes=[6], max_steps=20)
 
@@ -160,7 +160,7 @@ def test_training_survives_crashes_and_hangs(run_train, read_metrics, tmp_path):
 
 
 def test_remote_env_round_trip_and_failure():
-    env = RemoteEnv(target="cope.envs.chaos.ChaosEnv",
+    env = RemoteEnv(target="cope.envs.runtime.chaos.ChaosEnv",
                     kwargs={"env": MAZE, "crash_on": ["crash"]}, timeout_s=5)
     try:
         local = MAZE()
@@ -182,7 +182,7 @@ def test_remote_env_missing_interpreter_is_a_clear_error(tmp_path):
 
 
 def test_worker_modules_import_without_torch():
-    code = "import cope.envs.worker, cope.envs.remote, cope.envs.chaos, sys; assert 'torch' not in sys.modules"
+    code = "import cope.envs.runtime.worker, cope.envs.runtime.remote, cope.envs.runtime.chaos, sys; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

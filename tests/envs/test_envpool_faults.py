@@ -1,6 +1,6 @@
-"""The worker pool (src/cope/envpool.py) against a fault at each point of the worker protocol: the env's
+"""The worker pool (envs/runtime/pool.py) against a fault at each point of the worker protocol: the env's
 construction (``make``), ``reset``, ``step`` and ``close``, each fault a crash, a hang, an env error, a
-closed reply pipe or a garbage reply (injected by envs/chaos.py), and a worker killed from outside
+closed reply pipe or a garbage reply (injected by envs/runtime/chaos.py), and a worker killed from outside
 while a slot is being made. Each is survived, counted once, and costs exactly the request it hit."""
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from cope.envpool import EnvWorkerPool
 from cope.envs.base import Task
-from cope.envs.chaos import GARBAGE, KINDS, ChaosEnv
 from cope.envs.maze import MazeEnv
-from cope.envs.worker import WorkerFailure, WorkerTimeout
+from cope.envs.runtime.chaos import GARBAGE, KINDS, ChaosEnv
+from cope.envs.runtime.pool import EnvWorkerPool
+from cope.envs.runtime.worker import WorkerFailure, WorkerTimeout
 
 MAZE = functools.partial(MazeEnv, sizes=[6], max_steps=20)
 STEP_S, RESET_S = 1.5, 3.0  # deadlines; a hang costs one of them

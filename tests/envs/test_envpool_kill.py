@@ -1,4 +1,4 @@
-"""The worker pool (src/cope/envpool.py) under sustained faults, through the rollout engine: many
+"""The worker pool (envs/runtime/pool.py) under sustained faults, through the rollout engine: many
 episodes in rounds that grow (so new slots are made mid-run), with generation and env steps
 overlapping (``chunks=2``). Nothing is lost or uncounted: every episode requested comes back, an
 aborted one only for a counted fault, and every other one is token for token the episode an
@@ -12,10 +12,10 @@ import random
 import signal
 import threading
 
-from cope.envpool import EnvWorkerPool
 from cope.envs.base import Task
-from cope.envs.chaos import ChaosEnv
 from cope.envs.maze import MazeEnv
+from cope.envs.runtime.chaos import ChaosEnv
+from cope.envs.runtime.pool import EnvWorkerPool
 
 MAZE = functools.partial(MazeEnv, sizes=[6], max_steps=12)
 MOVES = ("north", "south", "east", "west")

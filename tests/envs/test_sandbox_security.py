@@ -1,4 +1,4 @@
-"""Hostile commands against the bubblewrap sandbox (`cope.envs.sandbox`): each test asserts containment
+"""Hostile commands against the bubblewrap sandbox (`cope.envs.terminal.sandbox`): each test asserts containment
 itself (the host side is checked), not only that the command failed."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cope.envs.sandbox import SANDBOX_UID, Sandbox, _count_processes, unavailable_reason
-from cope.envs.workdir import Snapshot, pack
+from cope.envs.terminal.sandbox import SANDBOX_UID, Sandbox, _count_processes, unavailable_reason
+from cope.envs.terminal.workdir import Snapshot, pack
 
 _REASON = "bwrap not installed (Debian package: bubblewrap)" if shutil.which("bwrap") is None else unavailable_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"no sandbox here: {_REASON}")

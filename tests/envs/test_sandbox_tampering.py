@@ -1,5 +1,5 @@
 """Commands that try to steer the sandbox's pid 1, and hostile archives handed back to the host
-(`cope.envs.sandbox`, `cope.envs.workdir`; issue 9, item 5). Every attack inside ends with ``exit 7``:
+(`cope.envs.terminal.sandbox`, `cope.envs.terminal.workdir`; issue 9, item 5). Every attack inside ends with ``exit 7``:
 the host must still see 7 and the real work dir, never what the attack wrote."""
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from cope.envs.sandbox import Sandbox, unavailable_reason, unpassable
-from cope.envs.sandbox_guard import DEBUGGERS, seccomp_filter
-from cope.envs.workdir import Snapshot, add_files, check_archive, pack
+from cope.envs.terminal.sandbox import Sandbox, unavailable_reason, unpassable
+from cope.envs.terminal.sandbox_guard import DEBUGGERS, seccomp_filter
+from cope.envs.terminal.workdir import Snapshot, add_files, check_archive, pack
 
 _REASON = "bwrap not installed (Debian package: bubblewrap)" if shutil.which("bwrap") is None else unavailable_reason()
 needs_sandbox = pytest.mark.skipif(_REASON is not None, reason=f"no sandbox here: {_REASON}")
@@ -268,8 +268,8 @@ def _fake_bwrap(folder: Path, started: bool, code: int, payload: bytes) -> Path:
 
 PROBE = """
 import json, sys, time
-from cope.envs.sandbox import Sandbox
-from cope.envs.terminal import TerminalEnv
+from cope.envs.terminal.sandbox import Sandbox
+from cope.envs.terminal.env import TerminalEnv
 from cope.envs.base import Task
 env = TerminalEnv(timeout_s=3)
 env.reset(Task("terminal", "train", 0))

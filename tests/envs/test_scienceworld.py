@@ -1,4 +1,4 @@
-"""Tests for the ScienceWorld adapter (`cope.envs.scienceworld`, task map and reply parsing).
+"""Tests for the ScienceWorld adapter (`cope.envs.scienceworld.env`, task map and reply parsing).
 
 The table/text tests need nothing; the rest need the ``scienceworld`` package (extra ``scienceworld``)
 and Java. JVMs start in seconds, so the simulator tests share module-scoped instances.
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 from cope.envs.base import Env, Task
-from cope.envs.scienceworld_tasks import (
+from cope.envs.scienceworld.tasks import (
     TASK_NAMES,
     TASK_TABLE,
     TaskMap,
@@ -22,7 +22,7 @@ from cope.envs.scienceworld_tasks import (
     resolve_tasks,
     split_variations,
 )
-from cope.envs.scienceworld_text import is_no_effect, is_parse_failure, parse_menu
+from cope.envs.scienceworld.text import is_no_effect, is_parse_failure, parse_menu
 
 HAVE_SW = importlib.util.find_spec("scienceworld") is not None
 needs_sw = pytest.mark.skipif(not HAVE_SW, reason="needs the scienceworld package: pip install 'cope-trainer[scienceworld]'")
@@ -107,7 +107,7 @@ def test_reply_parsing():
 
 def test_imports_without_torch_and_lazy_import_error():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['scienceworld'] = None\n"
-            "import cope.envs.scienceworld as m\n"
+            "import cope.envs.scienceworld.env as m\n"
             "try:\n    m.ScienceWorldEnv()\nexcept ImportError as e:\n    print('error:', e)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -126,7 +126,7 @@ def test_imports_without_torch_and_lazy_import_error():
      ({"name": ""}, "name")],
 )
 def test_bad_constructor_args(kwargs, arg):
-    from cope.envs.scienceworld import ScienceWorldEnv
+    from cope.envs.scienceworld.env import ScienceWorldEnv
 
     with pytest.raises(ValueError, match=arg):
         ScienceWorldEnv(**kwargs)
@@ -134,7 +134,7 @@ def test_bad_constructor_args(kwargs, arg):
 
 @needs_sw
 def test_construction_starts_no_jvm_and_pickles():
-    from cope.envs.scienceworld import ScienceWorldEnv
+    from cope.envs.scienceworld.env import ScienceWorldEnv
 
     env = ScienceWorldEnv(tasks=["1-1", "4-4"], test_split="test", max_variations_per_task=5)
     assert isinstance(env, Env) and env.jvm_pid is None
@@ -154,7 +154,7 @@ def test_construction_starts_no_jvm_and_pickles():
 # -- the simulator --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def env():
-    from cope.envs.scienceworld import ScienceWorldEnv
+    from cope.envs.scienceworld.env import ScienceWorldEnv
 
     e = ScienceWorldEnv(max_steps=100)
     yield e
@@ -283,7 +283,7 @@ def test_example_actions_are_accepted(env):
 
 @needs_jvm
 def test_admissible_first_choice_and_score_delta():
-    from cope.envs.scienceworld import ScienceWorldEnv
+    from cope.envs.scienceworld.env import ScienceWorldEnv
 
     env = ScienceWorldEnv(tasks=["chemistry-mix", "boil"], admissible_actions=True, max_admissible_actions=12,
                           ambiguity="first", reward_mode="score_delta", max_steps=100)
@@ -315,7 +315,7 @@ def test_admissible_first_choice_and_score_delta():
 
 @needs_jvm
 def test_close_kills_the_jvm_and_reset_restarts_it():
-    from cope.envs.scienceworld import ScienceWorldEnv
+    from cope.envs.scienceworld.env import ScienceWorldEnv
 
     env = ScienceWorldEnv(tasks=["find-animal"])
     env.reset(_task("train", 0))
@@ -339,7 +339,7 @@ def test_close_kills_the_jvm_and_reset_restarts_it():
 
 @needs_jvm
 def test_bad_jvm_option_fails_at_first_reset():
-    from cope.envs.scienceworld import ScienceWorldEnv
+    from cope.envs.scienceworld.env import ScienceWorldEnv
 
     env = ScienceWorldEnv(jvm_args=["-XX:+NoSuchJvmOption"])
     with pytest.raises(RuntimeError, match="could not start the ScienceWorld JVM"):

@@ -1,4 +1,4 @@
-"""Tests for the tau2-bench adapter (`cope.envs.tau2`, `cope.envs.tau2_format`, `cope.envs.tau2_user`).
+"""Tests for the tau2-bench adapter (`cope.envs.tau2.env`, `cope.envs.tau2.format`, `cope.envs.tau2.user`).
 
 Offline: every test runs with non-loopback connections refused and dead proxies, so any network
 attempt (litellm, tau2) fails fast instead of hanging. Tests that need the package skip without it.
@@ -18,7 +18,7 @@ from typing import ClassVar
 import pytest
 
 from cope.envs.base import Env, Task
-from cope.envs.tau2_format import Action, example_call, parse_action
+from cope.envs.tau2.format import Action, example_call, parse_action
 
 _SPEC = importlib.util.find_spec("tau2")
 HAS_TAU2 = _SPEC is not None and (Path(_SPEC.origin).parent / "registry.py").exists()
@@ -45,7 +45,7 @@ def offline(monkeypatch):
 
 
 def _env(**kw):
-    from cope.envs.tau2 import Tau2Env
+    from cope.envs.tau2.env import Tau2Env
 
     return Tau2Env(**kw)
 
@@ -150,8 +150,8 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_missing_package_names_the_extra():
     code = ("import sys; sys.modules['tau2'] = None; sys.modules['tau2.registry'] = None\n"
-            "import cope.envs.tau2_user, cope.envs.tau2_tasks, cope.envs.tau2_format\n"
-            "from cope.envs.tau2 import Tau2Env\nenv = Tau2Env()\n"
+            "import cope.envs.tau2.user, cope.envs.tau2.tasks, cope.envs.tau2.format\n"
+            "from cope.envs.tau2.env import Tau2Env\nenv = Tau2Env()\n"
             "try:\n    env.num_tasks('train')\nexcept ImportError as e:\n    print(e)\n")
     result = _run(code)
     assert result.returncode == 0, result.stderr
@@ -161,7 +161,7 @@ def test_missing_package_names_the_extra():
 @needs_tau2
 def test_runs_without_torch():
     """Module import, a full mock episode and tau2's evaluation, with torch unimportable."""
-    code = ("import sys, json; sys.modules['torch'] = None\nfrom cope.envs.tau2 import Tau2Env\n"
+    code = ("import sys, json; sys.modules['torch'] = None\nfrom cope.envs.tau2.env import Tau2Env\n"
             "from cope.envs.base import Task\nenv = Tau2Env()\nenv.reset(Task('tau2', 'train', 0))\n"
             "env.step(json.dumps({'name': 'create_task', 'arguments': {'user_id': 'user_1', 'title': 'Important Meeting'}}))\n"
             "out = env.step('{\"name\": \"done\"}')\nprint(out.reward, 'torch' in sys.modules and sys.modules['torch'] is not None)")

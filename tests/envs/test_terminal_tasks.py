@@ -1,4 +1,4 @@
-"""Tests for the terminal env (`cope.envs.terminal`), its task suite and the work-dir archives."""
+"""Tests for the terminal env (`cope.envs.terminal.env`), its task suite and the work-dir archives."""
 from __future__ import annotations
 
 import io
@@ -10,8 +10,7 @@ import tarfile
 import pytest
 
 from cope.envs.base import Env, Task
-from cope.envs.sandbox import unavailable_reason
-from cope.envs.terminal import (
+from cope.envs.terminal.env import (
     HARNESS_EMPTY,
     HARNESS_NOT_FOUND,
     HARNESS_STEP_LIMIT,
@@ -23,8 +22,9 @@ from cope.envs.terminal import (
     parse_command,
     program_available,
 )
-from cope.envs.terminal_tasks import families, make_task
-from cope.envs.workdir import Snapshot, add_files, is_complete, pack
+from cope.envs.terminal.sandbox import unavailable_reason
+from cope.envs.terminal.tasks import families, make_task
+from cope.envs.terminal.workdir import Snapshot, add_files, is_complete, pack
 
 _REASON = "bwrap not installed (Debian package: bubblewrap)" if shutil.which("bwrap") is None else unavailable_reason()
 needs_sandbox = pytest.mark.skipif(_REASON is not None, reason=f"no sandbox here: {_REASON}")
@@ -159,8 +159,8 @@ def test_snapshot_never_follows_links():
 
 
 def test_imports_without_torch():
-    code = ("import sys; sys.modules['torch'] = None; import cope.envs.terminal, cope.envs.sandbox; "
-            "print(len(cope.envs.terminal.TerminalEnv().num_tasks('train') * 'x'))")
+    code = ("import sys; sys.modules['torch'] = None; import cope.envs.terminal.env, cope.envs.terminal.sandbox; "
+            "print(len(cope.envs.terminal.env.TerminalEnv().num_tasks('train') * 'x'))")
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "10000"
@@ -302,7 +302,7 @@ def test_example_actions_are_well_formed(env):
 
 @needs_sandbox
 def test_git_families_skip_cleanly_without_git(monkeypatch):
-    from cope.envs import terminal
+    from cope.envs.terminal import env as terminal
 
     monkeypatch.setattr(terminal, "program_available", lambda name: name != "git")
     active = TerminalEnv().active_families()

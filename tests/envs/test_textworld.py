@@ -1,4 +1,4 @@
-"""Tests for the TextWorld adapter (`cope.envs.textworld`, games from `cope.envs.textworld_games`).
+"""Tests for the TextWorld adapter (`cope.envs.textworld.env`, games from `cope.envs.textworld.games`).
 
 Game generation is the slow part (2-5 s a game): the module generates six small games once, into a
 module temp cache, and every test (the training run too) reuses them.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from cope.envs.base import Env, Task
-from cope.envs.textworld import (
+from cope.envs.textworld.env import (
     HARNESS_CHAINED,
     HARNESS_MALFORMED,
     HARNESS_TIMEOUT,
@@ -22,7 +22,7 @@ from cope.envs.textworld import (
     TextWorldEnv,
     tidy,
 )
-from cope.envs.textworld_games import (
+from cope.envs.textworld.games import (
     TEST_SEED_OFFSET,
     challenge_settings,
     ensure_game,
@@ -352,7 +352,7 @@ def test_racing_processes_generate_one_good_game(tmp_path):
     """Two processes generating the same missing game at once both succeed and leave one complete,
     identical pair of files."""
     code = (
-        "import sys; from cope.envs.textworld_games import ensure_game, challenge_settings; "
+        "import sys; from cope.envs.textworld.games import ensure_game, challenge_settings; "
         "p, g = ensure_game(sys.argv[1], 'tw-coin_collector', challenge_settings('tw-coin_collector', 'train', level=1),"
         " 'train', 3); print(p.stat().st_size)"
     )
@@ -379,7 +379,7 @@ def test_lazy_import_error_names_the_extra(tmp_path):
     code = (
         "import sys; sys.modules['textworld'] = None\n"
         "from cope.envs.base import Task\n"
-        "from cope.envs.textworld import TextWorldEnv\n"
+        "from cope.envs.textworld.env import TextWorldEnv\n"
         f"env = TextWorldEnv(cache_dir={str(tmp_path)!r})\n"
         "try:\n    env.reset(Task('textworld', 'train', 0))\n"
         "except ImportError as e:\n    print(e)\n"
@@ -390,7 +390,7 @@ def test_lazy_import_error_names_the_extra(tmp_path):
 
 
 def test_imports_without_torch():
-    code = "import sys; sys.modules['torch'] = None; import cope.envs.textworld, cope.envs.textworld_games; print('ok')"
+    code = "import sys; sys.modules['torch'] = None; import cope.envs.textworld.env, cope.envs.textworld.games; print('ok')"
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"

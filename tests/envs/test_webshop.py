@@ -1,4 +1,4 @@
-"""Tests for the WebShop-compatible shopping env (`cope.envs.webshop` + catalog, search, reward)."""
+"""Tests for the WebShop-compatible shopping env (`cope.envs.webshop.env` + catalog, search, reward)."""
 from __future__ import annotations
 
 import json
@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from cope.envs.base import Env, Task
-from cope.envs.webshop import (
+from cope.envs.webshop.catalog import INSTRUCTIONS_FILE, PRODUCTS_FILE, generate, price_upper_for, write
+from cope.envs.webshop.env import (
     BUY, HARNESS_EMPTY_SEARCH, HARNESS_MALFORMED, HARNESS_NO_SEARCH, HARNESS_TIMEOUT, NEXT, PREV, SEP,
     WebShopEnv, parse_action, search_keywords,
 )
-from cope.envs.webshop_catalog import INSTRUCTIONS_FILE, PRODUCTS_FILE, generate, price_upper_for, write
-from cope.envs.webshop_reward import purchase_reward, type_reward
-from cope.envs.webshop_search import BM25, DEFAULT_CATALOG_DIR, load_catalog, tokenize
-from cope.envs.webshop_vocab import BRANDS, TYPES
+from cope.envs.webshop.reward import purchase_reward, type_reward
+from cope.envs.webshop.search import BM25, DEFAULT_CATALOG_DIR, load_catalog, tokenize
+from cope.envs.webshop.vocab import BRANDS, TYPES
 
 SHIPPED = DEFAULT_CATALOG_DIR
 BUTTONS = {"back to search", "< prev", "next >", "description", "features", "reviews", "buy now", "search"}
@@ -72,7 +72,7 @@ def test_shipped_catalog_shape_and_disjoint_splits():
 
 
 def test_regenerating_the_catalog_is_byte_identical(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "cope.envs.webshop_catalog", "--out", str(tmp_path / "cli")],
+    result = subprocess.run([sys.executable, "-m", "cope.envs.webshop.catalog", "--out", str(tmp_path / "cli")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     write(tmp_path / "api")
@@ -394,7 +394,7 @@ def test_task_limits():
 
 
 def test_imports_without_torch():
-    code = "import cope.envs.webshop, cope.envs.webshop_catalog, sys; assert 'torch' not in sys.modules; print('ok')"
+    code = "import cope.envs.webshop.env, cope.envs.webshop.catalog, sys; assert 'torch' not in sys.modules; print('ok')"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"

@@ -1,0 +1,76 @@
+"""The env-batch interface the rollout engine steps envs through, and its in-process implementation.
+
+``reset(items)`` and ``submit(items) -> Pending`` (steps, collected later with ``Pending.results()``),
+where ``items`` are ``(slot, argument)`` pairs and each result is an ``EnvReset``/``EnvStep`` or the
+exception that stands for it (the engine aborts that episode). :class:`InProcessEnvs` keeps the
+instances in this process and steps them one after another; :class:`cope.envs.runtime.pool.EnvWorkerPool` keeps
+them in worker processes. ``stats`` counts worker events (always 0 here; :data:`STATS` names them).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from cope.envs.base import Env, Task
+
+STATS = ("restarts", "timeouts", "crashes", "replays", "replay_failures", "close_failures")
+
+
+class Pending:
+    """Results of submitted requests, in item order, available after :meth:`results`."""
+
+    def __init__(self, n: int, pump: Callable[["Pending"], None] | None = None):
+        self.values: list[Any] = [None] * n
+        self.left = n
+        self._pump = pump
+
+    def set(self, i: int, value: Any) -> None:
+        self.values[i] = value
+        self.left -= 1
+
+    def results(self) -> list[Any]:
+        if self.left and self._pump is not None:
+            self._pump(self)
+        return self.values
+
+
+class InProcessEnvs:
+    """Env instances in this process, stepped one after another (``data.env_workers=0``)."""
+
+    def __init__(self, env_factory: Callable[[], Env] | None = None, envs: list[Env] | None = None):
+        self.factory, self.envs = env_factory, list(envs or [])
+        self.stats = dict.fromkeys(STATS, 0)
+        first = self.envs[0] if self.envs else None
+        if first is None:
+            first = env_factory()
+            self.envs.append(first)
+        self.name, self.max_steps, self.instructions = first.name, first.max_steps, first.instructions
+
+    def ensure(self, n: int) -> None:
+        while len(self.envs) < n:
+            if self.factory is None:
+                raise ValueError(f"{n} episodes but only {len(self.envs)} env instances were given")
+            self.envs.append(self.factory())
+
+    def _each(self, method: str, items: list[tuple[int, Any]]) -> list[Any]:
+        self.ensure(max((s for s, _ in items), default=-1) + 1)
+        out = []
+        for slot, arg in items:
+            try:
+                out.append(getattr(self.envs[slot], method)(arg))
+            except Exception as e:  # noqa: BLE001 - an env error aborts its episode, never the run
+                out.append(e)
+        return out
+
+    def reset(self, items: list[tuple[int, Task]]) -> list[Any]:
+        return self._each("reset", items)
+
+    def submit(self, items: list[tuple[int, str]]) -> Pending:
+        p = Pending(len(items))
+        for i, v in enumerate(self._each("step", items)):
+            p.set(i, v)
+        return p
+
+    def close(self) -> None:
+        for e in self.envs:
+            e.close()
+        self.envs = []

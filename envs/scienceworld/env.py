@@ -1,0 +1,288 @@
+"""ScienceWorld (Wang et al., 2022) behind the `cope.envs.base.Env` protocol: the real benchmark.
+
+The simulator is the ``scienceworld`` package (pinned 1.2.3; extra ``scienceworld``): a Scala program in a
+JVM, driven over a py4j socket. Each env instance owns one JVM, started at its first ``reset`` and reused
+by every later reset (a reset only reloads the task: ~0.1 s); ``close()`` ends it.
+
+Tasks (see `cope.envs.scienceworld.tasks`): ``tasks`` selects task names or paper ids (default all 30);
+our ``train`` split is ScienceWorld's train variations, ``test`` its ``dev`` (default) or ``test``
+variations (``test_split``); the selected tasks' variations are interleaved over ``Task.index``.
+``simplifications`` is the simulator's flag string (``"easy"`` or e.g. ``"teleportAction,openDoors"``).
+
+Lean steps: the package's ``ScienceWorldEnv.step`` also fetches look/inventory/task text and the full
+valid-action list on every call (8-20 steps/s). The adapter calls the simulator's ``step``, ``getScore``
+and ``getCompleted`` only; the valid-action list (one list call) is fetched only when
+``admissible_actions=True`` (optionally capped to ``max_admissible_actions``, a deterministic sample).
+
+Scores and rewards: ``score`` is the simulator's score divided by 100, i.e. in [0, 1] (the package's
+integer 0..100 is in ``info["score100"]``), and -1.0 once the task has failed (e.g. ``focus on`` a wrong
+object), which ends the episode with ``success=False``. ``success`` is the simulator's completion flag
+(``getCompleted``: every ordered subgoal done; it coincides with score 1.0). Per-step ``reward``:
+
+* ``reward_mode="sparse"``: 1.0 on the step that completes the task, else 0.0;
+* ``reward_mode="score_delta"``: the change of ``score`` on this step (so an episode's rewards sum to its
+  final score; a failure step pays ``-1 - previous score``).
+
+Validity: an action is cleaned with `cope.envs.actions.single_line`; an empty or multi-line action is
+malformed (not sent; empty observation, harness notice). The simulator's own refusals are read from its
+reply (`cope.envs.scienceworld.text`): parse failures are invalid, known no-effect refusals too unless
+``no_effect_invalid=False``. An ambiguous command is *valid*: with ``ambiguity="menu"`` (the benchmark's
+behaviour) the observation is the simulator's numbered menu, the admissible actions are the menu numbers
+and the next action should be one of them; with ``ambiguity="first"`` the adapter answers ``0`` itself
+(the gold agent's choice) and says so in harness text.
+
+Observation vs harness: ``observation`` is the simulator's text only (at reset: the task description, a
+blank line, then ``look around``); the adapter's notices (malformed action, observation cut at
+``max_observation_chars``, step limit) go to ``harness`` (also at reset: ``EnvReset.harness``).
+
+JVM: ``-Xmx{jvm_heap_mb}m`` plus ``jvm_args``; the defaults (384 MB, SerialGC) keep one JVM at ~300 MB
+RSS instead of ~750 MB; ``-XX:hashCode=2`` (default) fixes Java's identity hashes, which makes the order
+of objects in room descriptions (otherwise random per load) and so every transcript reproducible.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from cope.envs.actions import single_line
+from cope.envs.base import SPLITS, EnvReset, EnvStep, Task, check_split
+from cope.envs.scienceworld import text as sw_text
+from cope.envs.scienceworld.jvm import DEFAULT_JVM_ARGS, Simulator, backend
+from cope.envs.scienceworld.tasks import (
+    TEST_SPLITS,
+    TaskMap,
+    parse_simplifications,
+    resolve_tasks,
+)
+
+REWARD_MODES = ("sparse", "score_delta")
+AMBIGUITY_MODES = ("menu", "first")
+HARNESS_MALFORMED = "Invalid action: answer with one command on one line, e.g. look around."
+HARNESS_TIMEOUT = "Step limit reached: the episode ends."
+_EXAMPLES = 16  # example_actions() size
+
+
+class ScienceWorldEnv:
+    """ScienceWorld tasks behind the `cope.envs.base.Env` protocol; one episode (and one JVM) per instance.
+
+    Args:
+        tasks: Task names (``boil``) or paper ids (``1-1``); None or empty: all 30.
+        test_split: ScienceWorld variation split used as our ``test`` split: ``dev`` or ``test``.
+        simplifications: The simulator's flags, comma-separated (``easy``, ``teleportAction``, ...).
+        max_variations_per_task: Use only the first N variations of each task per split (0: all).
+        max_steps: Actions per episode before a timeout.
+        reward_mode: ``sparse`` or ``score_delta`` (see the module docstring).
+        admissible_actions: Report the simulator's valid actions after every reset/step (slower).
+        max_admissible_actions: Cap on that list (0: no cap); a deterministic sample per step.
+        ambiguity: ``menu`` (show the numbered menu, the agent answers) or ``first`` (adapter picks 0).
+        no_effect_invalid: Known no-effect refusals ("The door is already open.") count as invalid.
+        max_observation_chars: Longer observations are cut (harness notice).
+        jvm_heap_mb: JVM max heap (``-Xmx``); 0 leaves the JVM default (~1/4 of RAM).
+        jvm_args: Further JVM options.
+        name: Env name used in task ids.
+    """
+
+    max_instances = 16  # one JVM (~300-450 MB) per instance: the trainer runs at most this many episodes at once
+
+    def __init__(
+        self,
+        tasks: Sequence[str] | None = None,
+        test_split: str = "dev",
+        simplifications: str = "",
+        max_variations_per_task: int = 0,
+        max_steps: int = 50,
+        reward_mode: str = "sparse",
+        admissible_actions: bool = False,
+        max_admissible_actions: int = 0,
+        ambiguity: str = "menu",
+        no_effect_invalid: bool = True,
+        max_observation_chars: int = 4000,
+        jvm_heap_mb: int = 384,
+        jvm_args: Sequence[str] = DEFAULT_JVM_ARGS,
+        name: str = "scienceworld",
+    ) -> None:
+        self.tasks = resolve_tasks(tasks)
+        if test_split not in TEST_SPLITS:
+            raise ValueError(f"test_split must be one of {TEST_SPLITS}, got {test_split!r}")
+        self.simplifications = parse_simplifications(simplifications, self.tasks)
+        for arg, v, low in (("max_variations_per_task", max_variations_per_task, 0), ("max_steps", max_steps, 1),
+                            ("max_admissible_actions", max_admissible_actions, 0),
+                            ("max_observation_chars", max_observation_chars, 1), ("jvm_heap_mb", jvm_heap_mb, 0)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{arg} must be an int >= {low}, got {v!r}")
+        if 0 < jvm_heap_mb < 128:
+            raise ValueError(f"jvm_heap_mb must be 0 (JVM default) or >= 128, got {jvm_heap_mb!r}")
+        if reward_mode not in REWARD_MODES:
+            raise ValueError(f"reward_mode must be one of {REWARD_MODES}, got {reward_mode!r}")
+        if ambiguity not in AMBIGUITY_MODES:
+            raise ValueError(f"ambiguity must be one of {AMBIGUITY_MODES}, got {ambiguity!r}")
+        if isinstance(jvm_args, str) or any(not isinstance(a, str) or not a.startswith("-") for a in jvm_args):
+            raise ValueError(f"jvm_args must be a list of JVM options (each starting with '-'), got {jvm_args!r}")
+        if not name:
+            raise ValueError("name must be a non-empty string")
+        backend()  # fail at construction, naming the extra, when the package is missing
+        self.test_split, self.max_variations_per_task, self.max_steps = test_split, max_variations_per_task, max_steps
+        self.reward_mode, self.admissible, self.max_admissible = reward_mode, bool(admissible_actions), max_admissible_actions
+        self.ambiguity, self.no_effect_invalid = ambiguity, bool(no_effect_invalid)
+        self.max_observation_chars, self.name = max_observation_chars, name
+        self.javaopts = ([f"-Xmx{jvm_heap_mb}m"] if jvm_heap_mb else []) + list(jvm_args)
+        self._maps = {s: TaskMap.build(self.tasks, s, test_split, max_variations_per_task) for s in SPLITS}
+        flags = self.simplifications.split(",")
+        self._instructions = sw_text.instructions(teleport="teleportAction" in flags or "easy" in flags,
+                                                  menus=ambiguity == "menu")
+        self._sim: Simulator | None = None
+        self._task: Task | None = None
+        self._pair: tuple[str, int] = ("", 0)
+        self._steps, self._score, self._done, self._menu = 0, 0.0, False, None
+
+    # -- protocol -------------------------------------------------------------------------------
+    @property
+    def instructions(self) -> str:
+        return self._instructions
+
+    def num_tasks(self, split: str) -> int:
+        return len(self._maps[check_split(split)])
+
+    def task_pair(self, task: Task) -> tuple[str, int]:
+        """The (ScienceWorld task name, variation) of ``task``."""
+        pairs = self._maps[task.split].pairs if task.split in SPLITS else ()
+        if not 0 <= task.index < len(pairs):
+            raise ValueError(f"task index {task.index} out of range for split {task.split!r} ({len(pairs)} tasks)")
+        return pairs[task.index]
+
+    def reset(self, task: Task) -> EnvReset:
+        self._task = None  # a failed load leaves no episode to step
+        name, variation = self._load(task, gold=False)
+        server = self._sim.server
+        description = server.getTaskDescription()
+        look = server.step("look around")
+        self._task, self._pair = task, (name, variation)
+        self._steps, self._score, self._done, self._menu = 0, 0.0, False, None
+        observation, cut = self._cap(f"{description}\n\n{look}")
+        return EnvReset(
+            observation=observation,
+            task_description=description,
+            admissible_actions=self._admissible() if self.admissible else None,
+            info={"task_name": name, "variation": variation},
+            harness=f"[Observation cut at {self.max_observation_chars} characters.]" if cut else "",
+        )
+
+    def step(self, action: str) -> EnvStep:
+        if self._task is None:
+            raise RuntimeError("ScienceWorldEnv.step called before reset")
+        if self._done:
+            raise RuntimeError("ScienceWorldEnv.step called after the episode ended; call reset first")
+        self._steps += 1
+        command = single_line(action)
+        notes: list[str] = []
+        ambiguous = False
+        if command is None:
+            observation, valid = "", False
+            notes.append(HARNESS_MALFORMED)
+        else:
+            server = self._sim.server
+            observation = server.step(command)
+            menu = sw_text.parse_menu(observation)
+            ambiguous = menu is not None
+            if ambiguous and self.ambiguity == "first":
+                notes.append(f"(Ambiguous command: the harness chose option 0, '{menu[0]}'.)")
+                observation, menu = server.step("0"), None
+            self._menu = menu
+            valid = menu is not None or not (
+                sw_text.is_parse_failure(observation) or (self.no_effect_invalid and sw_text.is_no_effect(observation))
+            )
+        score100, completed = self._progress()
+        score, previous = score100 / 100, self._score
+        self._score = score
+        failed = score < 0
+        success = completed and not failed
+        timeout = not (success or failed) and self._steps >= self.max_steps
+        self._done = success or failed or timeout
+        observation, cut = self._cap(observation)
+        if cut:
+            notes.append(f"[Observation cut at {self.max_observation_chars} characters.]")
+        if timeout:
+            notes.append(HARNESS_TIMEOUT)
+        reward = (1.0 if success else 0.0) if self.reward_mode == "sparse" else score - previous
+        return EnvStep(
+            observation=observation,
+            reward=reward,
+            done=self._done,
+            valid=valid,
+            success=success,
+            score=score,
+            harness=" ".join(notes),
+            admissible_actions=self._admissible() if self.admissible and not self._done else None,
+            info={"score100": score100, "failed": failed, "timeout": timeout, "ambiguous": ambiguous,
+                  "task_name": self._pair[0], "variation": self._pair[1]},
+        )
+
+    def close(self) -> None:
+        sim, self._sim, self._task = self._sim, None, None
+        if sim is not None:
+            sim.close()
+
+    # -- extras (warm start, tests, benchmarks) ----------------------------------------------------
+    def example_actions(self) -> list[str]:
+        """A few actions the simulator accepts now (menu numbers inside a menu); for the tiny model's
+        warm start when ``admissible_actions`` is off. Fetches the valid-action list (slow)."""
+        if self._task is None:
+            raise RuntimeError("ScienceWorldEnv.example_actions called before reset")
+        return self._admissible(cap=_EXAMPLES)
+
+    def gold_actions(self, task: Task) -> list[str]:
+        """The simulator's gold action sequence for ``task``. Loading with the gold path runs it to its end,
+        so the episode in progress is over: call ``reset`` before stepping again."""
+        self._load(task, gold=True)
+        self._task = None
+        return [str(a) for a in self._sim.server.getGoldActionSequence()]
+
+    @property
+    def jvm_pid(self) -> int | None:
+        return self._sim.proc.pid if self._sim is not None and self._sim.alive else None
+
+    @property
+    def jvm_start_seconds(self) -> float | None:
+        return self._sim.start_seconds if self._sim is not None else None
+
+    # -- internals --------------------------------------------------------------------------------
+    def _load(self, task: Task, gold: bool) -> tuple[str, int]:
+        name, variation = self.task_pair(task)
+        if self._sim is None or not self._sim.alive:  # first use, or the JVM died: (re)start it
+            self.close()
+            self._sim = Simulator(self.javaopts)
+        error = self._sim.server.load(name, variation, self.simplifications, gold)
+        if error:
+            raise RuntimeError(f"ScienceWorld load({name!r}, {variation}, {self.simplifications!r}): {error}")
+        return name, variation
+
+    def _progress(self) -> tuple[int, bool]:
+        """(score in 0..100 as the package rounds it, completion flag)."""
+        server = self._sim.server
+        return round(100 * server.getScore()), bool(server.getCompleted())
+
+    def _admissible(self, cap: int | None = None) -> list[str]:
+        if self._menu is not None:
+            return [str(i) for i in range(len(self._menu))]
+        # the plain list call: same set as the JSON call with templates, 2-4x cheaper (measured)
+        actions = sorted(set(self._sim.server.getValidActionObjectCombinations()))
+        cap = self.max_admissible if cap is None else cap
+        if 0 < cap < len(actions):
+            actions = sorted(random.Random(f"{self._task.id}/{self._steps}").sample(actions, cap))
+        return actions
+
+    def _cap(self, text: str) -> tuple[str, bool]:
+        if len(text) <= self.max_observation_chars:
+            return text, False
+        return text[: self.max_observation_chars], True
+
+    def __getstate__(self) -> dict:  # a pickled copy starts its own JVM on its first reset
+        state = dict(self.__dict__)
+        state.update(_sim=None, _task=None)
+        return state
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
