@@ -22,7 +22,7 @@ around it is dropped; indentation is kept). Observation: AppWorld's output (what
 ``Execution successful.``, or ``Execution failed. Traceback: ...``). Invalid: an empty action (not
 run; harness notice) and code whose execution failed (AppWorld's traceback is the observation).
 The episode ends when the supervisor's task is marked complete (``apis.supervisor.complete_task``)
-or after ``max_steps`` actions; then AppWorld's hidden tests run (``world.evaluate()``).
+or after ``max_steps`` actions (``info["timeout"]``); then AppWorld's hidden tests run (``world.evaluate()``).
 ``success`` = all tests pass; ``score`` = fraction of tests passed. Reward at the end only:
 ``reward_mode=sparse`` pays 1.0 on success, ``pass_rate`` pays the score.
 
@@ -40,7 +40,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
-from cope.envs.base import EnvReset, EnvStep, Task, check_split
+from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.runtime.remote import RemoteEnv
 
 DATASETS = ("train", "dev", "test_normal", "test_challenge")
@@ -91,7 +91,7 @@ def _appworld():
     return AppWorld, load_task_ids
 
 
-class AppWorldEnv:
+class AppWorldEnv(TaskEnv):
     """AppWorld behind the `cope.envs.base.Env` protocol (runs where ``appworld`` is installed).
 
     Args:
@@ -129,14 +129,12 @@ class AppWorldEnv:
         self.timeout_seconds, self.keep_outputs, self.name = timeout_seconds, bool(keep_outputs), name
         self._ids: dict[str, list[str]] = {}
         self._world = None
-        self._steps = 0
 
     @property
     def instructions(self) -> str:
         return INSTRUCTIONS
 
     def _task_ids(self, split: str) -> list[str]:
-        check_split(split)
         if split not in self._ids:
             _, load_task_ids = _appworld()
             data = Path(self.root, "data")
@@ -148,7 +146,7 @@ class AppWorldEnv:
             self._ids[split] = load_task_ids(self.datasets[split])
         return self._ids[split]
 
-    def num_tasks(self, split: str) -> int:
+    def _count_tasks(self, split: str) -> int:
         return len(self._task_ids(split))
 
     def example_actions(self) -> list[str]:
@@ -159,14 +157,12 @@ class AppWorldEnv:
                 "print(apis.supervisor.show_profile())", "apis.supervisor.complete_task()"]
 
     def reset(self, task: Task) -> EnvReset:
-        ids = self._task_ids(task.split)
-        if not 0 <= task.index < len(ids):
-            raise ValueError(f"task index {task.index} out of range for split {task.split!r} ({len(ids)} tasks)")
-        self.close()
+        self._reset_started()
+        task_id = self._task_ids(task.split)[self.check_index(task.split, task.index)]
+        self._close_world()
         AppWorld, _ = _appworld()
-        self._world = AppWorld(task_id=ids[task.index], experiment_name=self.experiment,
-                               timeout_seconds=self.timeout_seconds)
-        self._steps = 0
+        self._world = AppWorld(task_id=task_id, experiment_name=self.experiment, timeout_seconds=self.timeout_seconds)
+        self._episode_started()
         t, s = self._world.task, self._world.task.supervisor
         observation = (f"Task: {t.instruction}\nSupervisor: {s.first_name} {s.last_name}, email {s.email}, "
                        f"phone {s.phone_number}")
@@ -174,9 +170,7 @@ class AppWorldEnv:
                         info={"task_id": t.id, "dataset": self.datasets[task.split]})
 
     def step(self, action: str) -> EnvStep:
-        if self._world is None:
-            raise RuntimeError("AppWorldEnv.step called before reset (or after the episode ended)")
-        self._steps += 1
+        self._step_started()
         code = strip_code(action)
         harness, valid = "", bool(code)
         if code:
@@ -188,19 +182,24 @@ class AppWorldEnv:
             harness = f"[observation truncated: first {self.max_observation_chars} of {len(output)} characters shown]"
             output = output[: self.max_observation_chars]
         completed = self._world.task_completed()
-        done = completed or self._steps >= self.max_steps
-        success, score, info = False, 0.0, {"completed": completed}
+        timeout = self._step_ended(completed)
+        done = self.episode_over
+        success, score, info = False, 0.0, {"completed": completed, "timeout": timeout}
         if done:
             tracker = self._world.evaluate()
             success = bool(tracker.success)
             score = tracker.pass_count / tracker.num_tests if tracker.num_tests else float(success)
             info.update(pass_count=tracker.pass_count, num_tests=tracker.num_tests)
-            self.close()
+            self._close_world()
         reward = (1.0 if success else 0.0) if self.reward_mode == "sparse" else score
         return EnvStep(observation=output, reward=reward if done else 0.0, done=done, valid=valid,
                        success=success, score=score, harness=harness, info=info)
 
     def close(self) -> None:
+        self._no_episode()
+        self._close_world()
+
+    def _close_world(self) -> None:
         world, self._world = self._world, None
         if world is None:
             return

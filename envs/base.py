@@ -1,4 +1,4 @@
-"""The environment protocol every env implements (mazes now; ScienceWorld, ALFWorld, ... next).
+"""The environment protocol every env implements, and :class:`TaskEnv`, the bookkeeping they share.
 
 An env instance runs one episode at a time: ``reset(task)`` then ``step(action)`` until ``done``.
 The trainer creates one instance per concurrent episode from a factory (a Hydra ``_partial_``),
@@ -8,6 +8,10 @@ Text coming back from an env is split in two so the ECHO objective can tell them
 
 * ``observation``: what the world said (env output; a training target for ECHO);
 * ``harness``: what our adapter added (format warnings, truncation notices); never a target.
+
+The whole contract (what the rollout engine, the DataModule and the tiny warm start rely on) is in
+the docstring of :class:`Env`; :class:`TaskEnv` implements the parts that are the same for every env
+(split and task-index checks, the step budget, the reset/step order), so an env keeps only its own logic.
 
 This module and every env module import without torch.
 """
@@ -64,10 +68,43 @@ class EnvStep:
 
 @runtime_checkable
 class Env(Protocol):
-    """What the rollout engine needs from an environment."""
+    """What the rollout engine needs from an environment.
+
+    Required (checked by ``isinstance(env, Env)``):
+
+    * ``name``: the env name in task ids and metrics.
+    * ``max_steps``: the step budget. Every action counts, valid or not. The env ends the episode itself
+      on the ``max_steps``-th action (``done=True``; an env with a final evaluation, such as a checker or
+      hidden tests, runs it on that step) and sets ``info["timeout"] = True`` when the budget, not the
+      task, ended it. The engine also stops after ``max_steps`` actions, as a safety net.
+    * ``instructions``: the system prompt (the rules and the action format).
+    * ``num_tasks(split)``: how many tasks ``split`` (one of :data:`SPLITS`) has, indexed ``0..n-1``; an
+      unknown split is a ValueError. ``reset`` of an index outside ``0..n-1`` is a ValueError.
+    * ``reset(task) -> EnvReset``: starts an episode. A reset that raises leaves no episode to step.
+    * ``step(action) -> EnvStep``: one action (the decoded text the policy sampled). ``step`` before any
+      successful ``reset``, or after a step that returned ``done=True``, is a RuntimeError (``"... called
+      before reset"`` / ``"... called after the episode ended; call reset first"``).
+    * ``close()``: frees what the instance holds (processes, files); safe to call twice and before reset.
+
+    Every ``EnvStep.info`` has ``"timeout"`` (bool): True only on the step that ends the episode
+    because ``max_steps`` ran out (the engine records ``end_reason="max_steps"`` then, else ``"done"``).
+    Other ``info`` keys are the env's own.
+
+    Optional (looked up with ``getattr``/``hasattr``, not part of the protocol check):
+
+    * ``example_actions() -> list[str]``: an env whose steps report no admissible actions (a shell, tool
+      calls, code) lists a few well-formed actions for the current state. Only the tiny model's
+      format-only warm start (random walks) uses them.
+    * ``max_instances: int | None`` (class attribute; :class:`TaskEnv` says None): a memory-heavy env (one
+      JVM per instance) says how many instances should live at once. With ``data.max_live_episodes=null``
+      the DataModule runs an epoch's episodes in waves of that many, and the tiny warm start walks with
+      at most that many.
+
+    Raising in ``reset`` or ``step`` is allowed: the engine aborts that episode, logs and counts it.
+    """
 
     name: str
-    max_steps: int  # the engine ends the episode (end_reason="max_steps") after this many actions
+    max_steps: int
 
     @property
     def instructions(self) -> str:
@@ -85,10 +122,80 @@ class Env(Protocol):
     def close(self) -> None: ...
 
 
-# Optional, not part of the protocol check:
-# * ``example_actions(self) -> list[str]``: an env whose steps report no admissible actions (a shell,
-#   tool calls) may list a few well-formed actions for the current state. Only the tiny model's
-#   format-only warm start (random walks) uses them.
-# * ``max_instances: int`` (class attribute): a memory-heavy env (one JVM per instance) says how many
-#   instances should live at once; with ``data.max_live_episodes=null`` the DataModule runs an epoch's
-#   episodes in waves of that many, and the tiny warm start walks with at most that many.
+class TaskEnv:
+    """The bookkeeping every env shares; subclasses keep only their own logic.
+
+    A subclass sets ``name`` and ``max_steps``, says how many tasks a split has (``_num_tasks`` as a
+    ``{"train": n, "test": m}`` dict, or an override of :meth:`_count_tasks`), and calls:
+
+    * :meth:`check_index` to turn ``(split, index)`` into a checked index (the split checked too);
+    * :meth:`_reset_started` first in ``reset`` (a reset that raises then leaves no episode to step) and
+      :meth:`_episode_started` once the episode exists;
+    * :meth:`_step_started` first in ``step`` (the reset/step order guards; counts the action) and
+      :meth:`_step_ended` with "did the task end this episode?" once the step is done: it returns the
+      ``timeout`` flag (the budget ran out on this step and the task did not end it) for ``info["timeout"]``;
+    * :meth:`_require_episode` in helpers that need a reset (walkthroughs, expert plans).
+
+    ``close`` (the subclass's) calls :meth:`_no_episode`. Episode phase: ``None`` (no episode: never
+    reset, reset failed, closed), ``True`` (running), ``False`` (over: done was returned).
+    """
+
+    name: str
+    max_steps: int
+    max_instances: int | None = None
+    _num_tasks: dict[str, int]
+    _steps: int = 0  # actions taken in the current episode
+    _live: bool | None = None
+
+    def num_tasks(self, split: str) -> int:
+        return self._count_tasks(check_split(split))
+
+    def _count_tasks(self, split: str) -> int:
+        """Tasks in ``split`` (already checked); the default reads ``self._num_tasks``."""
+        return self._num_tasks[split]
+
+    def check_index(self, split: str, index: int) -> int:
+        """``index`` itself, or a ValueError when it is not a task of ``split`` (or the split is unknown)."""
+        n = self.num_tasks(split)
+        if not 0 <= index < n:
+            raise ValueError(f"task index {index} out of range for split {split!r} ({n} tasks)")
+        return index
+
+    @property
+    def out_of_steps(self) -> bool:
+        """Whether the current episode has used its whole step budget."""
+        return self._steps >= self.max_steps
+
+    def _reset_started(self) -> None:
+        self._live = None
+
+    def _episode_started(self) -> None:
+        self._steps, self._live = 0, True
+
+    def _no_episode(self) -> None:
+        self._live = None
+
+    def _require_episode(self, what: str) -> None:
+        if self._live is None:
+            raise RuntimeError(f"{type(self).__name__}.{what} called before reset")
+
+    def _step_started(self) -> int:
+        """Guards the reset/step order and counts the action; returns the step number (1-based)."""
+        self._require_episode("step")
+        if not self._live:
+            raise RuntimeError(f"{type(self).__name__}.step called after the episode ended; call reset first")
+        self._steps += 1
+        return self._steps
+
+    def _step_ended(self, ended: bool) -> bool:
+        """Closes the step: the episode is over if ``ended`` (the task ended it: won, lost, submitted) or
+        the budget ran out. Returns ``timeout``: the budget, not the task, ended it."""
+        timeout = not ended and self.out_of_steps
+        if ended or timeout:
+            self._live = False
+        return timeout
+
+    @property
+    def episode_over(self) -> bool:
+        """True once a step returned ``done`` (until the next reset)."""
+        return self._live is False

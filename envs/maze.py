@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cope.envs.base import EnvReset, EnvStep, Task, check_split
+from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 
 DIRECTIONS: dict[str, tuple[int, int]] = {"north": (-1, 0), "south": (1, 0), "east": (0, 1), "west": (0, -1)}
 INSTRUCTIONS = (
@@ -90,7 +90,7 @@ class MazeLayout:
         return dist
 
 
-class MazeEnv:
+class MazeEnv(TaskEnv):
     """Seeded grid mazes behind the `cope.envs.base.Env` protocol; one episode at a time.
 
     Args:
@@ -141,20 +141,14 @@ class MazeEnv:
         self._layout: MazeLayout | None = None
         self._dist: dict[Cell, int] = {}
         self._pos: Cell = (0, 0)
-        self._steps = 0
-        self._done = False
 
     @property
     def instructions(self) -> str:
         return INSTRUCTIONS
 
-    def num_tasks(self, split: str) -> int:
-        return self._num_tasks[check_split(split)]
-
     def generate(self, split: str, index: int) -> MazeLayout:
         """The layout of task ``index`` of ``split``; the same task always gives the same layout."""
-        if not 0 <= index < self.num_tasks(split):
-            raise ValueError(f"task index {index} out of range for split {split!r}")
+        self.check_index(split, index)
         # String seeds are hashed with SHA-512 by `random`, so they are stable across processes.
         size = random.Random(f"maze-size/{split}/{index}").choice(self.sizes)
         cells = [(r, c) for r in range(size) for c in range(size)]
@@ -170,11 +164,11 @@ class MazeEnv:
         raise RuntimeError(f"no valid {size}x{size} layout for task {split}/{index} in {_MAX_ATTEMPTS} tries")
 
     def reset(self, task: Task) -> EnvReset:
+        self._reset_started()
         self._layout = self.generate(task.split, task.index)
         self._dist = self._layout.distances_to_goal()
         self._pos = self._layout.start
-        self._steps = 0
-        self._done = False
+        self._episode_started()
         size = self._layout.size
         statement = f"Find the goal in a {size}x{size} maze."
         return EnvReset(
@@ -185,11 +179,7 @@ class MazeEnv:
         )
 
     def step(self, action: str) -> EnvStep:
-        if self._layout is None:
-            raise RuntimeError("MazeEnv.step called before reset")
-        if self._done:
-            raise RuntimeError("MazeEnv.step called after the episode ended; call reset first")
-        self._steps += 1
+        self._step_started()
         move = parse_action(action)
         harness = ""
         if move is None:
@@ -202,12 +192,11 @@ class MazeEnv:
                 self._pos = target
             observation = self._status() if valid else f"Wall. {self._status()}"
         success = self._pos == self._layout.goal
-        timeout = not success and self._steps >= self.max_steps
-        self._done = success or timeout
+        timeout = self._step_ended(success)
         return EnvStep(
             observation=SUCCESS_TEXT if success else observation,
             reward=1.0 if success else 0.0,
-            done=self._done,
+            done=self.episode_over,
             valid=valid,
             success=success,
             score=1.0 if success else 0.0,
@@ -221,8 +210,7 @@ class MazeEnv:
 
     def shortest_path(self) -> list[str]:
         """Moves of one shortest path from the current position to the goal (tests/benchmarks only)."""
-        if self._layout is None:
-            raise RuntimeError("MazeEnv.shortest_path called before reset")
+        self._require_episode("shortest_path")
         path, (r, c) = [], self._pos
         while (r, c) != self._layout.goal:
             for d, (dr, dc) in DIRECTIONS.items():
@@ -234,8 +222,7 @@ class MazeEnv:
 
     def render(self) -> str:
         """ASCII grid: ``#`` wall, ``.`` open, ``A`` agent, ``G`` goal (tests/benchmarks only)."""
-        if self._layout is None:
-            raise RuntimeError("MazeEnv.render called before reset")
+        self._require_episode("render")
         lay = self._layout
         glyph = {**{w: "#" for w in lay.walls}, lay.goal: "G", self._pos: "A"}
         return "\n".join("".join(glyph.get((r, c), ".") for c in range(lay.size)) for r in range(lay.size))

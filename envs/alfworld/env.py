@@ -48,7 +48,7 @@ from typing import Any
 from cope.envs.actions import single_line
 from cope.envs.alfworld.engine import engine_call, import_engine, park_engine, take_engine
 from cope.envs.alfworld.scenes import TASK_TYPES
-from cope.envs.base import EnvReset, EnvStep, Task, check_split
+from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 
 INSTRUCTIONS = (
     "You are in a household and must complete the task given in the first message. "
@@ -100,7 +100,7 @@ def official_games(root: str, split: str, task_types: tuple[str, ...]) -> tuple[
     return tuple(sorted(games))
 
 
-class AlfWorldEnv:
+class AlfWorldEnv(TaskEnv):
     """ALFWorld's text engine behind the `cope.envs.base.Env` protocol; one episode at a time.
 
     Args:
@@ -173,8 +173,6 @@ class AlfWorldEnv:
         self._engine: Any = None
         self._loaded: str | None = None
         self._state: Any = None
-        self._steps = 0
-        self._done = False
         self._task_type = ""
 
     @property
@@ -191,14 +189,12 @@ class AlfWorldEnv:
             raise FileNotFoundError(missing_data_message(self.data_dir))
         return games
 
-    def num_tasks(self, split: str) -> int:
-        check_split(split)
+    def _count_tasks(self, split: str) -> int:
         return self._num_generated[split] if self.source == "generated" else len(self._official(split))
 
     def game_file(self, split: str, index: int) -> str:
         """The ``game.tw-pddl`` of task ``index`` of ``split`` (generated on first use for ``generated``)."""
-        if not 0 <= index < self.num_tasks(split):
-            raise ValueError(f"task index {index} out of range for split {split!r}")
+        self.check_index(split, index)
         if self.source == "official":
             return self._official(split)[index]
         import_engine()
@@ -208,8 +204,9 @@ class AlfWorldEnv:
 
     # -- episode ----------------------------------------------------------------------------------
     def reset(self, task: Task) -> EnvReset:
+        self._reset_started()
         path = self.game_file(task.split, task.index)
-        self._state = None  # a failed reset leaves no episode to step
+        self._state = None
         if self._engine is None:
             self._engine, self._loaded = take_engine()
         with engine_call(memo=self.engine_memo):
@@ -218,7 +215,7 @@ class AlfWorldEnv:
                 self._engine.load(path)
                 self._loaded = path
             self._state = self._engine.reset()
-        self._steps, self._done = 0, False
+        self._episode_started()
         self._task_type = _task_type(path)
         text = self._state["feedback"]
         observation, harness = self._cap(text)
@@ -228,11 +225,7 @@ class AlfWorldEnv:
                         admissible_actions=self._admissible(), info=info, harness=harness)
 
     def step(self, action: str) -> EnvStep:
-        if self._state is None:
-            raise RuntimeError("AlfWorldEnv.step called before reset")
-        if self._done:
-            raise RuntimeError("AlfWorldEnv.step called after the episode ended; call reset first")
-        self._steps += 1
+        self._step_started()
         command = single_line(action, lower=True)
         notes: list[str] = []
         if command is None:
@@ -245,13 +238,12 @@ class AlfWorldEnv:
             won = bool(self._state["won"])
             observation, cut = self._cap(self._state["feedback"])
             notes += [cut] if cut else []
-        timeout = not won and self._steps >= self.max_steps
+        timeout = self._step_ended(won)
         notes += [HARNESS_TIMEOUT] if timeout else []
-        self._done = won or timeout
         return EnvStep(
             observation=observation,
             reward=1.0 if won else 0.0,
-            done=self._done,
+            done=self.episode_over,
             valid=valid,
             success=won,
             score=1.0 if won else 0.0,
@@ -270,6 +262,7 @@ class AlfWorldEnv:
     def close(self) -> None:
         """Hands the engine to this process's idle pool (``cope.envs.alfworld.engine``); safe to call twice."""
         engine, loaded, self._engine, self._loaded, self._state = self._engine, self._loaded, None, None, None
+        self._no_episode()
         if engine is not None:
             park_engine(engine, loaded)
 

@@ -45,7 +45,7 @@ import random
 from collections.abc import Sequence
 
 from cope.envs.actions import single_line
-from cope.envs.base import SPLITS, EnvReset, EnvStep, Task, check_split
+from cope.envs.base import SPLITS, EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.scienceworld import text as sw_text
 from cope.envs.scienceworld.jvm import DEFAULT_JVM_ARGS, Simulator, backend
 from cope.envs.scienceworld.tasks import (
@@ -62,7 +62,7 @@ HARNESS_TIMEOUT = "Step limit reached: the episode ends."
 _EXAMPLES = 16  # example_actions() size
 
 
-class ScienceWorldEnv:
+class ScienceWorldEnv(TaskEnv):
     """ScienceWorld tasks behind the `cope.envs.base.Env` protocol; one episode (and one JVM) per instance.
 
     Args:
@@ -133,31 +133,30 @@ class ScienceWorldEnv:
         self._sim: Simulator | None = None
         self._task: Task | None = None
         self._pair: tuple[str, int] = ("", 0)
-        self._steps, self._score, self._done, self._menu = 0, 0.0, False, None
+        self._score, self._menu = 0.0, None
 
     # -- protocol -------------------------------------------------------------------------------
     @property
     def instructions(self) -> str:
         return self._instructions
 
-    def num_tasks(self, split: str) -> int:
-        return len(self._maps[check_split(split)])
+    def _count_tasks(self, split: str) -> int:
+        return len(self._maps[split])
 
     def task_pair(self, task: Task) -> tuple[str, int]:
         """The (ScienceWorld task name, variation) of ``task``."""
-        pairs = self._maps[task.split].pairs if task.split in SPLITS else ()
-        if not 0 <= task.index < len(pairs):
-            raise ValueError(f"task index {task.index} out of range for split {task.split!r} ({len(pairs)} tasks)")
-        return pairs[task.index]
+        return self._maps[task.split].pairs[self.check_index(task.split, task.index)]
 
     def reset(self, task: Task) -> EnvReset:
-        self._task = None  # a failed load leaves no episode to step
+        self._reset_started()
+        self._task = None
         name, variation = self._load(task, gold=False)
         server = self._sim.server
         description = server.getTaskDescription()
         look = server.step("look around")
         self._task, self._pair = task, (name, variation)
-        self._steps, self._score, self._done, self._menu = 0, 0.0, False, None
+        self._score, self._menu = 0.0, None
+        self._episode_started()
         observation, cut = self._cap(f"{description}\n\n{look}")
         return EnvReset(
             observation=observation,
@@ -168,11 +167,7 @@ class ScienceWorldEnv:
         )
 
     def step(self, action: str) -> EnvStep:
-        if self._task is None:
-            raise RuntimeError("ScienceWorldEnv.step called before reset")
-        if self._done:
-            raise RuntimeError("ScienceWorldEnv.step called after the episode ended; call reset first")
-        self._steps += 1
+        self._step_started()
         command = single_line(action)
         notes: list[str] = []
         ambiguous = False
@@ -196,8 +191,7 @@ class ScienceWorldEnv:
         self._score = score
         failed = score < 0
         success = completed and not failed
-        timeout = not (success or failed) and self._steps >= self.max_steps
-        self._done = success or failed or timeout
+        timeout = self._step_ended(success or failed)
         observation, cut = self._cap(observation)
         if cut:
             notes.append(f"[Observation cut at {self.max_observation_chars} characters.]")
@@ -207,18 +201,19 @@ class ScienceWorldEnv:
         return EnvStep(
             observation=observation,
             reward=reward,
-            done=self._done,
+            done=self.episode_over,
             valid=valid,
             success=success,
             score=score,
             harness=" ".join(notes),
-            admissible_actions=self._admissible() if self.admissible and not self._done else None,
+            admissible_actions=self._admissible() if self.admissible and not self.episode_over else None,
             info={"score100": score100, "failed": failed, "timeout": timeout, "ambiguous": ambiguous,
                   "task_name": self._pair[0], "variation": self._pair[1]},
         )
 
     def close(self) -> None:
         sim, self._sim, self._task = self._sim, None, None
+        self._no_episode()
         if sim is not None:
             sim.close()
 
@@ -226,8 +221,7 @@ class ScienceWorldEnv:
     def example_actions(self) -> list[str]:
         """A few actions the simulator accepts now (menu numbers inside a menu); for the tiny model's
         warm start when ``admissible_actions`` is off. Fetches the valid-action list (slow)."""
-        if self._task is None:
-            raise RuntimeError("ScienceWorldEnv.example_actions called before reset")
+        self._require_episode("example_actions")
         return self._admissible(cap=_EXAMPLES)
 
     def gold_actions(self, task: Task) -> list[str]:
@@ -235,6 +229,7 @@ class ScienceWorldEnv:
         so the episode in progress is over: call ``reset`` before stepping again."""
         self._load(task, gold=True)
         self._task = None
+        self._no_episode()
         return [str(a) for a in self._sim.server.getGoldActionSequence()]
 
     @property
@@ -278,7 +273,7 @@ class ScienceWorldEnv:
 
     def __getstate__(self) -> dict:  # a pickled copy starts its own JVM on its first reset
         state = dict(self.__dict__)
-        state.update(_sim=None, _task=None)
+        state.update(_sim=None, _task=None, _live=None)
         return state
 
     def __del__(self) -> None:

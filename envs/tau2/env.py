@@ -23,6 +23,7 @@ the observation; a text message in solo mode is invalid (there is no user).
 Reward (sparse): 0 until the conversation ends, then tau2's evaluation reward (0 or 1): the agent's
 ``done`` or the user's stop are evaluated; tau2 gives 0 for premature ends (``max_steps`` actions,
 ``max_errors`` tool errors). ``success`` = reward == 1.0 and ``score`` = the final reward.
+``info["timeout"]`` is True on the step that used up ``max_steps`` with the conversation still going.
 
 Splits: ``train``/``test`` are the task set's own split lists (airline 30/20, retail 74/40,
 telecom 74/40) in task-file order; a task set without them (mock, telecom_full, telecom_small)
@@ -36,7 +37,7 @@ import uuid
 from copy import deepcopy
 from typing import Any
 
-from cope.envs.base import EnvReset, EnvStep, Task, check_split
+from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.tau2.format import build_instructions, example_call, parse_action, render_messages
 from cope.envs.tau2.tasks import load_tau2, split_tasks
 
@@ -51,7 +52,7 @@ _MAX_USER_ROUNDS = 25  # consecutive user tool calls before the user counts as b
 _PROMPTS: dict[tuple, tuple[str, list[dict], frozenset[str]]] = {}
 
 
-class Tau2Env:
+class Tau2Env(TaskEnv):
     """tau2-bench behind the `cope.envs.base.Env` protocol; one conversation at a time.
 
     Args:
@@ -124,7 +125,7 @@ class Tau2Env:
         self.max_observation_chars, self.name = max_observation_chars, name
         self._t: dict[str, Any] | None = None
         self._task = None
-        self._done = self._finished = True
+        self._done = True  # the conversation has ended (it may end at reset: the agent then gets one more step)
 
     # -- static parts ----------------------------------------------------------------------------
     @property
@@ -152,17 +153,14 @@ class Tau2Env:
         return self._prompt()[0]
 
     def _tasks(self, split: str) -> list:
-        return split_tasks(self.task_set, self.train_split, self.test_split)[check_split(split)]
+        return split_tasks(self.task_set, self.train_split, self.test_split)[split]
 
-    def num_tasks(self, split: str) -> int:
+    def _count_tasks(self, split: str) -> int:
         return len(self._tasks(split))
 
     def tau2_task(self, split: str, index: int):
         """The tau2 ``Task`` behind ``(split, index)`` (tests and tools; do not mutate it)."""
-        tasks = self._tasks(split)
-        if not 0 <= index < len(tasks):
-            raise ValueError(f"task index {index} out of range for split {split!r} ({len(tasks)} tasks)")
-        return tasks[index]
+        return self._tasks(split)[self.check_index(split, index)]
 
     def example_actions(self) -> list[str]:
         """Well-formed actions (format only) for the tiny model's random-walk warm start."""
@@ -231,6 +229,7 @@ class Tau2Env:
                 self._user_turn(answers[0] if len(answers) == 1 else msg.MultiToolMessage(role="tool", tool_messages=answers))
 
     def reset(self, task: Task) -> EnvReset:
+        self._reset_started()
         tau2_task = self.tau2_task(task.split, task.index)
         self._prompt()  # tool names for the parser
         self._task, self._env = tau2_task, self._make_env()
@@ -238,8 +237,8 @@ class Tau2Env:
         history = deepcopy(state.message_history or []) if state is not None else []
         self._env.set_state(state.initialization_data if state else None,
                             state.initialization_actions if state else None, history)
-        self._messages, self._done, self._finished, self._reason = [], False, False, None
-        self._steps = self._errors = self._calls = 0
+        self._messages, self._done, self._reason = [], False, None
+        self._errors = self._calls = 0
         self._start_time, self._t0 = self.t["now"](), time.perf_counter()
         for m in history:
             m.turn_idx = None
@@ -254,6 +253,7 @@ class Tau2Env:
                                    temperature=self.user_temperature, max_new_tokens=self.user_max_new_tokens,
                                    device=self.user_device, canned_reply=self.canned_reply)
         self._start(history)
+        self._episode_started()
         observation = render_messages(self._messages, with_assistant=True)
         if self.solo_mode:
             observation = "\n".join(x for x in (f"ticket: {tau2_task.ticket}", observation) if x)
@@ -264,12 +264,8 @@ class Tau2Env:
                         info={"task_id": tau2_task.id, "domain": self.domain, "ended_at_reset": self._done})
 
     def step(self, action: str) -> EnvStep:
-        if self._task is None:
-            raise RuntimeError("Tau2Env.step called before reset")
-        if self._finished:
-            raise RuntimeError("Tau2Env.step called after the episode ended; call reset first")
+        self._step_started()
         msg = self.t["msg"]
-        self._steps += 1
         mark, valid, harness = len(self._messages), True, ""
         parsed = None if self._done else parse_action(action, self._prompt()[2])
         if parsed is None:  # the user ended the conversation before the agent's first action
@@ -293,14 +289,14 @@ class Tau2Env:
                                 requestor="assistant")
             self._add(msg.AssistantMessage(role="assistant", content=None, tool_calls=[call], cost=0.0))
             valid = not self._tool_round(self._messages[-1])[0].error
-        if self._steps >= self.max_steps:
+        timeout = self._step_ended(self._done)
+        if timeout:
             self._end("max_steps")
         observation, cut = self._cap(render_messages(self._messages[mark:], with_assistant=False))
         harness = "\n".join(x for x in (harness, cut) if x)
-        reward, info = 0.0, {"termination": None, "tool_errors": self._errors}
+        reward, info = 0.0, {"termination": None, "tool_errors": self._errors, "timeout": timeout}
         if self._done:
             reward, info = self._evaluate(info)
-            self._finished = True
         return EnvStep(observation=observation, reward=reward, done=self._done, valid=valid,
                        success=self._done and reward == 1.0, score=reward, harness=harness, info=info)
 
@@ -330,4 +326,5 @@ class Tau2Env:
     def close(self) -> None:
         self._env = self._user = self._task = None
         self._messages = []
-        self._done = self._finished = True
+        self._done = True
+        self._no_episode()

@@ -20,8 +20,9 @@ malformed (``info["sandbox_rejected"]``; its result is discarded) are invalid (`
 notice). Any other exit code is a valid action whose feedback is its output. ``submit`` is valid.
 
 Success and reward (sparse): the task's checker runs on the work dir at ``submit`` and, when the agent
-never submits, after the ``max_steps``-th action; either ends the episode. ``success`` is the checker's
-verdict; ``reward`` = ``score`` = 1.0 on that final step when it passes, else 0.0.
+never submits, after the ``max_steps``-th action (``info["timeout"]`` when that check fails); either ends
+the episode. ``success`` is the checker's verdict; ``reward`` = ``score`` = 1.0 on that final step when it
+passes, else 0.0.
 
 Observation vs harness: the observation is what the shell printed (stdout and stderr interleaved,
 at most ``max_output_chars`` characters) followed by ``[exit code N]``; at ``submit`` it is the env's
@@ -36,7 +37,7 @@ import re
 import shutil
 
 from cope.envs.actions import clean_action
-from cope.envs.base import EnvReset, EnvStep, Task, check_split
+from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.terminal import tasks as suite
 from cope.envs.terminal.sandbox import Sandbox, SandboxResult, unavailable_reason, unpassable
 from cope.envs.terminal.tasks import TerminalTask, make_task
@@ -77,7 +78,7 @@ def program_available(name: str) -> bool:
     return found is not None and os.path.realpath(found).startswith(("/usr/", "/bin/", "/lib/"))
 
 
-class TerminalEnv:
+class TerminalEnv(TaskEnv):
     """Seeded shell tasks in a bubblewrap sandbox behind the `cope.envs.base.Env` protocol.
 
     Args:
@@ -136,15 +137,10 @@ class TerminalEnv:
         self._active: dict[str, list[str]] = {}
         self._task: TerminalTask | None = None
         self._state = b""
-        self._steps = 0
-        self._done = True
 
     @property
     def instructions(self) -> str:
         return INSTRUCTIONS
-
-    def num_tasks(self, split: str) -> int:
-        return self._num_tasks[check_split(split)]
 
     def active_families(self, split: str = "train") -> list[str]:
         """The families a split's tasks come from: the chosen ones (minus or only the held-out ones) whose
@@ -162,12 +158,12 @@ class TerminalEnv:
 
     def task(self, split: str, index: int) -> TerminalTask:
         """The task behind ``(split, index)``; the same pair always gives the same task."""
-        if not 0 <= index < self.num_tasks(split):
-            raise ValueError(f"task index {index} out of range for split {split!r}")
+        self.check_index(split, index)
         active = self.active_families(split)
         return make_task(active[index % len(active)], split, index)
 
     def reset(self, task: Task) -> EnvReset:
+        self._reset_started()
         t = self.task(task.split, task.index)
         reason = unavailable_reason(self.sandbox.bwrap)
         if reason is not None:
@@ -178,7 +174,8 @@ class TerminalEnv:
             if res.exit_code != 0 or res.state is None:
                 raise RuntimeError(f"setup of {task.id} failed ({res.exit_code}, {res.error}): {res.output[-500:]}")
             state = res.state
-        self._task, self._state, self._steps, self._done = t, state, 0, False
+        self._task, self._state = t, state
+        self._episode_started()
         snap = Snapshot(state)
         entries = [n + "/" if snap.is_dir(n) else n for n in snap.listdir()]
         listing = f"Files in /work: {', '.join(entries)}." if entries else "The directory /work is empty."
@@ -186,15 +183,12 @@ class TerminalEnv:
                         info={"family": t.family})
 
     def step(self, action: str) -> EnvStep:
-        if self._task is None:
-            raise RuntimeError("TerminalEnv.step called before reset")
-        if self._done:
-            raise RuntimeError("TerminalEnv.step called after the episode ended; call reset first")
-        self._steps += 1
+        self._step_started()
         command = parse_command(action)
-        info: dict = {"exit_code": None, "timed_out": False}
+        info: dict = {"exit_code": None, "timed_out": False, "timeout": False}
         if clean_action(command, lower=True) == SUBMIT:
             success = self._check(info)
+            self._step_ended(True)
             return self._end(SOLVED if success else NOT_SOLVED, "", True, success, info)
         if not command:
             observation, harness, valid = "", [HARNESS_EMPTY], False
@@ -206,9 +200,11 @@ class TerminalEnv:
         else:
             res = self.sandbox.run(command, self._state)
             observation, harness, valid = self._feedback(res, info)
-        if self._steps >= self.max_steps:
+        if self.out_of_steps:  # the last action: the task is checked as if submitted
             success = self._check(info)
+            info["timeout"] = self._step_ended(success)
             return self._end(observation, "\n".join([*harness, HARNESS_STEP_LIMIT]), valid, success, info)
+        self._step_ended(False)
         return EnvStep(observation=observation, reward=0.0, done=False, valid=valid, success=False, score=0.0,
                        harness="\n".join(harness), info=info)
 
@@ -261,7 +257,6 @@ class TerminalEnv:
             return False
 
     def _end(self, observation: str, harness: str, valid: bool, success: bool, info: dict) -> EnvStep:
-        self._done = True
         reward = 1.0 if success else 0.0
         return EnvStep(observation=observation, reward=reward, done=True, valid=valid, success=success, score=reward,
                        harness=harness, info={**info, "checked": True})
@@ -276,12 +271,12 @@ class TerminalEnv:
 
     def reference_solution(self) -> list[str]:
         """The current task's reference commands followed by ``submit`` (tests and benchmarks)."""
-        if self._task is None:
-            raise RuntimeError("TerminalEnv.reference_solution called before reset")
+        self._require_episode("reference_solution")
         return [*self._task.solution, SUBMIT]
 
     def close(self) -> None:
-        self._task, self._state, self._done = None, b"", True
+        self._task, self._state = None, b""
+        self._no_episode()
 
 
 def _needs(family) -> tuple[str, ...]:

@@ -42,7 +42,7 @@ import re
 from typing import Any
 
 from cope.envs.actions import single_line
-from cope.envs.base import EnvReset, EnvStep, Task, check_split
+from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.webshop.reward import purchase_reward
 from cope.envs.webshop.search import STOPWORDS, Catalog, load_catalog
 
@@ -89,7 +89,7 @@ def _price(value: float) -> str:
     return f"${float(value):.2f}"
 
 
-class WebShopEnv:
+class WebShopEnv(TaskEnv):
     """The WebShop-compatible text store behind the `cope.envs.base.Env` protocol; one episode at a time.
 
     Args:
@@ -141,27 +141,22 @@ class WebShopEnv:
         self.results_per_page, self.max_results = results_per_page, max_results
         self.max_observation_chars, self.repeat_instruction = max_observation_chars, bool(repeat_instruction)
         self._goal: dict[str, Any] | None = None
-        self._done = False
 
     @property
     def instructions(self) -> str:
         return INSTRUCTIONS
 
-    def num_tasks(self, split: str) -> int:
-        return self._num_tasks[check_split(split)]
-
     def goal(self, split: str, index: int) -> dict[str, Any]:
         """The goal of task ``index`` of ``split``: asin, instruction, attributes, goal_options, price_upper."""
-        if not 0 <= index < self.num_tasks(split):
-            raise ValueError(f"task index {index} out of range for split {split!r}")
-        return self._catalog.goals[split][index]
+        return self._catalog.goals[split][self.check_index(split, index)]
 
     # -- episode ---------------------------------------------------------------------------------------
     def reset(self, task: Task) -> EnvReset:
+        self._reset_started()
         self._goal = self.goal(task.split, task.index)
         self._page, self._query, self._results, self._page_no = "search", "", [], 1
-        self._asin, self._options, self._sub = "", {}, ""
-        self._steps, self._done, self._score = 0, False, 0.0
+        self._asin, self._options, self._sub, self._score = "", {}, "", 0.0
+        self._episode_started()
         observation, admissible, _ = self._show(cap=False)  # the search page is the goal itself: never cut
         return EnvReset(
             observation=observation,
@@ -171,24 +166,19 @@ class WebShopEnv:
         )
 
     def step(self, action: str) -> EnvStep:
-        if self._goal is None:
-            raise RuntimeError("WebShopEnv.step called before reset")
-        if self._done:
-            raise RuntimeError("WebShopEnv.step called after the episode ended; call reset first")
-        self._steps += 1
+        self._step_started()
         notice, reward, info = self._apply(parse_action(action)), 0.0, {}
         if self._page == "done":
             reward, info = self._buy()
         valid = notice is None
-        timeout = not self._done and self._steps >= self.max_steps
-        self._done = self._done or timeout
+        timeout = self._step_ended(self._page == "done")
         observation, admissible, harness = self._show() if valid else ("", self._admissible(), notice)
         if timeout:
             harness = f"{harness}\n{HARNESS_TIMEOUT}".strip()
         return EnvStep(
-            observation=observation, reward=reward, done=self._done, valid=valid,
+            observation=observation, reward=reward, done=self.episode_over, valid=valid,
             success=self._page == "done" and reward == 1.0, score=self._score, harness=harness,
-            admissible_actions=[] if self._done else admissible,
+            admissible_actions=[] if self.episode_over else admissible,
             info={"page": self._page, "timeout": timeout, **info},
         )
 
@@ -198,8 +188,7 @@ class WebShopEnv:
     def expert_actions(self) -> list[str]:
         """A scripted expert's actions from the search page: search the goal's title, page to it, pick the
         goal options, buy (tests and benchmarks only)."""
-        if self._goal is None:
-            raise RuntimeError("WebShopEnv.expert_actions called before reset")
+        self._require_episode("expert_actions")
         product = self._catalog.by_asin[self._goal["asin"]]
         query = product["title"].lower()
         rank = self._catalog.search(query, self.max_results).index(product["asin"])
@@ -246,7 +235,7 @@ class WebShopEnv:
         product = self._catalog.by_asin[self._asin]
         goal_product = self._catalog.by_asin[self._goal["asin"]]
         reward, parts = purchase_reward(product, product["price"], self._options, self._goal, goal_product)
-        self._done, self._score = True, reward
+        self._score = reward
         return reward, {**parts, "purchased_asin": self._asin, "options": dict(self._options)}
 
     def _clickables(self) -> dict[str, tuple[str, Any]]:

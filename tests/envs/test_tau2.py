@@ -316,6 +316,7 @@ def test_step_limit_and_error_limit_end_with_zero():
     assert not env.step("Hello.").done
     out = env.step('{"name": "create_task", "arguments": {"user_id": "user_1", "title": "Important Meeting"}}')
     assert out.done and out.reward == 0.0 and out.info["termination"] == "max_steps"  # right action, too late
+    assert out.info["timeout"] is True
     env = _env(max_errors=2)
     env.reset(Task("tau2", "train", 0))
     assert not env.step('{"name": "nope"}').done

@@ -271,14 +271,16 @@ def test_step_limit_runs_the_checker():
     env.reset(_task(index=0))
     first, _ = env.reference_solution()
     out = env.step(first)
-    assert not out.done
+    assert not out.done and out.info["timeout"] is False
     out = env.step("ls")
     assert out.done and out.success and out.reward == 1.0 and out.info["checked"]
+    assert out.info["timeout"] is False  # the check passed: the task, not the budget, ended it
     assert out.harness == HARNESS_STEP_LIMIT and out.observation.endswith("[exit code 0]")
     env.reset(_task(index=0))
     env.step("ls")
     out = env.step("pwd")
     assert out.done and not out.success and out.reward == 0.0 and out.harness == HARNESS_STEP_LIMIT
+    assert out.info["timeout"] is True
 
 
 @needs_sandbox
