@@ -21,6 +21,7 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,20 +52,19 @@ def main() -> None:
     dms = {}
     for name, kw in settings.items():
         dm = instantiate(cfg.data, env=factory, progress=False, **kw)
-        dm.connect(policy.tokenizer, policy.chat)
+        dm.connect(policy)
         dms[name] = dm
     tasks = [Task(dms["in-process"].env_name, "train", i // 4) for i in range(args.episodes)]  # groups of 4
     groups = [i // 4 for i in range(args.episodes)]
     for dm in dms.values():  # warm-up: workers started, games generated, caches filled
-        dm.run(policy.model, tasks, groups, 1.0, "warm-up")
+        dm.engine.rollout(tasks, groups, replace(dm.sampling, seed=0))
     secs: dict[str, list[float]] = {k: [] for k in dms}
     steps = {}
     try:
         for r in range(args.rounds):
             for name, dm in dms.items():
-                dm._rng.seed(r)  # the same sampling seed for every setting in a round
-                t0 = time.perf_counter()
-                eps, stats = dm.run(policy.model, tasks, groups, 1.0, name)
+                t0 = time.perf_counter()  # the same sampling seed for every setting in a round
+                eps, stats = dm.engine.rollout(tasks, groups, replace(dm.sampling, seed=r))
                 secs[name].append(time.perf_counter() - t0)
                 steps[name] = stats.env_steps
     finally:

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -95,7 +96,7 @@ def collect(dm, policy, n: int, min_success: int, max_batches: int, seed: int):
         for g in range(math.ceil(n / G)):
             tasks += [Task(dm.env_name, "train", rng.randrange(dm.num_train_tasks))] * G
             groups += [b * 100_000 + g] * G  # group ids stay distinct across batches
-        eps, _ = dm.run(policy.model, tasks[:n], groups[:n], temperature=1.0, desc=f"rollouts {b}")
+        eps, _ = dm.engine.rollout(tasks[:n], groups[:n], replace(dm.sampling, temperature=1.0, seed=rng.randrange(2**31)))
         succ += [e for e in eps if e.success]
         fail += [e for e in eps if not e.success]
         print(f"rollout batch {b}: {sum(e.success for e in eps)}/{len(eps)} succeeded", flush=True)
@@ -116,7 +117,7 @@ def collect(dm, policy, n: int, min_success: int, max_batches: int, seed: int):
 def minibatches(eps, size: int, layout: str | None, K: int, chat, pad_id: int) -> tuple[list[dict], int]:
     """collate + the variant's collate transform, per minibatch; returns (minibatches, forecast chunks)."""
     from cope.batch import collate
-    from cope.forecast import LAYOUTS, build_chunks
+    from cope.algos.cope.targets import LAYOUTS, build_chunks
 
     out, n_chunks = [], 0
     for s in range(0, len(eps), size):
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     env_factory = instantiate(cfg.env)
     dm = instantiate(cfg.data, env=env_factory, progress=False)
     policy = instantiate(cfg.model)(env_factory=env_factory)
-    dm.connect(policy.tokenizer, policy.chat)
+    dm.connect(policy)
     policy.model.to(device)
     eps = collect(dm, policy, args.episodes, args.min_success, args.max_batches, args.seed)
 

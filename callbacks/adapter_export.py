@@ -18,6 +18,8 @@ from pathlib import Path
 
 from lightning.pytorch import Callback
 
+from cope import records
+
 EXPORT_FILE = "cope_export.json"
 
 
@@ -72,7 +74,7 @@ class AdapterExport(Callback):
             path = path / sub
         if not trainer.is_global_zero:
             return
-        counters = getattr(getattr(trainer, "datamodule", None), "counters", None) or {}
+        counters = records.counters(trainer)
         info = {
             "counters": {k: int(v) for k, v in counters.items()},
             "epoch": int(trainer.current_epoch),

@@ -8,7 +8,7 @@
 * ``probe/obs_nll``: mean per-token negative log-likelihood of env-output tokens (role OBSERVATION)
   on the held-out transcripts (ECHO's "does the policy compress the environment" probe).
 
-The probes read the greedy validation episodes (``datamodule.last_val_episodes``), so they add no
+The probes read the greedy validation episodes (``datamodule.val_record``), so they add no
 env steps; they cost one no-grad forward per probed sequence and never touch training.
 """
 from __future__ import annotations
@@ -18,8 +18,9 @@ from lightning.pytorch import Callback
 
 from cope.batch import collate
 from cope.episode import Role
-from cope.forecast import build_chunks, plain_forecasts
+from cope.algos.cope.targets import build_chunks, plain_forecasts
 from cope.module import token_logprobs
+from cope.records import val_record
 
 
 class HeldOutProbes(Callback):
@@ -86,7 +87,9 @@ class HeldOutProbes(Callback):
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
             return
-        dm = trainer.datamodule
-        m = self.probe(pl_module, dm.last_val_episodes, dm.chat, dm.pad_id)
+        record = val_record(trainer)
+        if record is None:
+            return
+        m = self.probe(pl_module, record.episodes, pl_module.policy.chat, pl_module.policy.pad_id)
         if m:
             pl_module.log_dict(m, on_step=False, on_epoch=True, sync_dist=True)

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback
 
+from cope import records
+
 COUNTERS = ("episodes", "env_steps", "generated_tokens", "train_tokens")
 VAL_COLUMNS = ["epoch", "global_step", *COUNTERS, "val_success", "val_score"]
 TRAIN_COLUMNS = ["epoch", "global_step", *COUNTERS, "rollout_success"]
@@ -69,7 +71,7 @@ class SampleEfficiency(Callback):
         return self._generate_state_key(filename=self.filename)
 
     def _row(self, trainer) -> dict:
-        counters = getattr(trainer.datamodule, "counters", None) or {}
+        counters = records.counters(trainer)
         row = {"epoch": int(trainer.current_epoch), "global_step": int(trainer.global_step)}
         row.update({k: int(counters.get(k, 0)) for k in COUNTERS})
         return row
@@ -78,7 +80,8 @@ class SampleEfficiency(Callback):
         row = self._row(trainer)
         success = _metric(trainer, "rollout/success")
         if success is None:  # the module logs it later: fall back to the episodes themselves
-            success = _mean_success(getattr(trainer.datamodule, "last_episodes", None))
+            rec = records.train_record(trainer)
+            success = _mean_success(rec.episodes if rec is not None else None)
         row["rollout_success"] = success
         self.train_rows.append(row)
         path = _run_dir(trainer) / f"{self.filename}_train.csv"
@@ -91,7 +94,8 @@ class SampleEfficiency(Callback):
         row = self._row(trainer)
         success = _metric(trainer, "val/success")
         if success is None:
-            success = _mean_success(getattr(trainer.datamodule, "last_val_episodes", None))
+            rec = records.val_record(trainer)
+            success = _mean_success(rec.episodes if rec is not None else None)
         row["val_success"], row["val_score"] = success, _metric(trainer, "val/score")
         self.val_rows.append(row)
         if self.reached is None and success is not None and success >= self.threshold:

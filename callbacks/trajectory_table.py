@@ -1,6 +1,6 @@
 """Rollout trajectories as a table: a few episodes of each training epoch, one row per turn.
 
-Reads the epoch's episodes from the datamodule (``trainer.datamodule.last_episodes``) at
+Reads the epoch's episodes from the datamodule's record (``trainer.datamodule.train_record``) at
 ``on_train_epoch_end`` and writes, per agent turn, the action text, its validity and reward, and the
 feedback the agent saw next. The feedback is decoded from ``Episode.tokens`` between
 ``Step.obs_start`` and ``Step.obs_end``, restricted to OBSERVATION and HARNESS tokens, so the chat
@@ -20,6 +20,7 @@ from lightning.pytorch.loggers import WandbLogger
 
 from cope.checkpoint_io import atomic_write_bytes
 from cope.episode import Episode, Role
+from cope.records import train_record
 
 COLUMNS = ["epoch", "task", "episode", "step", "action", "valid", "reward", "observation"]
 _FEEDBACK_ROLES = (int(Role.OBSERVATION), int(Role.HARNESS))
@@ -88,7 +89,8 @@ class TrajectoryTable(Callback):
         path = _run_dir(trainer) / "trajectories.jsonl"  # resolved on every rank (log_dir broadcasts)
         if not trainer.is_global_zero:
             return
-        episodes = list(getattr(trainer.datamodule, "last_episodes", None) or [])
+        record = train_record(trainer)
+        episodes = list(record.episodes) if record is not None else []
         if not episodes:
             return
         data = self.rows(episodes, pl_module.policy.tokenizer, trainer.current_epoch)

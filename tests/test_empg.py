@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from cope.empg import apply_empg, empg_step_advantages
+from cope.algos.empg.advantages import apply_empg, empg_step_advantages
 
 K = 2 * math.log(2.0)  # exp(-K * 0.5) = 1/2, exp(-K * 1) = 1/4
 
@@ -81,9 +81,9 @@ def test_apply_empg_normalizes_over_action_tokens():
     assert mbs[1]["advantages"][0, 0] == 0.0
 
 
-def test_apply_empg_skips_forecast_rows():
+def test_apply_empg_skips_aux_rows():
     mbs = _minibatches()
-    mbs[1]["forecast_row"] = torch.tensor([True])
+    mbs[1]["aux_row"] = torch.tensor([True])
     before = mbs[1]["advantages"].clone()
     m = apply_empg(mbs, k=K, k_future=K, zeta=0.1, normalize=False)
     assert torch.equal(mbs[1]["advantages"], before)

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from cope.chat import CHATML_TEMPLATE, ChatFormat
 from cope.datamodule import RolloutDataModule
 from cope.envs.base import EnvReset, EnvStep, Task
-from cope.losses.grpo import PolicyGradient
+from cope.algos.grpo import PolicyGradient
 from cope.module import AgentRLModule
 from cope.policy import Policy
 
@@ -65,13 +65,13 @@ def test_grpo_raises_success_on_toy_env(tmp_path):
     policy = _policy()
     dm = RolloutDataModule(env=NorthEnv, tasks_per_epoch=8, group_size=8, minibatch_size=64, max_context=64,
                            max_action_tokens=1, val_tasks=0, progress=False, seed=0)
-    dm.connect(policy.tokenizer, policy.chat)
+    dm.connect(policy)
     module = AgentRLModule(policy, [PolicyGradient()], optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
     curve = []
 
     class Record(pl.Callback):
         def on_train_epoch_end(self, trainer, pl_module):
-            curve.append(trainer.datamodule.last_rollout_metrics["rollout/success"])
+            curve.append(trainer.datamodule.train_record.metrics["rollout/success"])
 
     trainer = pl.Trainer(accelerator="cpu", max_epochs=25, reload_dataloaders_every_n_epochs=1, logger=False,
                          use_distributed_sampler=False, enable_checkpointing=False, enable_progress_bar=False,

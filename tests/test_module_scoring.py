@@ -12,7 +12,7 @@ import torch
 
 from cope.batch import collate
 from cope.generation import CachedSamplingActor
-from cope.losses.grpo import KLPenalty, PolicyGradient
+from cope.algos.grpo import KLPenalty, PolicyGradient
 from cope.module import AgentRLModule, token_logprobs
 from cope.objectives import combine
 from cope.rollout import run_episodes

@@ -14,6 +14,9 @@ Keys (N sequences, T tokens; right padded):
     step_valid     (N, S) bool   validity of each step (False past the episode's last step)
     num_steps      (N,)   long
     episode_index  (N,)   long   index into the epoch's episode list (for transforms)
+    aux_row        (N,)   bool   rows that are not episode transcripts (all False here; a collate
+                                 transform that appends rows, e.g. CoPE's plain forecast layout,
+                                 sets them True): transcript-level objectives (ECHO, EMPG) skip them
 
 Filled later by the module's scoring pass, before any update (same shapes as input_ids):
     old_logprobs, old_entropy, and ref_logprobs when a KL term is on.
@@ -65,4 +68,5 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
         "step_valid": step_valid,
         "num_steps": torch.tensor([e.num_steps for e in episodes], dtype=torch.long),
         "episode_index": torch.tensor(indices if indices is not None else list(range(n)), dtype=torch.long),
+        "aux_row": torch.zeros(n, dtype=torch.bool),
     }

@@ -18,6 +18,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from cope.objectives import ForwardOut, Objective, combine
 from cope.policy import Policy
 
+ScoredTransform = Callable[[list[dict], list], None]
+
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log p(ids[t] | ids[<t]) and predictive entropy, aligned at t (0 at t=0).
@@ -61,6 +63,7 @@ class AgentRLModule(pl.LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.strict_loading = False  # checkpoints carry adapter weights only
         self.last_validation: dict[str, float] = {}  # val/* of the newest validation, with val/epoch
+        self._scored_transforms: list[ScoredTransform] = []
 
     @property
     def needs_ref(self) -> bool:
@@ -110,10 +113,23 @@ class AgentRLModule(pl.LightningModule):
             if hasattr(lg, "rewind"):
                 lg.rewind(self.current_epoch)
 
+    def add_scored_transform(self, fn: ScoredTransform) -> None:
+        """``fn(minibatches, episodes)`` runs once per epoch after scoring, before any update (e.g. EMPG)."""
+        self._scored_transforms.append(fn)
+
     def on_train_epoch_start(self) -> None:
+        """Prepares the epoch's experience for training: scores every minibatch with the policy as it is
+        now (old/reference log-probs), runs the scored transforms, logs the epoch's rollout metrics."""
         dm = self.trainer.datamodule
-        if dm is not None and dm.last_rollout_metrics:
-            self.log_dict(dm.last_rollout_metrics, on_step=False, on_epoch=True, sync_dist=True)
+        record = getattr(dm, "train_record", None)
+        if record is None:
+            return
+        if not record.scored:
+            self.score_minibatches(record.minibatches)
+            for fn in self._scored_transforms:
+                fn(record.minibatches, record.episodes)
+            record.scored = True
+        self.log_dict(record.metrics, on_step=False, on_epoch=True, sync_dist=True)
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         out = self(batch)
@@ -125,11 +141,9 @@ class AgentRLModule(pl.LightningModule):
         return result
 
     def validation_step(self, batch: list[int], batch_idx: int) -> None:
-        dm = self.trainer.datamodule
-        eps, metrics = dm.evaluate(self.model, batch)
-        if batch_idx == 0:
-            dm.last_val_episodes = []
-        dm.last_val_episodes.extend(eps)
+        """Greedy held-out episodes of one chunk of the panel (the datamodule's engine runs them and keeps
+        them in its ``val_record``)."""
+        _, metrics = self.trainer.datamodule.evaluate(batch, first=batch_idx == 0)
         self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(batch))
 
     def on_validation_end(self) -> None:
@@ -151,8 +165,8 @@ class AgentRLModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "objectives": {o.name: getattr(o, "scale", None) for o in self.objectives}}
+        checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        checkpoint["objectives"] = {o.name: o.state_dict() for o in self.objectives}  # their only copy
         checkpoint["base_model"] = self.policy.source
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -164,6 +178,5 @@ class AgentRLModule(pl.LightningModule):
         if rng:
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
-            for o in self.objectives:
-                if rng["objectives"].get(o.name) is not None:
-                    o.scale = rng["objectives"][o.name]
+        for o in self.objectives:
+            o.load_state_dict(checkpoint.get("objectives", {}).get(o.name, {}))

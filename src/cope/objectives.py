@@ -64,6 +64,13 @@ class Objective(abc.ABC):
     def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         """Return (loss, metrics); metrics use slash names."""
 
+    def state_dict(self) -> dict:
+        """State that must survive a resume (checkpointed once, by the module, under ``objectives``)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores :meth:`state_dict`."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, weight={self.weight})"
 

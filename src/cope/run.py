@@ -81,7 +81,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     logger = instantiate_plain(cfg.logger) if cfg.get("logger") else False
     trainer = instantiate_plain(cfg.trainer, callbacks=callbacks, logger=logger)
     policy = instantiate_plain(cfg.model)(env_factory=env_factory)
-    datamodule.connect(policy.tokenizer, policy.chat)
+    datamodule.connect(policy)
     module = instantiate_plain(cfg.module, _partial_=True)(policy=policy, objectives=objectives)  # no config conversion of objects
     if trainer.is_global_zero:
         check_free_space(output_dir, policy)

@@ -15,6 +15,8 @@ from cope.callbacks.throughput import Throughput, count_tokens
 from cope.callbacks.trajectory_table import COLUMNS, TrajectoryTable, pick_episodes
 from cope.envs.base import Task
 from cope.episode import Episode, Role, Step
+from cope.records import EpochRecord, ValidationRecord
+from cope.rollout import RolloutStats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 WORDS = ("system rules user assistant you see a wall moved north south go look warning unknown command "
@@ -57,9 +59,18 @@ def make_episode(tok, turns, success, index=0):
     return ep
 
 
+def epoch_record(episodes, counters=None, epoch=0) -> EpochRecord:
+    """The record RolloutDataModule publishes for an epoch (no minibatches: the callbacks do not read them)."""
+    counters = dict(counters or {})
+    return EpochRecord(epoch=epoch, version=0, episodes=list(episodes), groups=list(range(len(episodes))),
+                       minibatches=[], stats=RolloutStats(episodes=len(episodes)), metrics={}, counters=counters)
+
+
 def fake_trainer(tmp_path, **kw):
-    dm = SimpleNamespace(last_episodes=kw.pop("episodes", []), last_val_episodes=kw.pop("val_episodes", []),
-                         counters=kw.pop("counters", {"episodes": 0, "env_steps": 0, "generated_tokens": 0, "train_tokens": 0}))
+    """A trainer whose datamodule exposes just the public records surface (train_record, val_record, counters)."""
+    counters = kw.pop("counters", {"episodes": 0, "env_steps": 0, "generated_tokens": 0, "train_tokens": 0})
+    dm = SimpleNamespace(train_record=epoch_record(kw.pop("episodes", []), counters),
+                         val_record=ValidationRecord(epoch=0, episodes=list(kw.pop("val_episodes", []))), counters=counters)
     base = dict(current_epoch=0, global_step=0, is_global_zero=True, log_dir=str(tmp_path), default_root_dir=str(tmp_path),
                 loggers=[], datamodule=dm, callback_metrics={}, sanity_checking=False)
     base.update(kw)
@@ -359,11 +370,11 @@ def test_callbacks_in_a_tiny_lightning_fit(tok, tiny_policy, tmp_path):
         def __init__(self):
             super().__init__()
             self.counters = {"episodes": 0, "env_steps": 0, "generated_tokens": 0, "train_tokens": 0}
-            self.last_episodes, self.last_val_episodes = [], []
+            self.train_record = self.val_record = None
 
         def train_dataloader(self):
-            self.last_episodes = [make_episode(tok, [("look", i % 2 == 0, 0.0, "a wall", "")], success=i == 0, index=i)
-                                  for i in range(4)]
+            self.train_record = epoch_record([make_episode(tok, [("look", i % 2 == 0, 0.0, "a wall", "")], success=i == 0,
+                                                           index=i) for i in range(4)], self.counters)
             self.counters["episodes"] += 4
             self.counters["env_steps"] += 4
             batch = {"x": torch.ones(2, 3), "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])}

@@ -10,7 +10,7 @@ import torch
 
 from cope.callbacks.probes import HeldOutProbes
 from cope.episode import Role
-from cope.forecast import build_chunks
+from cope.algos.cope.targets import build_chunks
 from cope.rollout import run_episodes
 from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 

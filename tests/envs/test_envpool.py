@@ -197,15 +197,15 @@ def test_max_instances_bounds_live_episodes_and_instances():
     from tiny_fixtures import tiny_policy
 
     heavy = functools.partial(_HeavyMaze, sizes=[6], max_steps=4)
-    assert RolloutDataModule(env=heavy, max_live_episodes=5, progress=False).max_live_episodes == 5
+    assert RolloutDataModule(env=heavy, max_live_episodes=5, progress=False).engine.runtime.max_live_episodes == 5
     dm = RolloutDataModule(env=heavy, tasks_per_epoch=2, group_size=4, max_context=512, max_action_tokens=4,
                            progress=False)
-    assert dm.max_live_episodes == 3
+    assert dm.engine.runtime.max_live_episodes == 3
     policy = tiny_policy()
-    dm.connect(policy.tokenizer, policy.chat)
-    eps, stats = dm.run(policy.model, [_task(i // 4) for i in range(8)], [i // 4 for i in range(8)], 1.0, "test")
+    dm.connect(policy)
+    eps, stats = dm.engine.rollout([_task(i // 4) for i in range(8)], [i // 4 for i in range(8)], dm.sampling)
     assert len(eps) == 8 and stats.episodes == 8 and [e.task.index for e in eps] == [i // 4 for i in range(8)]
-    assert len(dm.env_batch().envs) == 3
+    assert len(dm.engine.env_batch().envs) == 3
     dm.teardown("fit")
 
 

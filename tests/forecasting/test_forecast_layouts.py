@@ -8,11 +8,11 @@ import torch
 import transformers
 
 from cope.batch import collate
-from cope.callbacks.forecast_targets import ForecastTargets
-from cope.callbacks.loss_balance import LossBalance
+from cope.algos.cope.forecast_targets import ForecastTargets
+from cope.algos.cope.loss_balance import LossBalance
 from cope.episode import Role
-from cope.forecast import build_chunks, pack_forecasts, plain_forecasts
-from cope.losses.forecast import AdaptiveScale, ForecastLoss, forecast_nll
+from cope.algos.cope.targets import build_chunks, pack_forecasts, plain_forecasts
+from cope.algos.cope.loss import AdaptiveScale, ForecastLoss, forecast_nll
 from cope.objectives import ForwardOut
 
 from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E402
@@ -65,7 +65,7 @@ def test_packed_and_plain_give_the_same_loss_and_gradients(attn, normalize, chat
     packed, plain = pack_forecasts(base, eps, chunks, PAD), plain_forecasts(base, eps, chunks, PAD)
     assert packed["attention_mask"].shape[1] == 1 and packed["attention_mask"].dtype == torch.float32
     assert (packed["attention_mask"] == 0).any(-1).all()  # every query attends to something
-    assert plain["input_ids"].shape[0] == 2 + len(chunks) and plain["forecast_row"].sum() == len(chunks)
+    assert plain["input_ids"].shape[0] == 2 + len(chunks) and plain["aux_row"].sum() == len(chunks)
     for b in (packed, plain):  # added positions are invisible to the policy-gradient path
         extra = b["forecast_chunk"] >= 0
         extra[: base["input_ids"].shape[0], : base["input_ids"].shape[1]] = False
@@ -136,8 +136,8 @@ def test_adaptive_scale_bounds_and_no_gradient():
     lp = torch.randn(2, 5, requires_grad=True)
     batch = {"forecast_mask": torch.ones(2, 5, dtype=torch.bool), "forecast_chunk": torch.tensor([[0] * 5, [1] * 5]),
              "forecast_actions": torch.tensor([1, 2])}
-    obj = ForecastLoss()
-    obj.scale = 0.3
+    obj = ForecastLoss(normalize="adaptive", adaptive_target=0.3)
+    obj.observe(1.0, 1.0)  # scale = 0.3 x 1 / 1
     loss, m = obj(ForwardOut(lp, lp.detach()), batch)
     (g,) = torch.autograd.grad(loss, lp)
     raw, _ = forecast_nll(lp, batch["forecast_mask"], batch["forecast_chunk"], 2)
@@ -149,8 +149,8 @@ def test_adaptive_scale_bounds_and_no_gradient():
 
 def test_loss_balance_leaves_fixed_normalizations_alone():
     fc = ForecastLoss(normalize="none", adaptive_target=0.5)  # none/per_step: no adaptive scale at all
-    assert fc.adaptive is None
-    cb = LossBalance(target_ratio=0.5)
+    assert fc.adaptive is None and fc.state_dict() == {}
+    cb = LossBalance()
     cb.setup(SimpleNamespace(world_size=1), SimpleNamespace(objectives=[fc], log=lambda *a, **k: None), "fit")
     for _ in range(3):
         cb.on_train_batch_end(SimpleNamespace(world_size=1), SimpleNamespace(log=lambda *a, **k: None),
@@ -158,13 +158,14 @@ def test_loss_balance_leaves_fixed_normalizations_alone():
     assert fc.scale == 1.0
 
 
-def test_loss_balance_sets_the_objective_scale():
+def test_loss_balance_drives_the_objectives_own_scale():
     logged = {}
     fc = ForecastLoss(normalize="adaptive", adaptive_target=0.5)
     module = SimpleNamespace(objectives=[SimpleNamespace(name="pg"), fc], log=lambda k, v, **kw: logged.__setitem__(k, v))
     trainer = SimpleNamespace(world_size=1)
-    cb = LossBalance(target_ratio=0.5)
+    cb = LossBalance()
     cb.setup(trainer, module, "fit")
+    assert not hasattr(cb, "state_dict") or cb.state_dict() == {}  # the callback owns no state
     pg = torch.tensor(2.0, requires_grad=True) * 1.0  # a tensor with history must not leak into the scale
     for _ in range(3):
         cb.on_train_batch_end(trainer, module, {"loss": pg, "loss/pg": pg, "forecast/raw": torch.tensor(8.0)}, {}, 0)
@@ -174,19 +175,22 @@ def test_loss_balance_sets_the_objective_scale():
     cb.on_train_batch_end(trainer, module, {"loss/pg": 1e12, "forecast/raw": 1e-12}, {}, 0)
     assert fc.scale <= 1e3
     owned = ForecastLoss(normalize="adaptive", adaptive_target=0.2)
-    cb2 = LossBalance(target_ratio=0.5)
+    cb2 = LossBalance()
     cb2.setup(trainer, SimpleNamespace(objectives=[owned], log=lambda *a, **k: None), "fit")
     cb2.on_train_batch_end(trainer, SimpleNamespace(log=lambda *a, **k: None), {"loss/pg": 1.0, "forecast/raw": 1.0}, {}, 0)
     assert owned.scale == pytest.approx(0.2) and owned.adaptive.ema_pg == 1.0
+    restored = ForecastLoss(normalize="adaptive", adaptive_target=0.2)  # the objective's state round-trips alone
+    restored.load_state_dict(owned.state_dict())
+    assert restored.scale == owned.scale and restored.state_dict() == owned.state_dict()
     with pytest.raises(ValueError, match="obs"):
         LossBalance(objective="obs").setup(trainer, module, "fit")
 
 
 def test_forecast_targets_callback_registers_transform_and_logs():
     fns, logged = [], {}
-    dm = SimpleNamespace(chat=CHAT, pad_id=PAD, add_collate_transform=fns.append)
+    dm = SimpleNamespace(add_collate_transform=fns.append)  # the part of RolloutDataModule it uses
     trainer = SimpleNamespace(datamodule=dm)
-    module = SimpleNamespace(log_dict=lambda d, **kw: logged.update(d))
+    module = SimpleNamespace(log_dict=lambda d, **kw: logged.update(d), policy=SimpleNamespace(chat=CHAT, pad_id=PAD))
     cb = ForecastTargets(K=3, layout="packed")
     cb.setup(trainer, module, "fit")
     cb.setup(trainer, module, "fit")

@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from cope.batch import collate
-from cope.forecast import build_chunks, pack_forecasts
-from cope.losses.forecast import forecast_nll
+from cope.algos.cope.targets import build_chunks, pack_forecasts
+from cope.algos.cope.loss import forecast_nll
 from cope.module import token_logprobs
 
 from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E402

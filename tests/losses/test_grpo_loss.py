@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from cope.losses.grpo import KLPenalty, PolicyGradient, clipped_pg_loss, kl_k3
+from cope.algos.grpo import KLPenalty, PolicyGradient, clipped_pg_loss, kl_k3
 from cope.objectives import ForwardOut, combine
 
 # Tokens (ratio r, advantage A), clip 0.2 both sides, per-token loss -min(rA, clip(r)A):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from cope.episode import Role
-from cope.losses.observation import ObservationLoss, observation_nll
+from cope.algos.echo import ObservationLoss, observation_nll
 from cope.objectives import ForwardOut, combine
 
 P, A, O, H, X = int(Role.PROMPT), int(Role.ACTION), int(Role.OBSERVATION), int(Role.HARNESS), int(Role.PAD)
@@ -64,7 +64,7 @@ def test_harness_only_row_counts_in_mean():
 def _batch(forecast=None):
     b = {"roles": ROLES, "aborted": ABORTED}
     if forecast is not None:
-        b["forecast_row"] = forecast
+        b["aux_row"] = forecast
     return b
 
 
@@ -76,7 +76,7 @@ def test_objective_via_combine():
     assert float(m["loss/total"]) == pytest.approx(0.05 * 2.75)
 
 
-def test_objective_skips_forecast_rows_and_schedules():
+def test_objective_skips_aux_rows_and_schedules():
     out = ForwardOut(logprobs=LP.clone(), entropy=torch.zeros_like(LP))
     obj = ObservationLoss(weight=0.05, schedule="linear", final_weight=0.005, schedule_steps=10)
     total, m = combine([obj], out, _batch(torch.tensor([False, True, False, False])), step=5)

@@ -62,7 +62,7 @@ def observation_nll(logprobs: torch.Tensor, roles: torch.Tensor, valid_rows: tor
 class ObservationLoss(Objective):
     """ECHO's environment-modelling term (``loss/echo``).
 
-    Rows used: ``~batch["aborted"]``, minus ``batch["forecast_row"]`` when that key is present.
+    Rows used: ``~batch["aborted"]``, minus rows that are not transcripts (``batch["aux_row"]``, when present).
 
     Args:
         weight: lambda, the multiplier in the total loss (>= 0; ECHO's published value 0.05).
@@ -78,6 +78,6 @@ class ObservationLoss(Objective):
 
     def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         valid = ~batch["aborted"].bool()  # (N,)
-        if "forecast_row" in batch:
-            valid = valid & ~batch["forecast_row"].bool()  # (N,)
+        if "aux_row" in batch:
+            valid = valid & ~batch["aux_row"].bool()  # (N,)
         return observation_nll(out.logprobs, batch["roles"], valid)

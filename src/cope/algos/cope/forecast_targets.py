@@ -1,8 +1,8 @@
 """CoPE forecast targets as a callback: builds action-chunk targets for each minibatch.
 
 Follows CoPE (arXiv 2610.20597): targets only from successful, non-aborted on-policy episodes;
-see :mod:`cope.forecast` for the chunk definition and the two batch layouts, and
-:class:`cope.losses.forecast.ForecastLoss` for the loss that reads them.
+see :mod:`cope.algos.cope.targets` for the chunk definition and the two batch layouts, and
+:class:`cope.algos.cope.loss.ForecastLoss` for the loss that reads them.
 
 The callback registers a collate transform on the datamodule (``add_collate_transform``), so the
 targets exist before the scoring pass and the forecast segments are scored like everything else.
@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.episode import Episode
-from cope.forecast import LAYOUTS, build_chunks, check_chunk_args
+from cope.algos.cope.targets import LAYOUTS, build_chunks, check_chunk_args
 
 # Raw counts summed over the minibatches of an epoch; the logged means are derived from them.
 _SUMS = ("forecast/targets", "forecast/episodes", "forecast/supervised_actions", "forecast/supervisions",
@@ -63,6 +63,7 @@ class ForecastTargets(Callback):
         self.success_only, self.min_score = success_only, min_score
         self._rng = random.Random(seed)
         self._datamodule = None
+        self._chat, self._pad_id = None, 0  # the policy's, bound at setup
         self._sums: dict[str, float] = defaultdict(float)
         self._calls = 0
 
@@ -70,6 +71,7 @@ class ForecastTargets(Callback):
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "add_collate_transform"):
             raise TypeError("ForecastTargets needs a datamodule with add_collate_transform (cope.datamodule.RolloutDataModule)")
+        self._chat, self._pad_id = pl_module.policy.chat, pl_module.policy.pad_id
         if dm is self._datamodule:
             return  # already registered (setup runs once per stage)
         dm.add_collate_transform(self.transform)
@@ -80,7 +82,7 @@ class ForecastTargets(Callback):
         idx = [i for i in batch["episode_index"].tolist() if i >= 0]
         chunks, metrics = build_chunks(
             [episodes[i] for i in idx],
-            self._datamodule.chat,
+            self._chat,
             K=self.K,
             mask_invalid=self.mask_invalid,
             cut_at_invalid=self.cut_at_invalid,
@@ -94,7 +96,7 @@ class ForecastTargets(Callback):
         for k in _SUMS:
             self._sums[k] += metrics[k]
         self._calls += 1
-        return LAYOUTS[self.layout](batch, episodes, chunks, self._datamodule.pad_id)
+        return LAYOUTS[self.layout](batch, episodes, chunks, self._pad_id)
 
     def epoch_metrics(self) -> dict[str, float]:
         """The per-epoch metrics accumulated so far (empty when no minibatch was built)."""

@@ -17,7 +17,7 @@ Deviations from the paper (and its project-page pseudocode):
     * Steps are read from ``step_ids`` and ``action_mask`` instead of searching the token stream
       for chat delimiters; a step's tokens are exactly its sampled action tokens (including a sampled
       end-of-turn id, excluding scaffold ids the engine added).
-    * Aborted episodes (no action tokens) and rows flagged ``forecast_row`` take no part: they
+    * Aborted episodes (no action tokens) and rows that are not transcripts (``aux_row``) take no part: they
       neither contribute statistics nor get rewritten.
     * "Next step" means step t+1 of the same episode; the last step gets no bonus.
     * The final normalization is token-weighted over all action tokens of the epoch's EMPG steps
@@ -86,8 +86,8 @@ def _step_table(mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     entropy sum (N*S,); advantage sum (N*S,); token count (N*S,); S).
     """
     mask = mb["action_mask"].bool()  # (N, T)
-    if "forecast_row" in mb:
-        mask = mask & ~mb["forecast_row"].bool()[:, None]  # (N, T)
+    if "aux_row" in mb:
+        mask = mask & ~mb["aux_row"].bool()[:, None]  # (N, T): rows that are not transcripts take no part
     step_ids = mb["step_ids"]  # (N, T)
     mask = mask & (step_ids >= 0)  # (N, T)
     n = mask.shape[0]

@@ -2,7 +2,7 @@
 
 Follows CoPE (arXiv 2610.20597): total = L_pg + lambda * L_forecast, with L_forecast normalized so
 that the multi-step targets cannot overwhelm the policy gradient. The targets and their layout in
-the batch come from :mod:`cope.forecast`; this file only reads ``forecast_mask``,
+the batch come from :mod:`cope.algos.cope.targets`; this file only reads ``forecast_mask``,
 ``forecast_chunk`` and ``forecast_actions``.
 
 Where we are specific (the paper's exact normalization is not known to us):
@@ -128,8 +128,9 @@ class ForecastLoss(Objective):
             per-chunk mean, scaled so the term stays at ``adaptive_target`` (default 0.5) times the
             running magnitude of the policy-gradient term (needs the ``LossBalance`` callback).
         adaptive_target: when set, the objective owns an :class:`AdaptiveScale` with this target
-            ratio; the ``LossBalance`` callback feeds it ``|loss/pg|`` each step and sets ``scale``
-            (without that callback the scale stays 1).
+            ratio (the only copy of that state; checkpointed through :meth:`state_dict`); the
+            ``LossBalance`` callback reports ``|loss/pg|`` and the raw forecast loss after each step
+            (:meth:`observe`), and ``scale`` follows (without that callback it stays 1).
         adaptive_beta: EMA decay of the adaptive scale.
         schedule, final_weight, schedule_steps: see :class:`cope.objectives.Objective`.
     """
@@ -156,7 +157,23 @@ class ForecastLoss(Objective):
             adaptive_target = None
         self.normalize = normalize
         self.adaptive = AdaptiveScale(adaptive_target, adaptive_beta) if adaptive_target is not None else None
-        self.scale = 1.0  # a detached float, set from outside (LossBalance); never a tensor
+
+    @property
+    def scale(self) -> float:
+        """The multiplier of the raw forecast loss: a plain float (no gradient flows through it); 1 unless adaptive."""
+        return self.adaptive.scale if self.adaptive is not None else 1.0
+
+    def observe(self, reference_abs: float, raw_abs: float) -> None:
+        """One step's magnitudes (``|L_pg|``, ``|L_forecast raw|``) for the adaptive scale; a no-op otherwise."""
+        if self.adaptive is not None:
+            self.adaptive.update(reference_abs, raw_abs)
+
+    def state_dict(self) -> dict:
+        return {"adaptive": self.adaptive.state_dict()} if self.adaptive is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.adaptive is not None and "adaptive" in state:
+            self.adaptive.load_state_dict(state["adaptive"])
 
     def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         if "forecast_mask" in batch:

@@ -1,14 +1,15 @@
 """EMPG (arXiv 2509.09265) switched on from config: reshapes the epoch's advantages per step.
 
-Registers a *scored* transform on the DataModule, so it runs once per epoch after the scoring pass
-filled ``old_entropy`` and before any update; statistics span the whole rollout batch. The math is
-in :mod:`cope.empg`; this callback only wires it in and logs ``empg/*`` once per epoch.
+Registers a *scored* transform on the LightningModule (``add_scored_transform``), so it runs once per
+epoch after the module's scoring pass filled ``old_entropy`` and before any update; statistics span
+the whole rollout batch. The math is in :mod:`cope.algos.empg.advantages`; this callback only wires it in and logs
+``empg/*`` once per epoch (at its end).
 """
 from __future__ import annotations
 
 from lightning.pytorch import Callback
 
-from cope.empg import apply_empg
+from cope.algos.empg.advantages import apply_empg
 
 
 class EMPGAdvantages(Callback):
@@ -27,14 +28,17 @@ class EMPGAdvantages(Callback):
         self._registered = False
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if not self._registered and trainer.datamodule is not None:
-            trainer.datamodule.add_scored_transform(self.transform)
+        if not self._registered:
+            if not hasattr(pl_module, "add_scored_transform"):
+                raise TypeError("EMPGAdvantages needs a module with add_scored_transform (cope.module.AgentRLModule)")
+            pl_module.add_scored_transform(self.transform)
             self._registered = True
 
     def transform(self, minibatches: list[dict], episodes) -> None:
         m = apply_empg(minibatches, k=self.k, k_future=self.k_future, zeta=self.zeta, normalize=self.normalize)
         self.metrics = {k: float(v) for k, v in m.items()}
 
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
         if self.metrics:
             pl_module.log_dict(self.metrics, on_step=False, on_epoch=True, sync_dist=True)
+        self.metrics = {}

@@ -15,7 +15,7 @@ Where we are specific (the paper's full text was not available to us):
 
 Layouts (both return a new batch dict, see ``cope.batch`` for the keys, and add ``forecast_mask``
 (N, T) bool, ``forecast_chunk`` (N, T) long (index into ``chunks``, -1 elsewhere),
-``forecast_actions`` (C,) long and ``forecast_row`` (N,) bool; both ignore chunks whose episode
+``forecast_actions`` (C,) long, and set ``aux_row`` (N,) bool on rows that are not transcripts; both ignore chunks whose episode
 has no row in the batch, so they give the same loss):
     * :func:`pack_forecasts`: segments appended after their episode's row, one 4D additive mask.
     * :func:`plain_forecasts`: one extra row per chunk, ``tokens[:anchor] + chunk``.
@@ -252,7 +252,7 @@ def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastCh
         out["input_ids"], out["position_ids"] = ids_t, pos_t
     out["forecast_mask"], out["forecast_chunk"] = fmask, fchunk
     out["forecast_actions"] = torch.tensor([c.num_actions for c in chunks], dtype=torch.long)  # (C,)
-    out["forecast_row"] = torch.zeros(N, dtype=torch.bool)  # (N,)
+    out["aux_row"] = batch.get("aux_row", torch.zeros(N, dtype=torch.bool))  # (N,): no rows added
     return out
 
 
@@ -291,7 +291,7 @@ def plain_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastC
         out[k] = torch.cat([v, extra], dim=0)  # (N + M, ...)
     out["forecast_mask"], out["forecast_chunk"] = fmask, fchunk
     out["forecast_actions"] = torch.tensor([c.num_actions for c in chunks], dtype=torch.long)  # (C,)
-    out["forecast_row"] = torch.cat([torch.zeros(N, dtype=torch.bool), torch.ones(M, dtype=torch.bool)])  # (N + M,)
+    out["aux_row"] = torch.cat([torch.zeros(N, dtype=torch.bool), torch.ones(M, dtype=torch.bool)])  # (N + M,): forecasts
     return out
 
 

@@ -1,1 +1,0 @@
-"""Pure loss functions: tensors in, ``(loss, metrics)`` out; no trainer or module access."""
