@@ -14,7 +14,7 @@ is dropped, the episode counts as a failure and is counted in ``rollout/truncate
 
 An env that raises in reset/step aborts its episode (``end_reason="aborted"``): it is logged,
 counted in ``env/errors`` and ``env/aborted_episodes``, and excluded from the loss; the run goes on.
-With env workers (:mod:`cope.envpool`) a worker that dies or hangs does the same to the episode it
+With env workers (:mod:`cope.envs.runtime.pool`) a worker that dies or hangs does the same to the episode it
 was serving, and is restarted.
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def run_episodes(
     """Run one episode per task (episode ``i`` in env slot ``i``) in lock-step; episodes in input order.
 
     ``envs``: a list of env instances (stepped here, one after another) or an env batch
-    (:mod:`cope.envpool`). ``chunks > 1`` splits the live episodes into that many parts, each with its
+    (:mod:`cope.envs.runtime.pool`). ``chunks > 1`` splits the live episodes into that many parts, each with its
     own actor (``actor.fork()``): while one part's env steps run in the workers, the actor generates
     for the next part, so generation and env time overlap. ``instructions`` replaces the env's system
     prompt (None: the env's own rules and action format).
