@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install system-deps train test test-all bench bench-envs appworld-venv clean
+.PHONY: install system-deps train test test-all lint bench bench-envs appworld-venv clean
 
 system-deps:
 	bash scripts/system_deps.sh
@@ -32,6 +32,10 @@ train: $(STAMP)
 
 test: system-deps $(STAMP) appworld-venv
 	$(BIN)/python -m pytest $(ARGS)
+
+# ruff (pinned in the dev extra; rules in pyproject.toml [tool.ruff]); CI runs it before the tests
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "" $(ARGS)

@@ -171,7 +171,7 @@ def main() -> None:
             continue
         results[name] = r
         m = r["steps_per_s"]
-        cell = lambda k: f"{m[k]:>10.1f}" if k in m else f"{'-':>10}"  # noqa: E731
+        cell = lambda k, m=m: f"{m[k]:>10.1f}" if k in m else f"{'-':>10}"  # noqa: E731
         ratio = next((v for k, v in r.items() if k.startswith("pool") and k.endswith(tuple("0123456789"))), None)
         lines.append(f"{name:<14}{cell('raw')}{cell('adapter')}" + "".join(cell(f"pool {w}") for w in args.workers)
                      + (f"{r['adapter_over_raw']:>13.2f}" if "adapter_over_raw" in r else f"{'-':>13}")

@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(text)
     js = lambda x: None if isinstance(x, float) and math.isinf(x) else x  # noqa: E731  (JSON: not reached = null)
-    report = {"threshold": args.threshold, "shared_overrides": shared, "algos": {a: {k: ([js(x) for x in v] if isinstance(v, list) else js(v))
-              for k, v in t.items()} for a, t in table.items()}, "runs": [{k: js(v) for k, v in r.items()} for r in runs],
-              "failed": failed}
+    algos = {a: {k: ([js(x) for x in v] if isinstance(v, list) else js(v)) for k, v in t.items()} for a, t in table.items()}
+    report = {"threshold": args.threshold, "shared_overrides": shared, "algos": algos,
+              "runs": [{k: js(v) for k, v in r.items()} for r in runs], "failed": failed}
     (out / "summary.json").write_text(json.dumps(report, indent=1))
     plot(runs, args.algos, args.threshold, out / "success_vs_episodes.png")
     print(f"wrote {out / 'summary.md'}, {out / 'summary.json'}, {out / 'success_vs_episodes.png'}")

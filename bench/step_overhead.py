@@ -87,8 +87,9 @@ def _malloc_trim() -> None:
 
 def collect(dm, policy, n: int, min_success: int, max_batches: int, seed: int):
     """``n`` episodes from the current policy, with at least ``min_success`` successes if possible."""
-    from cope.advantages import group_advantages
     from cope.envs.base import Task
+
+    from cope.advantages import group_advantages
 
     rng, succ, fail, G = random.Random(seed), [], [], dm.group_size
     for b in range(max_batches):
@@ -116,8 +117,8 @@ def collect(dm, policy, n: int, min_success: int, max_batches: int, seed: int):
 
 def minibatches(eps, size: int, layout: str | None, K: int, chat, pad_id: int) -> tuple[list[dict], int]:
     """collate + the variant's collate transform, per minibatch; returns (minibatches, forecast chunks)."""
-    from cope.batch import collate
     from cope.algos.cope.targets import LAYOUTS, build_chunks
+    from cope.batch import collate
 
     out, n_chunks = [], 0
     for s in range(0, len(eps), size):
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     rss = None if cuda else RssPeak()
     policy.model.train()
     for r in range(args.warmup + args.steps):
-        for name, v in runs.items():
+        for v in runs.values():
             load(v["state"])
             batch = v["mbs"][r % len(v["mbs"])]
             if cuda:
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
                              peak_mem_mib=max(v["mem"]) / 2**20, times_s=v["times"])
     n_succ = sum(e.success for e in eps)
     head = (f"device {device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads{', bf16 autocast' if bf16 else ''}), overrides {' '.join(args.model_overrides)}; {len(eps)} episodes "
+            f"{torch.get_num_threads()} threads{', bf16 autocast' if bf16 else ''}), "
+            f"overrides {' '.join(args.model_overrides)}; {len(eps)} episodes "
             f"({n_succ} succeeded) in {math.ceil(len(eps) / size)} minibatch(es) of <= {size}; K={args.K}; "
             f"{args.steps} timed steps per variant after {args.warmup} warmup rounds, interleaved round-robin")
     lines = [head, "", f"| variant | s/step (mean) | std | vs GRPO | sequences | columns | cells | forecast chunks | {mem_label} |",

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from lightning.pytorch import Callback
 
+from cope.algos.cope.targets import build_chunks, plain_forecasts
 from cope.batch import collate
 from cope.episode import Role
-from cope.algos.cope.targets import build_chunks, plain_forecasts
 from cope.module import token_logprobs
 from cope.records import val_record
 

@@ -21,8 +21,8 @@ north, south, east, west; zero components omitted)::
 ``Closer:`` (the compass, on by default; ``compass=False`` drops it) lists the open moves that shorten
 the goal offset, ``none`` when no open move does. It keeps the decision local and in words, the way a
 text game says "you hear water to the south": a policy that takes a random ``Closer`` move (a random
-open move when there is none) solves about 80% of the mazes, uniformly random open moves about 15%. The warm start of the tiny model imitates
-random walks, so it has to *learn* from reward to prefer that list.
+open move when there is none) solves about 80% of the mazes, uniformly random open moves about 15%.
+The warm start of the tiny model imitates random walks, so it has to *learn* from reward to prefer that list.
 
 Validity rules: the parser accepts exactly ``north``, ``south``, ``east``, ``west``, tolerating only
 surrounding whitespace, surrounding quotes or backticks, a trailing period, letter case and a leading

@@ -24,9 +24,9 @@ closed pipe.
 
 The child runs ``python -m cope.envs.runtime.worker``: its own stdout is redirected to stderr so that an env
 that prints (game engines do) cannot corrupt the channel; a reader thread takes requests off the pipe
-as they arrive (the parent never blocks on a busy child while the child blocks on a full reply pipe); it exits when the parent goes away (EOF on
-stdin, and SIGKILL via ``PR_SET_PDEATHSIG`` on Linux). It starts a new session so the parent can kill
-the whole process group, including grandchildren such as a JVM.
+as they arrive (the parent never blocks on a busy child while the child blocks on a full reply pipe);
+it exits when the parent goes away (EOF on stdin, and SIGKILL via ``PR_SET_PDEATHSIG`` on Linux).
+It starts a new session so the parent can kill the whole process group, including grandchildren such as a JVM.
 """
 from __future__ import annotations
 

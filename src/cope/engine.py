@@ -21,9 +21,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from cope.envs.base import Env, Task
 from cope.envs.runtime.batch import STATS, InProcessEnvs
 from cope.envs.runtime.pool import EnvWorkerPool
-from cope.envs.base import Env, Task
 from cope.episode import Episode
 from cope.rollout import RolloutStats, run_episodes
 

@@ -68,7 +68,7 @@ class Objective(abc.ABC):
         """State that must survive a resume (checkpointed once, by the module, under ``objectives``)."""
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict) -> None:  # noqa: B027 - a stateless objective has nothing to restore
         """Restores :meth:`state_dict`."""
 
     def __repr__(self) -> str:

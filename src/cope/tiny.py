@@ -117,7 +117,7 @@ def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, 
     for _ in range(episodes):
         r = env.reset(Task(env.name, "train", rng.randrange(_walked_tasks(env, num_tasks))))
         texts.append(r.observation)
-        for k in range(env.max_steps):
+        for _k in range(env.max_steps):
             if not r.admissible_actions:
                 break
             seen = sorted(set(seen) | set(r.admissible_actions))

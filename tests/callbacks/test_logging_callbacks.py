@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from cope.callbacks.adapter_export import AdapterExport
 from cope.callbacks.sample_efficiency import SampleEfficiency
 from cope.callbacks.throughput import Throughput, count_tokens
 from cope.callbacks.trajectory_table import COLUMNS, TrajectoryTable, pick_episodes
 from cope.envs.base import Task
+
 from cope.episode import Episode, Role, Step
 from cope.records import EpochRecord, ValidationRecord
 from cope.rollout import RolloutStats
@@ -206,7 +206,8 @@ def test_sample_efficiency_rows_threshold_files_and_resume(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["episodes"] for r in rows] == ["8", "16", "24"] and rows[1]["env_steps"] == "80"
     assert float(rows[1]["val_success"]) == 0.75 and float(rows[1]["val_score"]) == pytest.approx(0.8)
-    assert list(rows[0]) == ["epoch", "global_step", "episodes", "env_steps", "generated_tokens", "train_tokens", "val_success", "val_score"]
+    assert list(rows[0]) == ["epoch", "global_step", "episodes", "env_steps", "generated_tokens", "train_tokens",
+                             "val_success", "val_score"]
     with (tmp_path / "learning_curve_train.csv").open() as f:
         train = list(csv.DictReader(f))
     assert [float(r["rollout_success"]) for r in train] == [0.125, 0.375, 0.5]

@@ -7,12 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from cope.callbacks.probes import HeldOutProbes
-from cope.episode import Role
-from cope.algos.cope.targets import build_chunks
-from cope.rollout import run_episodes
 from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
+
+from cope.algos.cope.targets import build_chunks
+from cope.episode import Role
+from cope.rollout import run_episodes
 
 MAX_CONTEXT, MAX_ACTION, K = 1024, 6, 3
 KEYS = ("probe/forecast_chunks", "probe/obs_nll", "probe/forecast_token_acc", "probe/forecast_action_acc")

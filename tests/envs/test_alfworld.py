@@ -16,9 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cope.envs.alfworld.env import (
-    HARNESS_MALFORMED, HARNESS_TIMEOUT, NOTHING_HAPPENS, AlfWorldEnv, missing_data_message,
+    HARNESS_MALFORMED,
+    HARNESS_TIMEOUT,
+    NOTHING_HAPPENS,
+    AlfWorldEnv,
+    missing_data_message,
 )
 from cope.envs.base import Env, Task
 

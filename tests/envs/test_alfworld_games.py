@@ -10,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from cope.envs.alfworld.env import NOTHING_HAPPENS, AlfWorldEnv
 from cope.envs.alfworld.scenes import TASK_TYPES
 from cope.envs.base import Task

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cope.envs.appworld import AppWorldEnv, RemoteAppWorldEnv, strip_code
 from cope.envs.base import Env, Task
 

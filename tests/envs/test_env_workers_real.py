@@ -13,7 +13,6 @@ import signal
 import time
 
 import pytest
-
 from cope.envs.base import Task
 from cope.envs.runtime.batch import InProcessEnvs
 from cope.envs.runtime.pool import EnvWorkerPool

@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from cope.envs.base import Task
 from cope.envs.maze import MazeEnv
 from cope.envs.runtime.batch import InProcessEnvs
@@ -125,8 +124,9 @@ def test_hung_step_times_out_and_worker_restarts():
 def test_engine_accounts_for_a_crashed_episode():
     """Through the rollout engine (with overlap): the crashed episode is aborted and counted, its
     group-mates finish all their steps."""
-    from cope.rollout import run_episodes
     from tiny_fixtures import Scripted, tiny_chat, tiny_tokenizer
+
+    from cope.rollout import run_episodes
 
     tok, chat = tiny_tokenizer(), tiny_chat()
     ids = lambda a: [*tok.encode(a, add_special_tokens=False), chat.stop_id]  # noqa: E731
@@ -193,8 +193,9 @@ class _HeavyMaze(MazeEnv):
 def test_max_instances_bounds_live_episodes_and_instances():
     """An env's max_instances turns data.max_live_episodes=null into waves of that size: an epoch of
     8 episodes runs with 3 env instances; an explicit data.max_live_episodes wins."""
-    from cope.datamodule import RolloutDataModule
     from tiny_fixtures import tiny_policy
+
+    from cope.datamodule import RolloutDataModule
 
     heavy = functools.partial(_HeavyMaze, sizes=[6], max_steps=4)
     assert RolloutDataModule(env=heavy, max_live_episodes=5, progress=False).engine.runtime.max_live_episodes == 5

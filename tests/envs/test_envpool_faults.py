@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cope.envs.base import Task
 from cope.envs.maze import MazeEnv
 from cope.envs.runtime.chaos import GARBAGE, KINDS, ChaosEnv

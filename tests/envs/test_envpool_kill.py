@@ -24,8 +24,9 @@ MOVES = ("north", "south", "east", "west")
 def _rounds(pool, rounds: int, on_round=None) -> tuple[list, list]:
     """Run ``rounds`` rounds of 6, 8, 10, ... episodes through the pool and, for each, the same
     episodes in-process; returns (episodes, reference episodes) and checks each round's accounting."""
-    from cope.rollout import run_episodes
     from tiny_fixtures import Scripted, tiny_chat, tiny_tokenizer
+
+    from cope.rollout import run_episodes
 
     tok, chat = tiny_tokenizer(), tiny_chat()
     rng = random.Random(0)

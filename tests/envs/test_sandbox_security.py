@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from cope.envs.terminal.sandbox import SANDBOX_UID, Sandbox, _count_processes, unavailable_reason
 from cope.envs.terminal.workdir import Snapshot, pack
 

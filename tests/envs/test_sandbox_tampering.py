@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cope.envs.terminal.sandbox import Sandbox, unavailable_reason, unpassable
 from cope.envs.terminal.sandbox_guard import DEBUGGERS, seccomp_filter
 from cope.envs.terminal.workdir import Snapshot, add_files, check_archive, pack

@@ -166,7 +166,7 @@ def test_task_table_matches_the_simulator(env):
     env.reset(_task("train", 0))
     server = env._sim.server
     assert sorted(server.getTaskNames()) == sorted(TASK_NAMES)
-    for _, name, total, n_train, n_dev in TASK_TABLE:
+    for _, name, total, _n_train, _n_dev in TASK_TABLE:
         assert server.load(name, 0, "", False) == ""
         assert server.getTaskMaxVariations(name) == total, name
         assert list(server.getVariationsTrain()) == list(split_variations(name, "train")), name

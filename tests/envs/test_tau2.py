@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-
 from cope.envs.base import Env, Task
 from cope.envs.tau2.format import Action, example_call, parse_action
 
@@ -137,7 +136,8 @@ def test_example_call_fills_required_arguments():
     ({"max_steps": 0}, "max_steps"), ({"max_errors": 0}, "max_errors"),
     ({"max_observation_chars": 0}, "max_observation_chars"), ({"user_temperature": -1.0}, "user_temperature"),
     ({"train_split": "test"}, "train_split"), ({"agent_stop": False}, "agent_stop"),
-    ({"agent_stop": False, "user": "openai", "user_model": "m", "solo_mode": True}, "agent_stop"), ({"canned_reply": " "}, "canned_reply"), ({"name": ""}, "name"),
+    ({"agent_stop": False, "user": "openai", "user_model": "m", "solo_mode": True}, "agent_stop"),
+    ({"canned_reply": " "}, "canned_reply"), ({"name": ""}, "name"),
 ])
 def test_bad_constructor_args(kwargs, arg):
     with pytest.raises(ValueError, match=arg):

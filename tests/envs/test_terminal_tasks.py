@@ -8,7 +8,6 @@ import sys
 import tarfile
 
 import pytest
-
 from cope.envs.base import Env, Task
 from cope.envs.terminal.env import (
     HARNESS_EMPTY,
@@ -100,7 +99,8 @@ def test_index_maps_round_robin_over_families():
     ("kwargs", "arg"),
     [({"name": ""}, "name"), ({"max_steps": 0}, "max_steps"), ({"num_train_tasks": 0}, "num_train_tasks"),
      ({"num_test_tasks": -1}, "num_test_tasks"), ({"max_output_chars": 0}, "max_output_chars"),
-     ({"max_command_chars": 0}, "max_command_chars"), ({"max_command_chars": 10**6}, "max_command_chars"), ({"families": ["nope"]}, "families"), ({"families": []}, "families"),
+     ({"max_command_chars": 0}, "max_command_chars"), ({"max_command_chars": 10**6}, "max_command_chars"),
+     ({"families": ["nope"]}, "families"), ({"families": []}, "families"),
      ({"held_out_families": ["nope"]}, "held_out_families"),
      ({"families": ["create_file"], "held_out_families": ["create_file"]}, "held_out_families"),
      ({"families": ["create_file"], "held_out_families": ["line_count"]}, "held_out_families"),

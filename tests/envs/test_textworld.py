@@ -208,7 +208,8 @@ def test_parser_error_text(cache):
 @pytest.mark.parametrize(
     ("action", "harness"),
     [("", HARNESS_MALFORMED), ("   ", HARNESS_MALFORMED), ("look\ninventory", HARNESS_MALFORMED),
-     ("x" * 199, HARNESS_MALFORMED), ("look\rinventory", HARNESS_MALFORMED), ("look\x00", HARNESS_MALFORMED), ("go north. go south", HARNESS_CHAINED), ("look, inventory", HARNESS_CHAINED),
+     ("x" * 199, HARNESS_MALFORMED), ("look\rinventory", HARNESS_MALFORMED), ("look\x00", HARNESS_MALFORMED),
+     ("go north. go south", HARNESS_CHAINED), ("look, inventory", HARNESS_CHAINED),
      ("look then inventory", HARNESS_CHAINED), ("look; inventory", HARNESS_CHAINED),
      ("quit", "'quit' is a game-system command"), ("RESTART", "'restart' is a game-system command"),
      ("undo", "'undo'"), ("save", "'save'"), ("restore", "'restore'"), ("verbose", "'verbose'"),

@@ -8,12 +8,20 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cope.envs.base import Env, Task
 from cope.envs.webshop.catalog import INSTRUCTIONS_FILE, PRODUCTS_FILE, generate, price_upper_for, write
 from cope.envs.webshop.env import (
-    BUY, HARNESS_EMPTY_SEARCH, HARNESS_MALFORMED, HARNESS_NO_SEARCH, HARNESS_TIMEOUT, NEXT, PREV, SEP,
-    WebShopEnv, parse_action, search_keywords,
+    BUY,
+    HARNESS_EMPTY_SEARCH,
+    HARNESS_MALFORMED,
+    HARNESS_NO_SEARCH,
+    HARNESS_TIMEOUT,
+    NEXT,
+    PREV,
+    SEP,
+    WebShopEnv,
+    parse_action,
+    search_keywords,
 )
 from cope.envs.webshop.reward import purchase_reward, type_reward
 from cope.envs.webshop.search import BM25, DEFAULT_CATALOG_DIR, load_catalog, tokenize
@@ -88,7 +96,7 @@ def test_vocabulary_has_no_substring_clashes():
     """Exact attribute matching plus the text fallback equals exact matching within a product type, and every
     option value is one unambiguous clickable."""
     for category, types in TYPES.items():
-        for name, nouns, path, attrs, options, _ in types:
+        for name, _nouns, _path, attrs, options, _ in types:
             texts = [name, *BRANDS[category]]
             for a in attrs:
                 assert not [b for b in attrs if b != a and a in b] and not [t for t in texts if a in t.lower()], a

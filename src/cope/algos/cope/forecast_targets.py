@@ -19,8 +19,8 @@ from collections import defaultdict
 import torch
 from lightning.pytorch import Callback
 
-from cope.episode import Episode
 from cope.algos.cope.targets import LAYOUTS, build_chunks, check_chunk_args
+from cope.episode import Episode
 
 # Raw counts summed over the minibatches of an epoch; the logged means are derived from them.
 _SUMS = ("forecast/targets", "forecast/episodes", "forecast/supervised_actions", "forecast/supervisions",

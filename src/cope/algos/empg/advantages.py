@@ -120,7 +120,7 @@ def apply_empg(
     """
     tables = [_step_table(mb) for mb in minibatches]
     ents, advs, nexts, has_nexts, slot_idx = [], [], [], [], []
-    for key, present, ent, adv, cnt, s in tables:
+    for _key, present, ent, adv, cnt, s in tables:
         idx = present.nonzero().squeeze(-1)  # (M_b,) present slots, row-major so steps are ordered
         mean_ent = ent / cnt.clamp(min=1)  # (N*S,)
         nxt = idx + 1  # (M_b,) slot of step t+1 in the same row
