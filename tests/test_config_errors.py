@@ -122,6 +122,8 @@ def test_wrong_type_names_key(run_train, tmp_path, monkeypatch, overrides, key, 
     ("algo.objectives.kl.weight=-0.5", "algo.objectives.kl", "-0.5", "weight must be >= 0"),
     ("data.max_live_episodes=0", "data.max_live_episodes", "0", "null (all at once) or >= 1"),
     ("data.max_context=100000", "data.max_context", "100000", "exceeds the model's 2048 positions (model.max_context)"),
+    # without a reload every epoch the module would train on the first epoch's (already scored) rollouts again
+    ("trainer.reload_dataloaders_every_n_epochs=0", "trainer.reload_dataloaders_every_n_epochs", "0", "fresh on-policy"),
 ])
 def test_bad_range_names_key(run_train, tmp_path, monkeypatch, override, key, value, rule):
     msg = _fails_fast(lambda: run_train([override], tmp_path), tmp_path, monkeypatch)

@@ -57,7 +57,7 @@ RANGES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "check_val_every_n_epoch": (lambda v: v >= 1, ">= 1 or null"),
         "log_every_n_steps": (lambda v: v >= 1, ">= 1"),
         "accumulate_grad_batches": (lambda v: v >= 1, ">= 1"),
-        "reload_dataloaders_every_n_epochs": (lambda v: v >= 0, ">= 0"),
+        "reload_dataloaders_every_n_epochs": (lambda v: v == 1, "1 (every epoch collects fresh on-policy rollouts)"),
         "num_sanity_val_steps": (lambda v: v >= -1, ">= -1"),
         "gradient_clip_val": (lambda v: v >= 0, ">= 0 or null"),
     },
