@@ -11,7 +11,6 @@ import importlib.util
 
 import pytest
 import torch
-
 from tiny_fixtures import lora_config, save_tiny, tiny_policy
 
 pytestmark = pytest.mark.gpu
