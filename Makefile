@@ -1,4 +1,4 @@
-# The two commands: `make train` (default CPU demo) and `make test` (the suite).
+# The two commands: `make train` (default CPU demo) and `make test` (the suite; `make test-fast` for a quick tier).
 # Both create the virtual environment when missing and install everything pinned in pyproject.toml.
 PY ?= python3
 VENV ?= .venv
@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install system-deps train test test-all lint bench bench-envs appworld-venv clean
+.PHONY: install system-deps train test test-fast test-all lint bench bench-envs appworld-venv clean
 
 system-deps:
 	bash scripts/system_deps.sh
@@ -36,6 +36,10 @@ test: system-deps $(STAMP) appworld-venv
 # ruff (pinned in the dev extra; rules in pyproject.toml [tool.ruff]); CI runs it before the tests
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# the contributor's fast tier, about a minute: the default suite without the tests marked `long`
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not gpu and not long" $(ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "" $(ARGS)

@@ -36,6 +36,7 @@ EPISODES = 2 * 2 * 4  # epochs * tasks_per_epoch * group_size (debug=fast)
 PARAMS = list(CASES)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("case", PARAMS)
 def test_algo_trains_and_logs(case, run_train, read_metrics, tmp_path):
     overrides, keys = CASES[case]

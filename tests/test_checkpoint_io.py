@@ -33,6 +33,7 @@ def test_save_and_load_roundtrip(tmp_path):
     assert [p.name for p in (tmp_path / "c").iterdir()] == ["last.ckpt"]  # no temp file left
 
 
+@pytest.mark.long
 def test_sigkill_during_write_keeps_previous_checkpoint(tmp_path):
     """A process killed while writing a new checkpoint (data on disk, not yet renamed) leaves the old one."""
     target = tmp_path / "last.ckpt"
@@ -139,6 +140,7 @@ def test_ckpt_path_values(tmp_path):
         resolve_ckpt_path("last", ckdir)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("args, expect", [
     (["ckpt_path=last"], "ckpt_path=last: there is no checkpoint at"),
     (["ckpt_path=DAMAGED"], "is empty (0 bytes)"),

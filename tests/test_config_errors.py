@@ -27,6 +27,7 @@ def _run(train_script, tmp_path, args):
     return proc, report
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("override, key", [
     ("trainer.max_epoch=3", "trainer.max_epoch"),
     ("data.group_sise=4", "data.group_sise"),
@@ -37,6 +38,7 @@ def test_mistyped_key(train_script, tmp_path, override, key):
     assert "not in struct" in proc.stderr, report
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("override, group, option", [("algo=nope", "algo", "nope"), ("env=nope", "env", "nope")])
 def test_unknown_group_option(train_script, tmp_path, override, group, option):
     proc, report = _run(train_script, tmp_path, ["debug=fast", override])
@@ -65,6 +67,7 @@ def test_bad_value(run_train, tmp_path, monkeypatch, override, key, value):
     assert not (cache / "tiny").exists(), "the tiny model was built before the config error surfaced"
 
 
+@pytest.mark.long
 def test_missing_model_path(train_script, tmp_path):
     # no debug=fast here: it sets tiny-model sizes (model.hidden_size, ...) that a pretrained model does not take
     proc, report = _run(train_script, tmp_path, ["model=qwen2.5-7b", "model.path=/nonexistent/dir"])
@@ -142,6 +145,7 @@ def test_max_context_beyond_pretrained_positions(tmp_path, monkeypatch):
     assert "data.max_context = 1024" in msg and "512 positions" in msg and str(model_dir / "config.json") in msg, msg
 
 
+@pytest.mark.long
 def test_entry_point_names_key(train_script, tmp_path):
     """Through `python train.py`: the key and the type, not Lightning's bare AssertionError."""
     proc, report = _run(train_script, tmp_path, ["debug=fast", "trainer.max_epochs=two"])
@@ -210,6 +214,7 @@ SHIPPED = (
 )
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("overrides", SHIPPED, ids=lambda o: " ".join(o) or "defaults")
 def test_shipped_configs_validate(tmp_path, caplog, overrides):
     from cope.config_check import check_config

@@ -8,6 +8,7 @@ import pytest
 RANKS, EPOCHS, TASKS, GROUP = 2, 2, 2, 4  # debug=fast: max_epochs, tasks_per_epoch, group_size
 
 
+@pytest.mark.long
 @pytest.mark.ddp
 def test_ddp_two_cpu_ranks(train_script, read_metrics, tmp_path):
     run_dir = tmp_path / "run"

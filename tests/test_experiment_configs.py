@@ -12,6 +12,7 @@ EXTRA = {"tau2": ["env.user_model=some-user-model"],  # the preset's user model 
          "alfworld": ["env.source=generated"]}  # the official games are a download
 
 
+@pytest.mark.long  # builds each real env (tau2 domain load, ScienceWorld JVM, ...)
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_composes_and_builds(name, cope_cache, tmp_path):
     from hydra import compose, initialize_config_dir

@@ -61,6 +61,7 @@ def _run(actor, max_steps: list[int]):
     return eps
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("max_steps", [[6, 6, 6], [8, 3, 5, 4]], ids=["lockstep", "rows-drop-out"])
 def test_cached_greedy_equals_full_context_reference(model, max_steps):
     tok, chat = tiny_tokenizer(), tiny_chat()

@@ -49,6 +49,7 @@ def test_module_imports(name):
     assert mod.__file__ and Path(mod.__file__).resolve().is_relative_to(REPO), (name, mod.__file__)
 
 
+@pytest.mark.long
 def test_core_deps_only():
     """All modules import in a fresh interpreter where the optional extras (wandb, bitsandbytes) are blocked."""
     code = f"""

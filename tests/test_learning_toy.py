@@ -10,6 +10,7 @@ model; with the default 0.02 the tied embeddings keep a random model near-unifor
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -61,6 +62,7 @@ def _policy() -> Policy:
     return Policy(model=model, tokenizer=hf, chat=ChatFormat.chatml(hf), source="random")
 
 
+@pytest.mark.long
 def test_grpo_raises_success_on_toy_env(tmp_path):
     policy = _policy()
     dm = RolloutDataModule(env=NorthEnv, tasks_per_epoch=8, group_size=8, minibatch_size=64, max_context=64,

@@ -29,6 +29,7 @@ def test_every_pretrained_preset_is_covered():
     assert {"qwen2.5-7b", "qwen2.5-14b"} <= set(MODEL_CONFIGS)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("preset", MODEL_CONFIGS)
 def test_preset_trains_exports_and_reloads(train_script, tmp_path, tiny_folder, preset):
     from peft import PeftModel

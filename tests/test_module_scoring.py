@@ -44,6 +44,7 @@ def _module(policy, kl_weight: float) -> AgentRLModule:
                          optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
 
 
+@pytest.mark.long
 def test_first_update_has_ratio_one_and_zero_kl_then_kl_grows(policy, episodes):
     module = _module(policy, 0.1)
     assert module.needs_ref

@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 
 from cope.module import AgentRLModule
 
+pytestmark = pytest.mark.long  # three training runs (module fixtures)
+
 PER_EPOCH = 2 * 4  # debug=fast: tasks_per_epoch * group_size
 ALGO = "algo=echo"
 

@@ -15,6 +15,7 @@ from collections import namedtuple
 import pytest
 
 
+@pytest.mark.long
 def test_failed_export_names_folder_and_keeps_summary(run_train, tmp_path, monkeypatch, capsys):
     import peft
 
@@ -30,6 +31,7 @@ def test_failed_export_names_folder_and_keeps_summary(run_train, tmp_path, monke
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()  # the epoch's checkpoint was written before
 
 
+@pytest.mark.long
 def test_low_disk_space_warns_with_estimate(run_train, tmp_path, monkeypatch, caplog):
     import cope.checkpoint_io as cio
 
@@ -41,6 +43,7 @@ def test_low_disk_space_warns_with_estimate(run_train, tmp_path, monkeypatch, ca
     assert msgs and "MiB" in msgs[0] and str(tmp_path) in msgs[0], caplog.text
 
 
+@pytest.mark.long
 def test_summary_names_the_validation_epoch(run_train, tmp_path, capsys):
     result = run_train(["trainer.max_epochs=3", "trainer.check_val_every_n_epoch=2"], tmp_path)
     assert result["val/epoch"] == 1.0  # validated after epoch index 1, not after the last (2)

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.long  # one train.py run shared by the module
+
 EPOCHS, TASKS, GROUP = 2, 2, 4  # conf/debug/fast.yaml: trainer.max_epochs, data.tasks_per_epoch, data.group_size
 METRIC_KEYS = [
     "rollout/success", "rollout/reward", "rollout/len", "rollout/invalid_rate", "rollout/zero_signal_groups",

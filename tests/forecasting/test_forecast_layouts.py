@@ -56,6 +56,7 @@ def reference_loss(model, eps, chunks, normalize):
     return torch.stack(per).mean()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("attn,normalize,chat", [("sdpa", "none", CHAT), ("eager", "per_step", CHAT), ("sdpa", "none", NO_JOINER)])
 def test_packed_and_plain_give_the_same_loss_and_gradients(attn, normalize, chat):
     model, eps = tiny_model(attn), episodes(chat)
