@@ -37,9 +37,10 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=os.environ.get("COPE_CACHE", str(Path.home() / ".cache/cope-trainer")))
     args = ap.parse_args()
 
-    from cope.envs.base import Task
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
+
+    from cope.envs.base import Task
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3", job_name="bench"):
         cfg = compose(config_name="config", overrides=["debug=fast", f"env={args.env}", "paths.output_dir=/tmp/cope-bench",

@@ -87,9 +87,8 @@ def _malloc_trim() -> None:
 
 def collect(dm, policy, n: int, min_success: int, max_batches: int, seed: int):
     """``n`` episodes from the current policy, with at least ``min_success`` successes if possible."""
-    from cope.envs.base import Task
-
     from cope.advantages import group_advantages
+    from cope.envs.base import Task
 
     rng, succ, fail, G = random.Random(seed), [], [], dm.group_size
     for b in range(max_batches):

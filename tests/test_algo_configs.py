@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 # every episode a target source, and invalid actions kept as targets (the cold-start actions are all invalid)

@@ -16,8 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cope.checkpoint_io import (AtomicCheckpointIO, CheckpointReadError, CheckpointWriteError, atomic_write_bytes,
-                                estimate_output_bytes, read_checkpoint)
+from cope.checkpoint_io import (
+    AtomicCheckpointIO,
+    CheckpointReadError,
+    CheckpointWriteError,
+    estimate_output_bytes,
+    read_checkpoint,
+)
 from cope.run import resolve_ckpt_path
 
 

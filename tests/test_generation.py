@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_fixtures import maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 
 from cope.envs.maze import MazeEnv
 from cope.generation import CachedSamplingActor, sample_next
 from cope.rollout import run_episodes
-from tiny_fixtures import maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 
 MAX_ACTION = 6
 MAX_CONTEXT = 1024

@@ -16,10 +16,10 @@ from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from cope.algos.grpo import PolicyGradient
 from cope.chat import CHATML_TEMPLATE, ChatFormat
 from cope.datamodule import RolloutDataModule
 from cope.envs.base import EnvReset, EnvStep, Task
-from cope.algos.grpo import PolicyGradient
 from cope.module import AgentRLModule
 from cope.policy import Policy
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_fixtures import save_tiny
 
 MODEL_CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "model").glob("*.yaml")

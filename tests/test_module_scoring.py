@@ -9,14 +9,14 @@ import warnings
 
 import pytest
 import torch
+from tiny_fixtures import maze_factory, maze_tasks, tiny_policy
 
+from cope.algos.grpo import KLPenalty, PolicyGradient
 from cope.batch import collate
 from cope.generation import CachedSamplingActor
-from cope.algos.grpo import KLPenalty, PolicyGradient
 from cope.module import AgentRLModule, token_logprobs
 from cope.objectives import combine
 from cope.rollout import run_episodes
-from tiny_fixtures import maze_factory, maze_tasks, tiny_policy
 
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
 

@@ -6,10 +6,10 @@ import importlib.util
 
 import pytest
 import torch
+from tiny_fixtures import lora_config, save_tiny, tiny_chat
 
 from cope.generation import CachedSamplingActor
 from cope.policy import load_pretrained
-from tiny_fixtures import lora_config, save_tiny, tiny_chat
 
 R = 4
 IDS = torch.tensor([[1, 290, 201, 30, 31, 2, 201, 1, 295, 201, 268, 2], [1, 294, 201, 40, 41, 42, 2, 201, 1, 295, 201, 263]])

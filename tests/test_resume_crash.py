@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import TRAIN_PY
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 
 from cope.advantages import group_advantages
 from cope.batch import collate
@@ -13,7 +14,6 @@ from cope.episode import EndReason, Role
 from cope.generation import CachedSamplingActor
 from cope.rollout import run_episodes
 from cope.rollout_metrics import episode_metrics
-from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 
 MAX_CONTEXT = 1024
 MAX_ACTION = 6

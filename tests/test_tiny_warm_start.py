@@ -3,10 +3,10 @@ envs without admissible actions (their example actions stand in)."""
 from __future__ import annotations
 
 import pytest
+from tiny_fixtures import maze_factory, tiny_chat, tiny_tokenizer
 
 from cope.envs.maze import MazeEnv
 from cope.tiny import _random_walks, _WithExamples
-from tiny_fixtures import maze_factory, tiny_chat, tiny_tokenizer
 
 
 def test_warm_start_tasks_limits_the_walked_tasks():

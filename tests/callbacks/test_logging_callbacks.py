@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from cope.callbacks.adapter_export import AdapterExport
 from cope.callbacks.sample_efficiency import SampleEfficiency
 from cope.callbacks.throughput import Throughput, count_tokens
 from cope.callbacks.trajectory_table import COLUMNS, TrajectoryTable, pick_episodes
 from cope.envs.base import Task
-
 from cope.episode import Episode, Role, Step
 from cope.records import EpochRecord, ValidationRecord
 from cope.rollout import RolloutStats
@@ -148,6 +148,7 @@ def test_trajectory_rejects_bad_args(kw):
         TrajectoryTable(**kw)
 
 
+@pytest.mark.long
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb not installed")
 def test_trajectory_table_to_offline_wandb(tok, tmp_path, monkeypatch):
     from lightning.pytorch.loggers import WandbLogger

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cope.callbacks.probes import HeldOutProbes
 from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 
 from cope.algos.cope.targets import build_chunks
+from cope.callbacks.probes import HeldOutProbes
 from cope.episode import Role
 from cope.rollout import run_episodes
 
@@ -58,6 +58,7 @@ def obs_nll(model, eps):
     return tot / n
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("batch_size", [16, 2])
 def test_probe_metrics(setup, batch_size):
     model, eps, chat, pad = setup.policy.model, setup.eps, setup.chat, setup.tok.pad_token_id

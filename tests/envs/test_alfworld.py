@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cope.envs.alfworld.env import (
     HARNESS_MALFORMED,
     HARNESS_TIMEOUT,
@@ -28,6 +29,8 @@ from cope.envs.base import Env, Task
 needs_alfworld = pytest.mark.skipif(importlib.util.find_spec("alfworld") is None,
                                     reason="needs the alfworld extra (alfworld==0.4.2)")
 from alfworld_fixtures import GEN, alfworld_data, cache  # noqa: E402,F401 - fixtures used by name
+
+pytestmark = pytest.mark.long  # real env engines: seconds to a minute per test (make test-fast leaves them out)
 
 
 @pytest.fixture(scope="module")

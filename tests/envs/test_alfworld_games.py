@@ -10,12 +10,15 @@ import re
 from pathlib import Path
 
 import pytest
+
 from cope.envs.alfworld.env import NOTHING_HAPPENS, AlfWorldEnv
 from cope.envs.alfworld.scenes import TASK_TYPES
 from cope.envs.base import Task
 
 pytest.importorskip("alfworld", reason="needs the alfworld extra (alfworld==0.4.2)")
 from alfworld_fixtures import GEN, alfworld_data, cache  # noqa: E402,F401 - fixtures used by name
+
+pytestmark = pytest.mark.long  # real env engines: seconds to a minute per test (make test-fast leaves them out)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cope.envs.appworld import AppWorldEnv, RemoteAppWorldEnv, strip_code
 from cope.envs.base import Env, Task
+
+pytestmark = pytest.mark.long  # real env engines: seconds to a minute per test (make test-fast leaves them out)
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_PYTHON = REPO / ".venv-appworld" / "bin" / "python"

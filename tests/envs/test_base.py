@@ -3,6 +3,7 @@ and the step budget, on a toy env and on the cheap real ones (maze, webshop)."""
 from __future__ import annotations
 
 import pytest
+
 from cope.envs.base import Env, EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.maze import MazeEnv
 from cope.envs.webshop.env import WebShopEnv

@@ -13,9 +13,12 @@ import signal
 import time
 
 import pytest
+
 from cope.envs.base import Task
 from cope.envs.runtime.batch import InProcessEnvs
 from cope.envs.runtime.pool import EnvWorkerPool
+
+pytestmark = pytest.mark.long  # real env engines: seconds to a minute per test (make test-fast leaves them out)
 
 
 def _factory(name: str, tmp_path):

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+
 from cope.envs.base import Task
 from cope.envs.maze import MazeEnv
 from cope.envs.runtime.batch import InProcessEnvs
@@ -145,6 +146,7 @@ def test_engine_accounts_for_a_crashed_episode():
         pool.close()
 
 
+@pytest.mark.long
 def test_training_survives_crashes_and_hangs(run_train, read_metrics, tmp_path):
     """A run whose env crashes and hangs at random steps keeps training with the full episode count;
     env/restarts, env/timeouts and env/aborted_episodes are logged."""

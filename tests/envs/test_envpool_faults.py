@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from cope.envs.base import Task
 from cope.envs.maze import MazeEnv
 from cope.envs.runtime.chaos import GARBAGE, KINDS, ChaosEnv
@@ -94,6 +95,7 @@ def test_worker_killed_while_idle_loses_nothing():
         pool.close()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("point", ["make", "reset", "step"])
 def test_fault_at_each_protocol_point(tmp_path, point, kind):
@@ -135,6 +137,7 @@ def test_fault_at_each_protocol_point(tmp_path, point, kind):
         pool.close()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind", KINDS)
 def test_fault_while_closing(tmp_path, kind):
     """A worker whose env crashes, hangs, raises, closes the pipe or answers garbage while the pool
@@ -197,6 +200,7 @@ _WRONG_ID = struct.pack("!Q", len(_WRONG_ID)) + _WRONG_ID  # well formed, but an
 
 @pytest.mark.parametrize("garbage", [*GARBAGE, _TRUNCATED, _WRONG_ID],
                          ids=["not-a-pickle", "wrong-shape", "huge-length", "truncated", "wrong-request-id"])
+@pytest.mark.long
 def test_every_garbled_reply_is_a_worker_failure(garbage, monkeypatch):
     """Each way a reply can be garbled is one counted restart (a truncated frame is a timeout: the
     parent reads against the request's deadline, never blocking past it) and fails only the

@@ -12,6 +12,8 @@ import random
 import signal
 import threading
 
+import pytest
+
 from cope.envs.base import Task
 from cope.envs.maze import MazeEnv
 from cope.envs.runtime.chaos import ChaosEnv
@@ -65,6 +67,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.long
 def test_workers_killed_from_outside_at_random_moments():
     """A thread SIGKILLs a random worker every 15-150 ms while rounds of episodes run (between
     requests, mid-step, while slots are made, during the replays that follow a kill). Every kill is
@@ -109,6 +112,7 @@ def test_workers_killed_from_outside_at_random_moments():
         pool.close()
 
 
+@pytest.mark.long
 def test_random_faults_at_every_point_match_the_fault_log(tmp_path):
     """Chaos at every protocol point (construction, reset, step, close) of every kind (crash, hang,
     error, closed pipe, garbage reply), at random: what the pool and the engine count equals what

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from cope.envs.base import Env, Task
 from cope.envs.maze import DIRECTIONS, HARNESS_INVALID, SUCCESS_TEXT, MazeEnv, MazeLayout, parse_action
 

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from cope.envs.terminal.sandbox import SANDBOX_UID, Sandbox, _count_processes, unavailable_reason
 from cope.envs.terminal.workdir import Snapshot, pack
 
@@ -94,6 +95,7 @@ def test_writes_outside_the_work_dir_do_not_reach_the_host(sandbox, state, tmp_p
     assert Snapshot(res.state).text("inside.txt") == "fine\n"  # the work dir itself is writable
 
 
+@pytest.mark.long
 def test_fork_bomb_is_bounded(sandbox, state):
     peak = [0]
     stop = threading.Event()
@@ -140,6 +142,7 @@ def test_disk_is_capped(sandbox, state):
     assert shutil.disk_usage("/tmp").free > free - (64 << 20)  # nothing landed on the host's disk
 
 
+@pytest.mark.long
 def test_sleep_forever_times_out(sandbox, state):
     t0 = time.perf_counter()
     res = sandbox.run("echo start > started.txt; trap '' TERM INT HUP; sleep 1000", state)

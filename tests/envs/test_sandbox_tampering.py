@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from cope.envs.terminal.sandbox import Sandbox, unavailable_reason, unpassable
 from cope.envs.terminal.sandbox_guard import DEBUGGERS, seccomp_filter
 from cope.envs.terminal.workdir import Snapshot, add_files, check_archive, pack
@@ -54,6 +55,7 @@ def sandbox() -> Sandbox:
 
 # ---- hostile archives (no sandbox needed) -----------------------------------------------------------------
 
+@pytest.mark.long
 def test_crafted_negative_size_tar_is_refused_at_once():
     data = crafted_tar()
     code = "import io, sys, tarfile; tarfile.open(fileobj=io.BytesIO(sys.stdin.buffer.read())).getmembers()"

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from cope.envs.base import Env, Task
 from cope.envs.scienceworld.tasks import (
     TASK_NAMES,
@@ -23,6 +24,8 @@ from cope.envs.scienceworld.tasks import (
     split_variations,
 )
 from cope.envs.scienceworld.text import is_no_effect, is_parse_failure, parse_menu
+
+pytestmark = pytest.mark.long  # real env engines: seconds to a minute per test (make test-fast leaves them out)
 
 HAVE_SW = importlib.util.find_spec("scienceworld") is not None
 needs_sw = pytest.mark.skipif(not HAVE_SW, reason="needs the scienceworld package: pip install 'cope-trainer[scienceworld]'")

@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+
 from cope.envs.base import Env, Task
 from cope.envs.tau2.format import Action, example_call, parse_action
+
+pytestmark = pytest.mark.long  # real env engines: seconds to a minute per test (make test-fast leaves them out)
 
 _SPEC = importlib.util.find_spec("tau2")
 HAS_TAU2 = _SPEC is not None and (Path(_SPEC.origin).parent / "registry.py").exists()

@@ -8,6 +8,7 @@ import sys
 import tarfile
 
 import pytest
+
 from cope.envs.base import Env, Task
 from cope.envs.terminal.env import (
     HARNESS_EMPTY,
@@ -168,6 +169,7 @@ def test_imports_without_torch():
 
 # ---- episodes in the sandbox ----------------------------------------------------------------------------
 
+@pytest.mark.long
 @needs_sandbox
 @pytest.mark.parametrize("k", range(len(FAMILIES)))
 def test_reference_solution_solves_and_bare_submit_fails(k):
@@ -311,6 +313,7 @@ def test_git_families_skip_cleanly_without_git(monkeypatch):
     assert active and not any(f.startswith("git_") for f in active) and "python_sum" in active
 
 
+@pytest.mark.long
 @needs_sandbox
 def test_e2e_one_epoch(run_train, tmp_path):
     result = run_train(["env=terminal", "model.max_context=2048", "data.max_context=2048", "model.tokenizer_episodes=4",

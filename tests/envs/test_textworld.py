@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cope.envs.base import Env, Task
 from cope.envs.textworld.env import (
     HARNESS_CHAINED,
@@ -43,7 +44,7 @@ SMALL = {
 }
 # TextWorld asks Jericho for its own valid actions too (Jericho declines for TextWorld games, with a warning
 # that TextWorld silences at import and pytest turns back on).
-pytestmark = pytest.mark.filterwarnings("ignore:Unable to find valid actions")
+pytestmark = [pytest.mark.filterwarnings("ignore:Unable to find valid actions"), pytest.mark.long]
 BANNER_CHARS = re.compile(r"\$\$|\\\$|__")
 
 

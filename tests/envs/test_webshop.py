@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from cope.envs.base import Env, Task
 from cope.envs.webshop.catalog import INSTRUCTIONS_FILE, PRODUCTS_FILE, generate, price_upper_for, write
 from cope.envs.webshop.env import (
@@ -408,6 +409,7 @@ def test_imports_without_torch():
     assert result.stdout.strip() == "ok"
 
 
+@pytest.mark.long
 def test_one_epoch_of_training(run_train, tmp_path):
     result = run_train(
         ["env=webshop", "model.max_context=2048", "data.max_context=2048", "model.tokenizer_episodes=4",

@@ -11,7 +11,8 @@ from cope.episode import Episode, Role, Step
 
 CHAT = ChatFormat(system_open=(1,), user_open=(2,), assistant_open=(3,), turn_end=(4,), newline=(5,))
 NO_JOINER = ChatFormat(system_open=(1,), user_open=(2,), assistant_open=(), turn_end=(4,), newline=())  # empty joiner when closed
-CFG = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+CFG = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=64)
 PAD = 0
 
 

@@ -6,16 +6,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-
-from cope.batch import collate
-from cope.algos.cope.forecast_targets import ForecastTargets
-from cope.algos.cope.loss_balance import LossBalance
-from cope.episode import Role
-from cope.algos.cope.targets import build_chunks, pack_forecasts, plain_forecasts
-from cope.algos.cope.loss import AdaptiveScale, ForecastLoss, forecast_nll
-from cope.objectives import ForwardOut
-
 from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E402
+
+from cope.algos.cope.forecast_targets import ForecastTargets
+from cope.algos.cope.loss import AdaptiveScale, ForecastLoss, forecast_nll
+from cope.algos.cope.loss_balance import LossBalance
+from cope.algos.cope.targets import build_chunks, pack_forecasts, plain_forecasts
+from cope.batch import collate
+from cope.episode import Role
+from cope.objectives import ForwardOut
 
 
 def episodes(chat=CHAT):
@@ -48,7 +47,8 @@ def reference_loss(model, eps, chunks, normalize):
     per = []
     for c in chunks:
         seq = torch.tensor([eps[c.episode].tokens[: c.anchor] + c.tokens])  # (1, L)
-        lp = token_logprobs(model, {"input_ids": seq, "attention_mask": torch.ones_like(seq), "position_ids": torch.arange(seq.shape[1])[None]})
+        lp = token_logprobs(model, {"input_ids": seq, "attention_mask": torch.ones_like(seq),
+                                    "position_ids": torch.arange(seq.shape[1])[None]})
         tgt = torch.tensor(c.target)
         if tgt.any():
             nll = -lp[0, c.anchor :][tgt].mean()

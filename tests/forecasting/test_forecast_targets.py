@@ -3,10 +3,10 @@ import random
 
 import pytest
 
+from cope.algos.cope.targets import build_chunks
 from cope.chat import ChatFormat
 from cope.envs.base import Task
 from cope.episode import EndReason, Episode, Role, Step
-from cope.algos.cope.targets import build_chunks
 
 # Scaffold ids 1..5, prompt text 10..11, actions 20..29 (step j: 20+2j, 21+2j), observations 40..49, harness 50.
 CHAT = ChatFormat(system_open=(1,), user_open=(2,), assistant_open=(3,), turn_end=(4,), newline=(5,))

@@ -8,13 +8,12 @@ import copy
 import pytest
 import torch
 import transformers
-
-from cope.batch import collate
-from cope.algos.cope.targets import build_chunks, pack_forecasts
-from cope.algos.cope.loss import forecast_nll
-from cope.module import token_logprobs
-
 from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E402
+
+from cope.algos.cope.loss import forecast_nll
+from cope.algos.cope.targets import build_chunks, pack_forecasts
+from cope.batch import collate
+from cope.module import token_logprobs
 
 K, BAD = 3, 1  # step 1 is the invalid action
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from cope.episode import Role
 from cope.algos.echo import ObservationLoss, observation_nll
+from cope.episode import Role
 from cope.objectives import ForwardOut, combine
 
 P, A, O, H, X = int(Role.PROMPT), int(Role.ACTION), int(Role.OBSERVATION), int(Role.HARNESS), int(Role.PAD)
