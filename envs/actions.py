@@ -56,3 +56,45 @@ def single_line(text: str, **kw) -> str | None:
     for envs whose actions are one command)."""
     s = clean_action(text, **kw)
     return s if s and "\n" not in s else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Action projection (``env.action_parsing=project``): a real instruct model answers in prose at first
+# ("The goal is 3 south, ..."), which strict parsing refuses, so every reward is 0 and GRPO has no
+# signal. Projection extracts the env's action from free text, the way verl-agent's per-env
+# projection functions do, and the env flags the step (``info["projected"]``) so it is counted
+# (``rollout/projected_actions``) and consumers that want strictly formatted actions can skip it.
+# The training tokens stay the policy's own samples; only the env's reading of them changes.
+
+ACTION_PARSING = ("strict", "project")
+
+
+def check_action_parsing(mode: str) -> str:
+    if mode not in ACTION_PARSING:
+        raise ValueError(f"action_parsing must be one of {ACTION_PARSING}, got {mode!r}")
+    return mode
+
+
+def first_word(text: str, words) -> str | None:
+    """The first of ``words`` (single words, matched whole and case-insensitively) in ``text``,
+    lower-cased, or None. ``first_word("Here it is: North, South,", DIRS) == "north"``."""
+    pattern = r"\b(" + "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)) + r")\b"
+    m = re.search(pattern, text, re.IGNORECASE)
+    return m.group(1).lower() if m else None
+
+
+def match_admissible(text: str, admissible) -> str | None:
+    """The admissible action that occurs first in ``text`` (whole words, case and runs of spaces
+    ignored; the longest one when several start at the same place), returned as the env spells
+    it, or None. For envs that list their admissible actions: ``match_admissible("I will open the
+    fridge now", ["open fridge", "open the fridge"]) == "open the fridge"``."""
+    hay = _SPACES.sub(" ", text.lower())
+    best: tuple[int, int, str] | None = None
+    for a in admissible or []:
+        needle = _SPACES.sub(" ", a.strip().lower())
+        if not needle:
+            continue
+        m = re.search(r"(?<!\w)" + re.escape(needle) + r"(?!\w)", hay)
+        if m and (best is None or (m.start(), -len(needle)) < (best[0], best[1])):
+            best = (m.start(), -len(needle), a)
+    return best[2] if best else None

@@ -29,6 +29,13 @@ surrounding whitespace, surrounding quotes or backticks, a trailing period, lett
 ``go ``. A parsable move into a wall or off the grid is invalid; the agent stays and the world answers
 (``Wall. ...``). Anything else is malformed: invalid, empty observation, and a harness warning (adapter
 text, never an ECHO target). Every action counts towards ``max_steps``; reaching the goal pays 1.0.
+
+``action_parsing="project"`` (off by default; for real instruct models that answer in prose at first,
+see docs/models.md): an action that strict parsing refuses is read as the first direction word in it
+(``"The goal is 3 south, ..."`` -> south, ``"Here it is: North, South,"`` -> north; case-insensitive,
+whole words). The move is then made like a strict one (a wall is still a wall), the step carries
+``info["projected"] = True`` and a harness note says how the answer was read. Text with no direction
+word stays malformed.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cope.envs.actions import check_action_parsing, first_word
 from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 
 DIRECTIONS: dict[str, tuple[int, int]] = {"north": (-1, 0), "south": (1, 0), "east": (0, 1), "west": (0, -1)}
@@ -47,6 +55,7 @@ INSTRUCTIONS = (
 )
 HARNESS_INVALID = "Invalid action. Answer with one of: north, south, east, west."
 SUCCESS_TEXT = "You reached the goal."
+HARNESS_PROJECTED = "Read as: {move}. Answer with one word."
 _ACTION_RE = re.compile(r"""["'`]*(?:go\s+)?(north|south|east|west)\.?["'`]*\.?""", re.IGNORECASE)
 _MAX_ATTEMPTS = 1000
 
@@ -57,6 +66,11 @@ def parse_action(action: str) -> str | None:
     """Returns the direction named by ``action``, or None when it is malformed."""
     match = _ACTION_RE.fullmatch(action.strip())
     return match.group(1).lower() if match else None
+
+
+def project_action(action: str) -> str | None:
+    """The first direction word in free text (``action_parsing="project"``), or None."""
+    return first_word(action, DIRECTIONS)
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,9 @@ class MazeEnv(TaskEnv):
         num_train_tasks: Number of tasks in the train split.
         num_test_tasks: Number of tasks in the test split.
         name: Env name used in task ids.
+        compass: Show ``Closer: ...`` (the open moves toward the goal).
+        action_parsing: ``strict`` (the format above only) or ``project`` (read the first direction
+            word of a refused answer; flagged in ``info["projected"]``).
     """
 
     def __init__(
@@ -113,8 +130,10 @@ class MazeEnv(TaskEnv):
         num_test_tasks: int = 1_000,
         name: str = "maze",
         compass: bool = True,
+        action_parsing: str = "strict",
     ) -> None:
         self.compass = bool(compass)
+        self.action_parsing = check_action_parsing(action_parsing)
         sizes = tuple(sizes)
         if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 2 for s in sizes):
             raise ValueError(f"sizes must be a non-empty sequence of ints >= 2, got {sizes!r}")
@@ -181,7 +200,11 @@ class MazeEnv(TaskEnv):
     def step(self, action: str) -> EnvStep:
         self._step_started()
         move = parse_action(action)
-        harness = ""
+        harness, projected = "", False
+        if move is None and self.action_parsing == "project":
+            move = project_action(action)
+            projected = move is not None
+            harness = HARNESS_PROJECTED.format(move=move) if projected else ""
         if move is None:
             valid, observation, harness = False, "", HARNESS_INVALID
         else:
@@ -202,7 +225,7 @@ class MazeEnv(TaskEnv):
             score=1.0 if success else 0.0,
             harness=harness,
             admissible_actions=self._layout.open_moves(self._pos),
-            info={"timeout": timeout},
+            info={"timeout": timeout, "projected": projected},
         )
 
     def close(self) -> None:
