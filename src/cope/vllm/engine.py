@@ -1,0 +1,259 @@
+"""``VLLMEngine``: rollouts sampled by a vLLM server, behind the same seam as the in-process engine.
+
+Only generation moves out of the process: the env runtime, :func:`cope.rollout.run_episodes` (overflow
+policy, aborts, Episode records) and everything downstream stay as with :class:`cope.engine.HFEngine`.
+The actor sends one ``/v1/completions`` request per live episode, all at once, with the transcript's ids
+as the prompt, the chat scaffold's end-of-turn id as ``stop_token_ids`` and ``logprobs=1``; the ids the
+server returns go into the transcript verbatim, their log-probs into ``Step.sampler_logprobs`` (the
+module logs the gap to its own old log-probs as ``rollout/logprob_gap``; the trainer's old log-probs
+stay the ones used in the loss, as TRL/verl do by default).
+
+Weights: the server keeps the base model (``Policy.source``) loaded; the LoRA adapter is written with
+``save_pretrained`` to a run-local folder and hot-loaded in place (``/v1/load_lora_adapter``,
+``load_inplace``) whenever the policy version changes (``sync``: after each optimizer epoch); requests
+name that adapter. :meth:`VLLMEngine.connect` checks the server before any training: it answers, its
+context is long enough, it tokenizes the scaffold like the trainer, its base log-probs match the
+trainer's on a probe, it accepts the adapter. Each failure is a one-line :class:`VLLMError`.
+
+Reproducibility: a fixed ``seed`` shared by several prompts gives them one random stream, so none is
+sent that way. Each request is a single prompt with its own seed, derived from the rollout call's seed,
+the wave, the episode slot and the turn: a rerun with the same weights and task stream asks for the same
+samples (up to batch-dependent float rounding in the server's kernels). ``seeded=false`` sends none.
+
+Faults: a request that gets no answer (refused or reset connection, timeout, HTTP 5xx) aborts its
+episode like an env crash (``env/errors``, ``env/aborted_episodes``); when the server no longer answers
+``/health`` it is restarted (managed; ``env/server_restarts`` counts them, at most ``max_restarts``) or
+waited for (attached), and the adapter is loaded again before the next turn.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+from cope.engine import EnvRuntime, HFEngine, Sampling
+from cope.envs.base import Env, Task
+from cope.episode import Episode
+from cope.rollout import RolloutStats, Sampled, run_episodes
+from cope.vllm.checks import check_server
+from cope.vllm.client import Client, Completion, ServerError
+from cope.vllm.server import AttachedServer, ManagedServer, VLLMError
+
+log = logging.getLogger(__name__)
+DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def request_seed(*parts: Any) -> int:
+    """A 31-bit seed from the parts (stable across processes and Python versions, unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little") % 2**31
+
+
+class ServerActor:
+    """The :class:`cope.rollout.Actor` of one wave: every context's next action from the server at once."""
+
+    def __init__(self, complete: Callable[[list[dict]], list], model: str, stop_ids: list[int], sampling: Sampling,
+                 seed: int | None):
+        self.complete, self.model, self.stop_ids, self.sampling, self.seed = complete, model, stop_ids, sampling, seed
+        self.turns: dict[int, int] = {}
+
+    def reset(self) -> None:
+        self.turns = {}
+
+    def fork(self) -> "ServerActor":
+        return ServerActor(self.complete, self.model, self.stop_ids, self.sampling, self.seed)  # keys differ per part
+
+    def request(self, context: list[int], key: int) -> dict:
+        s, turn = self.sampling, self.turns.get(key, 0)
+        self.turns[key] = turn + 1
+        body = {"model": self.model, "prompt": list(context), "max_tokens": s.max_action_tokens, "temperature": s.temperature,
+                "top_p": s.top_p, "n": 1, "logprobs": 1, "return_token_ids": True, "stop_token_ids": self.stop_ids,
+                "skip_special_tokens": False}
+        if self.seed is not None and s.temperature > 0:
+            body["seed"] = request_seed(self.seed, key, turn)
+        return body
+
+    def __call__(self, contexts: list[list[int]], admissible=None, keys: list[int] | None = None) -> list:
+        keys = list(range(len(contexts))) if keys is None else keys
+        out = self.complete([self.request(c, k) for c, k in zip(contexts, keys)])
+        return [Sampled(r.ids, r.logprobs) if isinstance(r, Completion) else r for r in out]
+
+
+class VLLMEngine:
+    """Rollouts from a vLLM OpenAI-compatible server (see the module doc).
+
+    Args:
+        env, runtime, max_context, instructions: as for :class:`cope.engine.HFEngine` (passed by the DataModule).
+        url: attach to this running server (``http://host:port``); None starts one (managed).
+        model: the served name of the base model on an attached server (None: the one it serves).
+        python: interpreter of the vLLM venv (None: ``$COPE_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python``).
+        workdir: run-local folder for the adapter and the server log (None: a temp folder).
+        dtype: server weights (None: the trainer's base dtype; fp32 keeps the log-prob gap ~1e-6).
+        kv_cache_gb, gpu_memory_utilization, threads, max_loras, prefix_caching, server_args, server_env:
+            managed-server settings (:class:`cope.vllm.server.ManagedServer`).
+        startup_timeout_s: deadline of a server start (or of an attached server's first answer).
+        request_timeout_s: deadline of one completion request.
+        reconnect_timeout_s: how long an attached server that stopped answering is waited for.
+        max_restarts: restarts of a managed server after failures, over the engine's life.
+        seeded: derive a seed per request from the rollout call's seed (reproducible samples).
+        check_tolerance: largest mean |log-prob gap| of the connect-time probe (None: 1e-3 for fp32, 0.1 else).
+        api_key: bearer token of an attached server.
+    """
+
+    def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None,
+                 url: str | None = None, model: str | None = None, python: str | None = None, workdir: str | None = None,
+                 dtype: str | None = None, kv_cache_gb: float = 2.0, gpu_memory_utilization: float | None = None,
+                 threads: str | None = None, max_loras: int = 1, prefix_caching: bool = True,
+                 server_args: list[str] | None = None, server_env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 600.0, request_timeout_s: float = 300.0, reconnect_timeout_s: float = 60.0,
+                 max_restarts: int = 3,
+                 seeded: bool = True, check_tolerance: float | None = None, api_key: str | None = None):
+        if min(request_timeout_s, startup_timeout_s, reconnect_timeout_s) <= 0 or max_restarts < 0 or max_loras < 1:
+            raise ValueError("data.engine: request_timeout_s, startup_timeout_s and reconnect_timeout_s must be > 0, "
+                             "max_restarts >= 0, max_loras >= 1")
+        self._envs = HFEngine(env, runtime, max_context, instructions)  # the env batch, its stats and closing
+        self.runtime, self.max_context, self.instructions = runtime, max_context, instructions
+        self.url, self.model, self.python, self.dtype, self.api_key = url, model, python, dtype, api_key
+        self.server_kw = dict(kv_cache_gb=kv_cache_gb, gpu_memory_utilization=gpu_memory_utilization, threads=threads,
+                              max_loras=max_loras, prefix_caching=prefix_caching, extra_args=server_args,
+                              extra_env=server_env, startup_timeout_s=startup_timeout_s)
+        self.startup_timeout_s, self.request_timeout_s, self.max_restarts = startup_timeout_s, request_timeout_s, max_restarts
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.seeded, self.check_tolerance = seeded, check_tolerance
+        rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="cope-vllm-"))
+        self.adapter_dir = (self.workdir / f"adapter-rank{rank}").resolve()  # ranks share an attached server
+        self.lora_name = f"cope-rank{rank}"
+        self.policy = None
+        self.server: ManagedServer | AttachedServer | None = None
+        self.client: Client | None = None
+        self.base_name: str | None = None
+        self._version: int | None = None
+        self.sync_seconds: list[float] = []  # of every adapter sync (save + hot load)
+        self.failed_requests = 0
+
+    # -- wiring ---------------------------------------------------------------------------------
+    def connect(self, policy: Any) -> None:
+        """Start or attach to the server, check it against the policy and load the adapter (one-line errors)."""
+        self.policy = policy
+        peft_cfg = getattr(policy.model, "peft_config", {}).get("default")
+        if peft_cfg is None:
+            raise VLLMError("the vLLM engine needs a peft LoRA policy (policy.model.peft_config['default'])")
+        if self.url:
+            self.server = AttachedServer(self.url, api_key=self.api_key, timeout_s=self.startup_timeout_s)
+        else:
+            dtype = self.dtype or DTYPE_NAMES.get(str(policy.model.get_base_model().dtype), "auto")
+            self.server = ManagedServer(policy.source, python=self.python, dtype=dtype, max_model_len=self.max_context,
+                                        max_lora_rank=int(peft_cfg.r), log_path=self.workdir / "server.log", **self.server_kw)
+            weakref.finalize(self, self.server.stop)  # garbage collection or exit; the guard covers crashes
+        self.server.start()
+        self._client()
+        self.base_name = check_server(self.client, policy, self.max_context, self.model if self.url else self.server.served_name,
+                                      self.check_tolerance)
+        self._version = None
+        self._save_adapter()
+        self._load_adapter()
+
+    def _client(self) -> Client:
+        self.client = Client(self.server.url, timeout_s=self.request_timeout_s, api_key=self.api_key)
+        return self.client
+
+    def _save_adapter(self) -> None:
+        self.adapter_dir.mkdir(parents=True, exist_ok=True)
+        self.policy.model.save_pretrained(str(self.adapter_dir))
+
+    def _load_adapter(self) -> None:
+        try:
+            self.client.post("/v1/load_lora_adapter", {"lora_name": self.lora_name, "lora_path": str(self.adapter_dir),
+                                                       "load_inplace": True})
+        except (ServerError, RuntimeError) as e:
+            raise VLLMError(f"vLLM did not load the adapter from {self.adapter_dir}: {e}") from None
+
+    def sync(self, version: int) -> None:
+        """Hot-load the adapter when the policy version changed (save_pretrained + load_lora_adapter in place)."""
+        if self.policy is None:
+            raise RuntimeError("VLLMEngine.connect(policy) must be called before sync")
+        if version == self._version:
+            return
+        t0 = time.perf_counter()
+        self._save_adapter()
+        self._load_adapter()
+        self.sync_seconds.append(time.perf_counter() - t0)
+        self._version = version
+        log.info("adapter of version %d hot-loaded into vLLM in %.3f s", version, self.sync_seconds[-1])
+
+    # -- generation -----------------------------------------------------------------------------
+    def _complete(self, requests: list[dict]) -> list:
+        """The server's answers; when it stopped answering, those requests fail and it is brought back."""
+        out = self.client.complete(requests)
+        failed = [r for r in out if isinstance(r, ServerError)]
+        self.failed_requests += sum(isinstance(r, Exception) for r in out)
+        if failed:
+            self._recover(failed[0])
+        return out
+
+    def _recover(self, err: Exception) -> None:
+        if self.server.alive():
+            log.warning("vLLM request failed (%s); the server still answers, the affected episodes are aborted", err)
+            return
+        if not self.server.managed:
+            log.warning("attached vLLM server at %s stopped answering (%s); waiting for it", self.server.url, err)
+            self.server.start(self.reconnect_timeout_s)
+        elif self.server.restarts >= self.max_restarts:
+            raise VLLMError(f"vLLM server failed again after {self.server.restarts} restarts (data.engine.max_restarts): {err}")
+        else:
+            log.warning("vLLM server died mid-rollout (%s); restarting it, in-flight episodes aborted", err)
+            self.server.start()
+        self._client()
+        self._load_adapter()
+
+    def rollout(self, tasks: list[Task], groups: list[int], sampling: Sampling,
+                progress: Callable[[int], None] | None = None) -> tuple[list[Episode], RolloutStats]:
+        if self.policy is None:
+            raise RuntimeError("VLLMEngine.connect(policy) must be called before rollout")
+        if self.server.managed and self.server.url is None:  # shut down earlier: start again
+            self.server.start()
+            self._client()
+            self._load_adapter()
+        chat, wave = self.policy.chat, self.runtime.max_live_episodes or len(tasks)
+        eps, stats = [], RolloutStats()
+        for w, s in enumerate(range(0, len(tasks), wave)):  # each wave reuses env slots 0..wave-1, so its seed differs
+            seed = request_seed(sampling.seed, w) if self.seeded and sampling.seed is not None else None
+            actor = ServerActor(self._complete, self.lora_name, [chat.stop_id], sampling, seed)
+            e, st = run_episodes(self._envs.env_batch(), tasks[s: s + wave], groups[s: s + wave], actor, self.policy.tokenizer,
+                                 chat, self.max_context, sampling.max_action_tokens, progress=progress,
+                                 chunks=self.runtime.chunks, instructions=self.instructions)
+            eps += e
+            stats.add(st)
+        return eps, stats
+
+    # -- accounting and shutdown ----------------------------------------------------------------
+    def env_stats(self) -> dict[str, int]:
+        """The env runtime's events plus ``server_restarts`` (logged as ``env/server_restarts``)."""
+        return {**self._envs.env_stats(), "server_restarts": self.server.restarts if self.server else 0}
+
+    def stats(self) -> dict[str, float]:
+        """Engine facts for logs and benches: adapter syncs, their last and total seconds, server start seconds."""
+        return {"adapter_syncs": float(len(self.sync_seconds)),
+                "adapter_sync_seconds": self.sync_seconds[-1] if self.sync_seconds else 0.0,
+                "adapter_sync_seconds_total": sum(self.sync_seconds),
+                "server_start_seconds": getattr(self.server, "start_seconds", 0.0),
+                "server_restarts": float(self.server.restarts if self.server else 0),
+                "failed_requests": float(self.failed_requests)}
+
+    def close(self) -> None:
+        """Release the env instances. The server stays up (validation then fit must not reload the model):
+        :meth:`shutdown` ends it, and so do garbage collection, interpreter exit and any death of this process."""
+        self._envs.close()
+
+    def shutdown(self) -> None:
+        """Release the env instances and end a managed server (the next rollout starts it again)."""
+        self.close()
+        if self.server is not None:
+            self.server.stop()
+            if self.server.managed:
+                self.server.url = None
