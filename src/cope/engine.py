@@ -134,7 +134,7 @@ class HFEngine:
         if self.policy is None:
             raise RuntimeError("HFEngine.connect(policy) must be called before rollout")
         model, chat = self.policy.model, self.policy.chat
-        actor = CachedSamplingActor(model, self.policy.pad_id, chat.stop_id, sampling.max_action_tokens,
+        actor = CachedSamplingActor(model, self.policy.pad_id, chat.stop_ids, sampling.max_action_tokens,
                                     sampling.temperature, sampling.top_p,
                                     seed=sampling.seed if sampling.temperature > 0 else None)
         was_training = model.training

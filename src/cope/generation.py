@@ -12,6 +12,8 @@ this is the cheaper path for long episodes and needs nothing beyond a causal LM'
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -34,17 +36,22 @@ class CachedSamplingActor:
     Args:
         model: causal LM (peft-wrapped or not), already in eval mode.
         pad_id: id fed in padded slots (never attended to).
-        stop_id: end-of-turn id; sampling stops for a row once it is sampled.
+        stop_id: end-of-turn id, or the ids that all end a turn (``ChatFormat.stop_ids``, the primary one
+            first); sampling stops for a row once it samples one of them.
         max_new_tokens: per-action token cap.
         temperature: 0 for greedy.
         top_p: nucleus mass.
     """
 
-    def __init__(self, model, pad_id: int, stop_id: int, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 seed: int | None = None):
-        self.model, self.pad_id, self.stop_id = model, pad_id, stop_id
+    def __init__(self, model, pad_id: int, stop_id: int | Sequence[int], max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, seed: int | None = None):
+        self.stop_ids = (int(stop_id),) if isinstance(stop_id, int) else tuple(int(i) for i in stop_id)
+        if not self.stop_ids:
+            raise ValueError("CachedSamplingActor needs at least one stop id")
+        self.model, self.pad_id, self.stop_id = model, pad_id, self.stop_ids[0]
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.device = next(model.parameters()).device
+        self._stops = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)  # (S,)
         self.generator = None
         if seed is not None:
             self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -57,7 +64,7 @@ class CachedSamplingActor:
         seed = None
         if self.generator is not None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device).item())
-        return CachedSamplingActor(self.model, self.pad_id, self.stop_id, self.max_new_tokens, self.temperature,
+        return CachedSamplingActor(self.model, self.pad_id, self.stop_ids, self.max_new_tokens, self.temperature,
                                    self.top_p, seed=seed)
 
     def reset(self) -> None:
@@ -126,7 +133,7 @@ class CachedSamplingActor:
             tl = tok.tolist()
             for r in active.nonzero().flatten().tolist():
                 out[r].append(tl[r])
-            active = active & (tok != self.stop_id)
+            active = active & ~torch.isin(tok, self._stops)  # with one stop id: exactly tok != stop_id
             if step == self.max_new_tokens - 1 or not bool(active.any()):
                 break  # the last sampled tokens are fed with the next turn's block
             feed = torch.where(active, tok, torch.full_like(tok, self.pad_id))

@@ -126,8 +126,9 @@ def load_pretrained(
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    # the scaffold from the model's own chat template; every eos id of its generation config ends a turn
+    chat = ChatFormat.from_template(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
     model = get_peft_model(model, lora)
-    chat = ChatFormat.chatml(tokenizer)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in model.parameters())
     log.info("policy %s: %d trainable / %d parameters (LoRA r=%s)", path, n_train, n_all, getattr(lora, "r", "?"))

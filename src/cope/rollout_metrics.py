@@ -6,11 +6,14 @@ from cope.episode import Episode
 
 def episode_metrics(eps: list[Episode], prefix: str) -> dict[str, float]:
     """``<prefix>/success``, ``/reward``, ``/score``, ``/len`` (steps), ``/tokens``, ``/invalid_rate``,
-    ``/truncated`` and ``/aborted`` as means over the episodes (aborted ones excluded from the first ones)."""
+    ``/truncated`` and ``/aborted`` as means over the episodes (aborted ones excluded from the first ones),
+    and ``/projected_actions``: the share of steps whose action the env read out of free text
+    (``env.action_parsing=project``; 0 under strict parsing)."""
     ok = [e for e in eps if not e.aborted]
     n = max(len(ok), 1)
     steps = sum(e.num_steps for e in ok)
     invalid = sum(not s.valid for e in ok for s in e.steps)
+    projected = sum(s.projected for e in ok for s in e.steps)
     return {
         f"{prefix}/success": sum(e.success for e in ok) / n,
         f"{prefix}/reward": sum(e.reward for e in ok) / n,
@@ -18,6 +21,7 @@ def episode_metrics(eps: list[Episode], prefix: str) -> dict[str, float]:
         f"{prefix}/len": steps / n,
         f"{prefix}/tokens": sum(len(e.tokens) for e in ok) / n,
         f"{prefix}/invalid_rate": invalid / max(steps, 1),
+        f"{prefix}/projected_actions": projected / max(steps, 1),
         f"{prefix}/truncated": sum(e.truncated for e in eps) / max(len(eps), 1),
         f"{prefix}/aborted": sum(e.aborted for e in eps) / max(len(eps), 1),
     }
