@@ -152,8 +152,12 @@ class VLLMEngine:
             weakref.finalize(self, self.server.stop)  # garbage collection or exit; the guard covers crashes
         self.server.start()
         self._client()
-        self.base_name = check_server(self.client, policy, self.max_context, self.model if self.url else self.server.served_name,
-                                      self.check_tolerance)
+        try:
+            self.base_name = check_server(self.client, policy, self.max_context,
+                                          self.model if self.url else self.server.served_name, self.check_tolerance)
+        except VLLMError as e:
+            cause = self.server.log_error() if self.server.managed else ""
+            raise VLLMError(f"{e}{f' (server log: {cause})' if cause else ''}") from None
         self._version = None
         self._save_adapter()
         self._load_adapter()
@@ -240,7 +244,7 @@ class VLLMEngine:
         """Engine facts for logs and benches: adapter syncs, their last and total seconds, server start seconds."""
         return {"adapter_syncs": float(len(self.sync_seconds)),
                 "adapter_sync_seconds": self.sync_seconds[-1] if self.sync_seconds else 0.0,
-                "adapter_sync_seconds_total": sum(self.sync_seconds),
+                "adapter_sync_seconds_total": float(sum(self.sync_seconds)),
                 "server_start_seconds": getattr(self.server, "start_seconds", 0.0),
                 "server_restarts": float(self.server.restarts if self.server else 0),
                 "failed_requests": float(self.failed_requests)}

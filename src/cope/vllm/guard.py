@@ -40,7 +40,8 @@ def end_group(proc: subprocess.Popen) -> None:
 
 
 def main() -> None:
-    proc = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, start_new_session=True)
+    # stdout is the pipe the parent reads the pid from: the server writes both streams to our stderr (its log)
+    proc = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=sys.stderr, start_new_session=True)
     print(proc.pid, flush=True)
     lock = threading.RLock()  # re-entrant: a signal handler may run on the thread that holds it
 

@@ -198,6 +198,14 @@ class ManagedServer:
                                 f"(log {self.log_path}): {_tail(self.log_path, 4)}")
             time.sleep(0.5)
 
+    def log_error(self) -> str:
+        """The newest exception line of the server's log ("RuntimeError: ..."), for one-line errors."""
+        if not self.log_path.exists():
+            return ""
+        hits = [ln.split("] ")[-1].strip() for ln in self.log_path.read_text(errors="replace").splitlines()
+                if "Error: " in ln and "Traceback" not in ln]
+        return hits[-1][:400] if hits else ""
+
     def alive(self) -> bool:
         return self._guard is not None and self._guard.poll() is None and Client(self.url).healthy()
 
