@@ -60,8 +60,8 @@ def test_transcript_holds_exactly_the_returned_ids(vllm_engine, monkeypatch):
             req, out = answers.pop(k)  # the transcript holds these ids verbatim, nothing re-encoded
             assert s.sampler_logprobs == out.logprobs
             assert ep.roles[s.action_start:s.action_end] == [int(Role.ACTION)] * len(out.ids)
-            assert s.closed == (out.ids[-1] == eng.policy.chat.stop_id)
-            assert req["stop_token_ids"] == [eng.policy.chat.stop_id] and req["logprobs"] == 1 and req["return_token_ids"]
+            assert s.closed == (out.ids[-1] in eng.policy.chat.stop_ids)
+            assert req["stop_token_ids"] == list(eng.policy.chat.stop_ids) and req["logprobs"] == 1 and req["return_token_ids"]
             steps += 1
     assert steps == len(seen)
     seeds = [req["seed"] for req, _ in seen]

@@ -2,9 +2,10 @@
 
 Token-in/token-out: a prompt goes to ``/v1/completions`` as its list of ids; the server answers with the
 sampled ids (``return_token_ids``) and their log-probs (``logprobs=1``: the sampled token's own log-prob
-under the unprocessed distribution, vLLM's default ``raw_logprobs`` mode); nothing is decoded and
-re-encoded here. One request per live episode, all sent together on an asyncio loop, so the server's
-continuous batching sees the whole turn at once (and its prefix cache the shared multi-turn prefixes).
+under the distribution it was drawn from when the server runs with ``--logprobs-mode processed_logprobs``,
+as a managed one does: temperature and top-p applied); nothing is decoded and re-encoded here. One
+request per live episode, all sent together on an asyncio loop, so the server's continuous batching
+sees the whole turn at once (and its prefix cache the shared multi-turn prefixes).
 
 Stdlib only (asyncio streams and HTTP/1.1 with ``Connection: close``): no client dependency, and
 nothing from vLLM, which lives in its own venv. Two error kinds, because recovery differs:

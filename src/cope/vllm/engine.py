@@ -227,7 +227,7 @@ class VLLMEngine:
         eps, stats = [], RolloutStats()
         for w, s in enumerate(range(0, len(tasks), wave)):  # each wave reuses env slots 0..wave-1, so its seed differs
             seed = request_seed(sampling.seed, w) if self.seeded and sampling.seed is not None else None
-            actor = ServerActor(self._complete, self.lora_name, [chat.stop_id], sampling, seed)
+            actor = ServerActor(self._complete, self.lora_name, list(chat.stop_ids), sampling, seed)
             e, st = run_episodes(self._envs.env_batch(), tasks[s: s + wave], groups[s: s + wave], actor, self.policy.tokenizer,
                                  chat, self.max_context, sampling.max_action_tokens, progress=progress,
                                  chunks=self.runtime.chunks, instructions=self.instructions)

