@@ -7,9 +7,9 @@ rounds, it replays exactly those actions through:
 * ``raw``: the env's own package, called the way its README calls it (functions in ``bench/env_raw.py``;
   absent for envs that are ours, such as the maze, the WebShop-compatible shop or the terminal tasks);
 * ``adapter``: our env class, in this process, instances stepped one after another (what
-  ``data.env_workers=0`` does);
+  ``data.env_runtime.workers=0`` does);
 * ``pool W``: our env in ``EnvWorkerPool`` with W worker processes, all live episodes' steps submitted
-  together (what ``data.env_workers=W`` does).
+  together (what ``data.env_runtime.workers=W`` does).
 
 Timers cover resets and steps only (instances are created and warmed up before). It prints steps/s
 (median over rounds) and the ratios ``adapter / raw`` (our overhead; goal >= 0.9) and

@@ -4,9 +4,9 @@ Where ``env_speed.py`` times env steps alone, this times what the trainer does e
 DataModule's ``run`` (batched generation with the KV-cached actor, then env steps, turn after turn)
 for the same tasks, with the same sampling seed, under three settings, interleaved over ``--rounds``:
 
-* ``in-process``: ``data.env_workers=0`` (generation, then each env steps in turn);
-* ``workers``: ``data.env_workers=W`` (env steps of all live episodes in parallel);
-* ``workers+overlap``: also ``data.rollout_chunks=2`` (one half generates while the other half's steps run).
+* ``in-process``: ``data.env_runtime.workers=0`` (generation, then each env steps in turn);
+* ``workers``: ``data.env_runtime.workers=W`` (env steps of all live episodes in parallel);
+* ``workers+overlap``: also ``data.env_runtime.chunks=2`` (one half generates while the other half's steps run).
 
 It prints the median rollout seconds and the speed-up over in-process. The policy is the tiny model
 (``debug=fast`` by default: a micro model, so generation is cheap and env time dominates, as it does
@@ -39,6 +39,7 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
     from cope.envs.base import Task
 
@@ -47,11 +48,11 @@ def main() -> None:
                                                        f"paths.cache_dir={args.cache_dir}", *args.overrides])
     factory = instantiate(cfg.env)
     policy = instantiate(cfg.model)(env_factory=factory)
-    settings = {"in-process": dict(env_workers=0), "workers": dict(env_workers=args.workers),
-                "workers+overlap": dict(env_workers=args.workers, rollout_chunks=2)}
+    settings = {"in-process": dict(workers=0), "workers": dict(workers=args.workers),  # data.env_runtime.*
+                "workers+overlap": dict(workers=args.workers, chunks=2)}
     dms = {}
     for name, kw in settings.items():
-        dm = instantiate(cfg.data, env=factory, progress=False, **kw)
+        dm = instantiate(OmegaConf.merge(cfg.data, {"env_runtime": kw}), env=factory, progress=False)
         dm.connect(policy)
         dms[name] = dm
     tasks = [Task(dms["in-process"].env_name, "train", i // 4) for i in range(args.episodes)]  # groups of 4

@@ -96,7 +96,7 @@ class Env(Protocol):
       calls, code) lists a few well-formed actions for the current state. Only the tiny model's
       format-only warm start (random walks) uses them.
     * ``max_instances: int | None`` (class attribute; :class:`TaskEnv` says None): a memory-heavy env (one
-      JVM per instance) says how many instances should live at once. With ``data.max_live_episodes=null``
+      JVM per instance) says how many instances should live at once. With ``data.env_runtime.max_live_episodes=null``
       the DataModule runs an epoch's episodes in waves of that many, and the tiny warm start walks with
       at most that many.
 

@@ -113,6 +113,8 @@ def _fails_fast(run, tmp_path, monkeypatch) -> str:
     (["trainer.max_epochs=two"], "trainer.max_epochs", "'two'", "expected int"),
     (["data.progress=maybe"], "data.progress", "'maybe'", "expected bool"),
     (["ckpt_path=5"], "ckpt_path", "5", "expected str | null"),
+    (["data.env_runtime.workers=many"], "data.env_runtime.workers", "'many'", "expected int"),  # nested settings records
+    (["data.sampling.top_p=high"], "data.sampling.top_p", "'high'", "expected float"),
 ])
 def test_wrong_type_names_key(run_train, tmp_path, monkeypatch, overrides, key, value, expected):
     msg = _fails_fast(lambda: run_train(overrides, tmp_path), tmp_path, monkeypatch)
@@ -123,7 +125,9 @@ def test_wrong_type_names_key(run_train, tmp_path, monkeypatch, overrides, key, 
     ("trainer.check_val_every_n_epoch=0", "trainer.check_val_every_n_epoch", "0", ">= 1"),
     ("trainer.max_epochs=0", "trainer.max_epochs", "0", "-1 (no limit) or >= 1"),
     ("algo.objectives.kl.weight=-0.5", "algo.objectives.kl", "-0.5", "weight must be >= 0"),
-    ("data.max_live_episodes=0", "data.max_live_episodes", "0", "null (all at once) or >= 1"),
+    ("data.env_runtime.max_live_episodes=0", "data.env_runtime.max_live_episodes", "0", "null (all at once) or >= 1"),
+    ("data.sampling.temperature=-1", "data.sampling.temperature", "-1", "must be >= 0"),
+    ("data.env_runtime.step_timeout_s=0", "data.env_runtime.step_timeout_s", "0", "must be > 0"),
     ("data.max_context=100000", "data.max_context", "100000", "exceeds the model's 2048 positions (model.max_context)"),
     # without a reload every epoch the module would train on the first epoch's (already scored) rollouts again
     ("trainer.reload_dataloaders_every_n_epochs=0", "trainer.reload_dataloaders_every_n_epochs", "0", "fresh on-policy"),
@@ -164,6 +168,8 @@ def test_entry_point_names_key(train_script, tmp_path):
     (["env._target_=nope.Env"], "env._target_ = 'nope.Env': cannot be imported"),
     (["validate_before_fit=maybe"], "validate_before_fit = 'maybe': expected bool"),
     (["seed=abc"], "seed = 'abc'"),  # reported once: data.seed and forecast seeds interpolate it
+    (["+data.env_runtime.wokers=2"], "data.env_runtime.wokers: not an argument of cope.engine.EnvRuntime"),
+    (["+data.engine.bogus=1"], "data.engine.bogus: not an argument of cope.engine.HFEngine"),  # the rollout group
 ])
 def test_check_names_key_in_every_block(compose, tmp_path, overrides, problem):
     from cope.config_check import ConfigError, check_config

@@ -25,7 +25,7 @@ def test_experiment_composes_and_builds(name, cope_cache, tmp_path):
         cfg = compose(config_name="config", overrides=[f"experiment={name}", f"paths.output_dir={tmp_path}",
                                                                  *EXTRA.get(name, [])])
     assert cfg.env._target_.startswith("cope.envs."), cfg.env._target_
-    assert cfg.data.max_action_tokens >= 16 and cfg.data.max_context >= 4096
+    assert cfg.data.sampling.max_action_tokens >= 16 and cfg.data.max_context >= 4096
     factory = instantiate(cfg.env)
     dm = instantiate(cfg.data, env=factory)
     assert dm.num_train_tasks > 0 and dm.num_test_tasks > 0

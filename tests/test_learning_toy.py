@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from cope.algos.grpo import PolicyGradient
 from cope.chat import CHATML_TEMPLATE, ChatFormat
 from cope.datamodule import RolloutDataModule
+from cope.engine import Sampling
 from cope.envs.base import EnvReset, EnvStep, Task
 from cope.module import AgentRLModule
 from cope.policy import Policy
@@ -66,7 +67,7 @@ def _policy() -> Policy:
 def test_grpo_raises_success_on_toy_env(tmp_path):
     policy = _policy()
     dm = RolloutDataModule(env=NorthEnv, tasks_per_epoch=8, group_size=8, minibatch_size=64, max_context=64,
-                           max_action_tokens=1, val_tasks=0, progress=False, seed=0)
+                           sampling=Sampling(max_action_tokens=1), val_tasks=0, progress=False, seed=0)
     dm.connect(policy)
     module = AgentRLModule(policy, [PolicyGradient()], optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
     curve = []

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 EPOCHS = 5
 BASE = ["debug=fast", "model.warm_start_steps=150", "env.sizes=[6]", "env.max_steps=12", "data.tasks_per_epoch=8",
-        "data.temperature=0.3", f"trainer.max_epochs={EPOCHS}"]
+        "data.sampling.temperature=0.3", f"trainer.max_epochs={EPOCHS}"]
 ALGOS = {
     "grpo": ["algo=grpo"],
     "echo": ["algo=echo"],

@@ -34,7 +34,7 @@ class Pending:
 
 
 class InProcessEnvs:
-    """Env instances in this process, stepped one after another (``data.env_workers=0``)."""
+    """Env instances in this process, stepped one after another (``data.env_runtime.workers=0``)."""
 
     def __init__(self, env_factory: Callable[[], Env] | None = None, envs: list[Env] | None = None):
         self.factory, self.envs = env_factory, list(envs or [])

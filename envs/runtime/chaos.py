@@ -13,7 +13,7 @@ code runs: ``make`` (the env's construction, which the worker does on the ``make
 A ``pipe`` or ``garbage`` fault leaves the worker unusable, so after one the process injects no
 more (the parent kills it; a second fault there would be one the parent never sees).
 
-Run with ``data.env_workers > 0`` to see the worker pool restart workers, replay live episodes and
+Run with ``data.env_runtime.workers > 0`` to see the worker pool restart workers, replay live episodes and
 count ``env/restarts``, ``env/crashes``, ``env/timeouts`` and ``env/aborted_episodes``; in-process,
 only ``error`` is survivable (a crash takes the trainer down with it, which is the point of the
 workers). So by default (``only_in_workers``) faults fire only inside an env worker process: the tiny

@@ -1,8 +1,8 @@
 """Env instances in a pool of worker processes, behind the env-batch interface of :mod:`cope.envs.runtime.batch`
 (``reset(items)``, ``submit(items) -> Pending``). Submitting one half of the live episodes while the
-actor generates for the other half is how generation and env steps overlap (``data.rollout_chunks=2``).
+actor generates for the other half is how generation and env steps overlap (``data.env_runtime.chunks=2``).
 
-:class:`EnvWorkerPool` (``data.env_workers > 0``): slot ``s`` lives in worker ``s % num_workers``, a
+:class:`EnvWorkerPool` (``data.env_runtime.workers > 0``): slot ``s`` lives in worker ``s % num_workers``, a
 ``python -m cope.envs.runtime.worker`` child; every request has a deadline. The failure rule (docs/envs/README.md):
 an env that *raises* (construction, reset, step) aborts that episode, the worker lives on; a worker
 that *dies*, closes its channel or answers garbage (``env/crashes``), or *hangs* (``env/timeouts``)
@@ -75,9 +75,9 @@ class EnvWorkerPool:
     def __init__(self, env_factory: Callable[[], Env], num_workers: int, step_timeout_s: float = 60.0,
                  reset_timeout_s: float = 300.0, python: str | None = None):
         if num_workers < 1:
-            raise ValueError(f"data.env_workers must be >= 1 for a worker pool, got {num_workers}")
+            raise ValueError(f"data.env_runtime.workers must be >= 1 for a worker pool, got {num_workers}")
         if step_timeout_s <= 0 or reset_timeout_s <= 0:
-            raise ValueError("data.env_step_timeout_s and data.env_reset_timeout_s must be > 0")
+            raise ValueError("data.env_runtime.step_timeout_s and data.env_runtime.reset_timeout_s must be > 0")
         from cope.envs.runtime.remote import plain
 
         if hasattr(env_factory, "keywords"):  # a functools.partial: make its config containers plain data

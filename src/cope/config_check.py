@@ -131,7 +131,10 @@ class _Checker:
         ``open_keys``: keys ``fn`` does not name are walked, not rejected (the root schema)."""
         params, var_kw = parameters(fn)
         where = "the root schema cope.config_check.RunKeys" if fn is RunKeys else qualname(fn)
-        for name in node.keys():
+        names = list(node.keys())
+        if open_keys:  # the schema's own keys first: blocks interpolate them (${seed}), and a bad source is named once
+            names.sort(key=lambda n: n not in params)
+        for name in names:
             if name in HYDRA_KEYS:
                 continue
             full = f"{key}.{name}" if key else str(name)

@@ -16,6 +16,7 @@ late through :meth:`connect`.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -45,7 +46,7 @@ def _identity(x):
 class RolloutDataModule(pl.LightningDataModule):
     """On-policy rollouts as a DataModule.
 
-    Task sampling and batching (its own concerns):
+    Its own concerns (task sampling, batching, validation):
         env: factory of env instances (a Hydra ``_partial_``); one instance per concurrent episode.
         tasks_per_epoch: B, tasks sampled per rank per epoch.
         group_size: G, episodes per task (GRPO group).
@@ -54,22 +55,19 @@ class RolloutDataModule(pl.LightningDataModule):
         advantage_mode: ``grpo`` (std-normalized) or ``drgrpo``.
         val_tasks: held-out tasks evaluated greedily at each validation (a fixed panel: indices 0..n-1).
         val_batch_size: held-out episodes run together.
-        seed: task-sampling seed (combined with the rank).
+        seed: task-sampling seed (combined with the rank); also draws each rollout call's sampling seed.
         progress: show a progress bar while collecting rollouts.
 
-    Passed on to the rollout engine, grouped (:class:`cope.engine.Sampling`, :class:`cope.engine.EnvRuntime`):
+    Handed to the rollout engine (typed records, each read by the class that uses it):
+        sampling: :class:`cope.engine.Sampling` of training rollouts (``data.sampling.*``: temperature,
+            top_p, max_action_tokens); validation is greedy with the same action cap.
+        env_runtime: :class:`cope.engine.EnvRuntime` (``data.env_runtime.*``: where env instances live,
+            deadlines, waves, overlap). ``max_live_episodes=None`` takes the env's ``max_instances``
+            when it declares one.
         max_context: context budget in tokens; see the overflow policy in :mod:`cope.rollout`.
-        max_action_tokens: per-action token cap.
-        temperature, top_p: sampling of training rollouts (validation is greedy).
-        env_workers: 0 steps the env instances in this process; N > 0 in N worker processes.
-        env_step_timeout_s / env_reset_timeout_s: deadlines of one step / reset (workers only).
-        env_python: interpreter of the env workers (default: this one).
-        max_live_episodes: at most this many episodes at once (waves); None: all at once, or the
-            env's ``max_instances`` when it declares one.
-        rollout_chunks: 2 overlaps generation with env steps (needs env_workers > 0 to gain anything).
         instructions: system prompt replacing the env's own (its rules and action format); None keeps it.
-        engine: factory of the rollout engine, called with ``env``, ``runtime``, ``max_context`` and
-            ``instructions`` (None: :class:`cope.engine.HFEngine`, generation in this process).
+        engine: factory of the rollout engine (``data.engine``, the ``rollout`` config group), called with
+            ``env``, ``runtime``, ``max_context`` and ``instructions`` (None: :class:`cope.engine.HFEngine`).
     """
 
     def __init__(
@@ -79,32 +77,24 @@ class RolloutDataModule(pl.LightningDataModule):
         group_size: int = 4,
         minibatch_size: int = 16,
         ppo_epochs: int = 1,
-        max_context: int = 2048,
-        max_action_tokens: int = 16,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
         advantage_mode: str = "grpo",
         val_tasks: int = 64,
         val_batch_size: int = 64,
         seed: int = 0,
         progress: bool = True,
-        env_workers: int = 0,
-        env_step_timeout_s: float = 60.0,
-        env_reset_timeout_s: float = 300.0,
-        env_python: str | None = None,
-        max_live_episodes: int | None = None,
-        rollout_chunks: int = 1,
+        sampling: Sampling | None = None,
+        env_runtime: EnvRuntime | None = None,
+        max_context: int = 2048,
         instructions: str | None = None,
         engine: Callable[..., RolloutEngine] | None = None,
     ):
         super().__init__()
         for name, v in dict(tasks_per_epoch=tasks_per_epoch, group_size=group_size, minibatch_size=minibatch_size,
-                            ppo_epochs=ppo_epochs, max_context=max_context, max_action_tokens=max_action_tokens,
-                            val_batch_size=val_batch_size, rollout_chunks=rollout_chunks).items():
+                            ppo_epochs=ppo_epochs, max_context=max_context, val_batch_size=val_batch_size).items():
             if v < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {v}")
-        if val_tasks < 0 or temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError("data.val_tasks and data.temperature must be >= 0 and data.top_p in (0, 1]")
+        if val_tasks < 0:
+            raise ValueError(f"data.val_tasks must be >= 0, got {val_tasks}")
         try:  # fail fast on a bad mode, naming the key (data.advantage_mode defaults to ${algo.advantage_mode})
             group_advantages(torch.zeros(1), torch.zeros(1, dtype=torch.long), mode=advantage_mode)
         except ValueError as e:
@@ -112,18 +102,17 @@ class RolloutDataModule(pl.LightningDataModule):
         self.tasks_per_epoch, self.group_size, self.minibatch_size = tasks_per_epoch, group_size, minibatch_size
         self.ppo_epochs, self.advantage_mode = ppo_epochs, advantage_mode
         self.val_tasks, self.val_batch_size, self.seed, self.progress = val_tasks, val_batch_size, seed, progress
-        self.sampling = Sampling(temperature=temperature, top_p=top_p, max_action_tokens=max_action_tokens)
-        self.val_sampling = Sampling(temperature=0.0, top_p=1.0, max_action_tokens=max_action_tokens)
+        self.sampling = sampling or Sampling()
+        self.val_sampling = Sampling(temperature=0.0, top_p=1.0, max_action_tokens=self.sampling.max_action_tokens)
+        runtime = env_runtime or EnvRuntime()
         probe = env()
         self.env_name = probe.name
         self.num_train_tasks, self.num_test_tasks = probe.num_tasks("train"), probe.num_tasks("test")
-        if max_live_episodes is None and getattr(probe, "max_instances", None):
-            max_live_episodes = int(probe.max_instances)  # memory-heavy env: run the episodes in waves
-            log.info("%s: at most %d live episodes at once (the env's max_instances; data.max_live_episodes overrides)",
-                     probe.name, max_live_episodes)
+        if runtime.max_live_episodes is None and getattr(probe, "max_instances", None):
+            runtime = dataclasses.replace(runtime, max_live_episodes=int(probe.max_instances))  # memory-heavy env: waves
+            log.info("%s: at most %d live episodes at once (the env's max_instances; "
+                     "data.env_runtime.max_live_episodes overrides)", probe.name, runtime.max_live_episodes)
         probe.close()
-        runtime = EnvRuntime(workers=env_workers, step_timeout_s=env_step_timeout_s, reset_timeout_s=env_reset_timeout_s,
-                             python=env_python, max_live_episodes=max_live_episodes, chunks=rollout_chunks)
         self.engine: RolloutEngine = (engine or HFEngine)(env=env, runtime=runtime, max_context=max_context,
                                                            instructions=instructions)
         self.counters = {k: 0 for k in COUNTERS}
@@ -166,8 +155,7 @@ class RolloutDataModule(pl.LightningDataModule):
         try:
             if self.trainer is not None:
                 self.engine.sync(self.trainer.global_step)
-            return self.engine.rollout(tasks, groups, Sampling(sampling.temperature, sampling.top_p,
-                                                               sampling.max_action_tokens, seed),
+            return self.engine.rollout(tasks, groups, dataclasses.replace(sampling, seed=seed),
                                        progress=bar.update if bar else None)
         finally:
             if bar:

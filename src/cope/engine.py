@@ -43,8 +43,10 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_action_tokens < 1:
-            raise ValueError(f"bad sampling settings {self}: temperature >= 0, top_p in (0, 1], max_action_tokens >= 1")
+        for key, bad, rule in (("temperature", self.temperature < 0, ">= 0"), ("top_p", not 0 < self.top_p <= 1, "in (0, 1]"),
+                               ("max_action_tokens", self.max_action_tokens < 1, ">= 1")):
+            if bad:
+                raise ValueError(f"data.sampling.{key} must be {rule}, got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,14 @@ class EnvRuntime:
 
     def __post_init__(self):
         if self.workers < 0:
-            raise ValueError(f"data.env_workers must be >= 0, got {self.workers}")
-        if self.step_timeout_s <= 0 or self.reset_timeout_s <= 0:
-            raise ValueError("data.env_step_timeout_s and data.env_reset_timeout_s must be > 0")
+            raise ValueError(f"data.env_runtime.workers must be >= 0, got {self.workers}")
+        for key in ("step_timeout_s", "reset_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"data.env_runtime.{key} must be > 0, got {getattr(self, key)}")
         if self.max_live_episodes is not None and self.max_live_episodes < 1:  # 0 is not "unlimited": that is null
-            raise ValueError(f"data.max_live_episodes must be null (all at once) or >= 1, got {self.max_live_episodes}")
+            raise ValueError(f"data.env_runtime.max_live_episodes must be null (all at once) or >= 1, got {self.max_live_episodes}")
         if self.chunks < 1:
-            raise ValueError(f"data.rollout_chunks must be >= 1, got {self.chunks}")
+            raise ValueError(f"data.env_runtime.chunks must be >= 1, got {self.chunks}")
 
 
 class RolloutEngine(Protocol):

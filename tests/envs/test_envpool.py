@@ -150,8 +150,8 @@ def test_engine_accounts_for_a_crashed_episode():
 def test_training_survives_crashes_and_hangs(run_train, read_metrics, tmp_path):
     """A run whose env crashes and hangs at random steps keeps training with the full episode count;
     env/restarts, env/timeouts and env/aborted_episodes are logged."""
-    result = run_train(["env=maze_chaos", "env.crash_prob=0.05", "env.hang_prob=0.05", "data.env_workers=2",
-                        "data.env_step_timeout_s=1", "data.rollout_chunks=2", "trainer.max_epochs=2"], tmp_path)
+    result = run_train(["env=maze_chaos", "env.crash_prob=0.05", "env.hang_prob=0.05", "data.env_runtime.workers=2",
+                        "data.env_runtime.step_timeout_s=1", "data.env_runtime.chunks=2", "trainer.max_epochs=2"], tmp_path)
     assert result["counters/episodes"] == 16
     cols = read_metrics(tmp_path / "csv" / "metrics.csv")
     for k in ("env/restarts", "env/timeouts", "env/crashes", "env/aborted_episodes", "env/groups_shrunk"):
@@ -193,15 +193,16 @@ class _HeavyMaze(MazeEnv):
 
 
 def test_max_instances_bounds_live_episodes_and_instances():
-    """An env's max_instances turns data.max_live_episodes=null into waves of that size: an epoch of
-    8 episodes runs with 3 env instances; an explicit data.max_live_episodes wins."""
+    """An env's max_instances turns data.env_runtime.max_live_episodes=null into waves of that size: an epoch of
+    8 episodes runs with 3 env instances; an explicit data.env_runtime.max_live_episodes wins."""
     from tiny_fixtures import tiny_policy
 
     from cope.datamodule import RolloutDataModule
+    from cope.engine import EnvRuntime, Sampling
 
     heavy = functools.partial(_HeavyMaze, sizes=[6], max_steps=4)
-    assert RolloutDataModule(env=heavy, max_live_episodes=5, progress=False).engine.runtime.max_live_episodes == 5
-    dm = RolloutDataModule(env=heavy, tasks_per_epoch=2, group_size=4, max_context=512, max_action_tokens=4,
+    assert RolloutDataModule(env=heavy, env_runtime=EnvRuntime(max_live_episodes=5), progress=False).engine.runtime.max_live_episodes == 5
+    dm = RolloutDataModule(env=heavy, tasks_per_epoch=2, group_size=4, max_context=512, sampling=Sampling(max_action_tokens=4),
                            progress=False)
     assert dm.engine.runtime.max_live_episodes == 3
     policy = tiny_policy()
