@@ -88,7 +88,9 @@ class Env(Protocol):
 
     Every ``EnvStep.info`` has ``"timeout"`` (bool): True only on the step that ends the episode
     because ``max_steps`` ran out (the engine records ``end_reason="max_steps"`` then, else ``"done"``).
-    Other ``info`` keys are the env's own.
+    Optional: ``info["projected"]`` (bool) when the env read the action out of free text rather than its
+    strict format (``action_parsing="project"``, see :mod:`cope.envs.actions`); the engine records it in
+    ``Step.projected`` (``valid`` stays the env's verdict on the move). Other ``info`` keys are the env's own.
 
     Optional (looked up with ``getattr``/``hasattr``, not part of the protocol check):
 
