@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
             for n, q in params.items():
                 q.copy_(state[n])
 
-    clip = cfg.trainer.get("gradient_clip_val")
+    clip = cfg.module.get("gradient_clip_val")
     bf16 = str(cfg.trainer.get("precision", "32-true")).startswith("bf16-mixed")  # as the trainer would run it
     amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()  # noqa: E731
     size = args.minibatch_size or int(cfg.data.minibatch_size)

@@ -127,6 +127,10 @@ def test_wrong_type_names_key(run_train, tmp_path, monkeypatch, overrides, key, 
     ("algo.objectives.kl.weight=-0.5", "algo.objectives.kl", "-0.5", "weight must be >= 0"),
     ("data.env_runtime.max_live_episodes=0", "data.env_runtime.max_live_episodes", "0", "null (all at once) or >= 1"),
     ("data.sampling.temperature=-1", "data.sampling.temperature", "-1", "must be >= 0"),
+    # the module runs the optimizer step itself (micro-batches): clipping and accumulation are its settings
+    ("trainer.gradient_clip_val=1.0", "trainer.gradient_clip_val", "1.0", "module.gradient_clip_val"),
+    ("+trainer.accumulate_grad_batches=2", "trainer.accumulate_grad_batches", "2", "module.max_tokens_per_microbatch"),
+    ("module.max_tokens_per_microbatch=0", "module.max_tokens_per_microbatch", "0", "null or >= 1"),
     ("data.env_runtime.step_timeout_s=0", "data.env_runtime.step_timeout_s", "0", "must be > 0"),
     ("data.max_context=100000", "data.max_context", "100000", "exceeds the model's 2048 positions (model.max_context)"),
     # without a reload every epoch the module would train on the first epoch's (already scored) rollouts again

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import pytest
 import torch
@@ -90,8 +89,11 @@ def test_first_update_has_ratio_one_and_zero_kl_then_kl_grows(policy, episodes):
     assert m2["policy/ratio_mean"] != 1.0
     # the reference is still the untouched base: the adapter-disabled forward reproduces the old scores
     with torch.no_grad(), policy.model.disable_adapter():
-        ref_again = token_logprobs(module._logits(mb), mb["input_ids"], with_entropy=False)[0]
+        ref_again = module.logprobs(mb, entropy=False)[0]
+        ref_full = token_logprobs(module._logits(mb), mb["input_ids"], with_entropy=False)[0]  # the full log-softmax
     assert torch.equal(ref_again, mb["ref_logprobs"])
+    real = mb["attention_mask"].bool()
+    torch.testing.assert_close(ref_full[real], mb["ref_logprobs"][real], atol=1e-5, rtol=1e-5)
 
 
 def test_token_logprobs_alignment_hand_check():
@@ -118,11 +120,12 @@ def test_zero_weight_objective_is_skipped(policy, episodes):
     mb = collate(episodes, policy.pad_id)
     module.score_minibatches([mb])
     assert "ref_logprobs" not in mb  # no reference forward for an objective that is off
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # self.log without a Trainer only warns
-        result = module.training_step(mb, 0)
+    module.manual_backward = lambda loss: loss.backward()  # no Trainer: the plain autograd call
+    policy.model.zero_grad(set_to_none=True)
+    _, result = combine(module.objectives, module._backward(mb), mb, step=0)  # what training_step logs
     assert "loss/kl" not in result and "loss/kl_weighted" not in result and "policy/kl" not in result
-    assert "loss/pg" in result and result["loss"].requires_grad
+    assert "loss/pg" in result and any(p.grad is not None for p in policy.trainable_parameters())
+    policy.model.zero_grad(set_to_none=True)
 
     # a scheduled weight that reaches 0 switches the term off from that step on
     kl = KLPenalty(weight=0.1, schedule="linear", final_weight=0.0, schedule_steps=10)
@@ -154,3 +157,29 @@ def test_module_rejects_bad_objective_lists(policy):
         AgentRLModule(policy, [], optimizer=opt)
     with pytest.raises(ValueError, match="duplicate"):
         AgentRLModule(policy, [PolicyGradient(), PolicyGradient()], optimizer=opt)
+
+
+def test_scores_follow_the_sampling_temperature(policy, episodes, compose, tmp_path):
+    """Rollouts sampled at temperature T are scored under softmax(logits / T) at action tokens (the PPO
+    ratio then refers to the policy that sampled them); every other position keeps the raw distribution.
+    The module's temperature is the data's sampling temperature by config."""
+    assert compose(["data.sampling.temperature=0.6"], tmp_path).module.temperature == 0.6
+    mb = collate(episodes, policy.pad_id)
+    module = AgentRLModule(policy, [PolicyGradient()], optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+                           temperature=0.6)
+    module.score_minibatches([mb])
+    with torch.no_grad():
+        logits = module._logits(mb)[:, :-1].float()  # (N, T-1, V)
+    ids, act, real = mb["input_ids"][:, 1:], mb["action_mask"][:, 1:], mb["attention_mask"][:, 1:].bool()
+    hot = (logits / 0.6).log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)
+    raw = logits.log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)
+    got = mb["old_logprobs"][:, 1:]
+    assert act.any() and (real & ~act).any()
+    torch.testing.assert_close(got[act], hot[act], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[real & ~act], raw[real & ~act], atol=1e-5, rtol=1e-5)
+    ent = -((logits / 0.6).log_softmax(-1).exp() * (logits / 0.6).log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(mb["old_entropy"][:, 1:][act], ent[act], atol=1e-5, rtol=1e-5)
+    assert (mb["old_entropy"][:, 1:][~act] == 0).all()  # entropy only where a consumer reads it
+    out = module(mb)  # the first forward of the update: ratio exactly 1 at T != 1 too
+    _, m = combine(module.objectives, out, mb, step=0)
+    assert m["policy/ratio_mean"] == 1.0

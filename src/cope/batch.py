@@ -70,3 +70,14 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
         "episode_index": torch.tensor(indices if indices is not None else list(range(n)), dtype=torch.long),
         "aux_row": torch.zeros(n, dtype=torch.bool),
     }
+
+
+def row_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(N,) real length of each row: one past its last attended token (2D ``attention_mask``, right
+    padded); the full width T when a transform replaced the mask by a 4D one (packed rows)."""
+    mask = batch["attention_mask"]
+    N, T = batch["input_ids"].shape
+    if mask.dim() != 2:
+        return torch.full((N,), T, dtype=torch.long, device=mask.device)
+    pos = torch.arange(1, T + 1, device=mask.device).expand(N, T)
+    return (pos * (mask != 0)).amax(-1).clamp(min=1)

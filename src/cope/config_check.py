@@ -17,7 +17,8 @@ each constructor, third-party ones included (Trainer, LoraConfig, AdamW); the si
 of truth and cover whatever ``_target_`` names. What types cannot say has one place each:
 
 * value ranges of our own classes: their constructors (run next, still before the model build);
-* value ranges third-party classes check late or with a bare assert: :data:`RANGES` (Lightning's Trainer);
+* value ranges third-party classes check late or with a bare assert, and those of classes built after the
+  model (the LightningModule): :data:`RANGES`;
 * cross-field: ``data.max_context`` must fit the model's positions (``model.max_context`` of the tiny
   model, else ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk);
 * settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0).
@@ -56,10 +57,17 @@ RANGES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "max_steps": (lambda v: v == -1 or v >= 1, "-1 (no limit) or >= 1"),
         "check_val_every_n_epoch": (lambda v: v >= 1, ">= 1 or null"),
         "log_every_n_steps": (lambda v: v >= 1, ">= 1"),
-        "accumulate_grad_batches": (lambda v: v >= 1, ">= 1"),
+        "accumulate_grad_batches": (lambda v: v == 1, "1 (the module accumulates micro-batches itself: "
+                                                      "module.max_tokens_per_microbatch)"),
         "reload_dataloaders_every_n_epochs": (lambda v: v == 1, "1 (every epoch collects fresh on-policy rollouts)"),
         "num_sanity_val_steps": (lambda v: v >= -1, ">= -1"),
-        "gradient_clip_val": (lambda v: v >= 0, ">= 0 or null"),
+        "gradient_clip_val": (lambda v: False, "null (the module clips: module.gradient_clip_val)"),
+    },
+    # built after the policy (it wraps it): its own checks would come after the model load
+    "cope.module.AgentRLModule": {
+        "max_tokens_per_microbatch": (lambda v: v >= 1, "null or >= 1"),
+        "gradient_clip_val": (lambda v: v > 0, "null or > 0"),
+        "temperature": (lambda v: v >= 0, ">= 0"),
     },
 }
 _INTERP = re.compile(r"^\$\{([A-Za-z_][\w.]*)\}$")
@@ -186,7 +194,8 @@ class _Checker:
             for name, (ok, rule) in RANGES.get(f"{cls.__module__}.{cls.__qualname__}", {}).items():
                 v = node.get(name) if f"{key}.{name}" not in self.bad else None
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and not ok(v):
-                    self.fail(f"{key}.{name}", f" = {v!r}: must be {rule} ({qualname(cls)})")
+                    origin = f" (from {node._get_node(name)._value()})" if OmegaConf.is_interpolation(node, name) else ""
+                    self.fail(f"{key}.{name}", f" = {v!r}{origin}: must be {rule} ({qualname(cls)})")
 
     # -- cross-field rules and no-op warnings ---------------------------------------------------------
     def cross_field(self, cfg: DictConfig) -> None:

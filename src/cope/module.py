@@ -1,13 +1,23 @@
 """The LightningModule: the training *system* around an injected policy (Lightning's "systems vs models").
 
-It holds no rollout logic (the DataModule does) and no loss math (the objectives do). One forward
-pass per minibatch gives every objective the per-token log-probs and entropy; the objectives are
-summed in :func:`cope.objectives.combine`. The KL reference is the same model with its adapter
-disabled. Checkpoints hold only trainable (adapter) weights, plus optimizer, scheduler, counters
-(in the DataModule's state) and RNG state; the frozen base is never written.
+It holds no rollout logic (the DataModule does) and no loss math (the objectives do). The forward
+pass gives every objective the per-token log-probs and entropy (:mod:`cope.logprobs`: chunked over
+the vocabulary, action tokens at the sampling temperature); the objectives are summed in
+:func:`cope.objectives.combine`. The KL reference is the same model with its adapter disabled.
+
+One optimizer step per minibatch, written out here (Lightning's manual optimization): zero the
+gradients, forward + backward over micro-batches of at most ``max_tokens_per_microbatch`` tokens
+(rows of the minibatch), clip, step the optimizer and the scheduler. Micro-batching gives the same
+loss and gradients as one forward of the whole minibatch: objectives are sums of per-row terms with
+normalizers read from the masks (never from other rows' log-probs), so micro-batch ``j``'s backward
+runs the full-minibatch objectives on log-probs that are live on its rows and constant elsewhere;
+the logged losses come from one more (gradient-free, cheap) pass of the objectives over every
+row's log-probs. Checkpoints hold only trainable (adapter) weights, plus optimizer, scheduler,
+counters (in the DataModule's state) and RNG state; the frozen base is never written.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from typing import Any, Callable
 
@@ -15,6 +25,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
+from cope.batch import row_lengths
+from cope.logprobs import causal_lm_logprobs
 from cope.objectives import ForwardOut, Objective, combine
 from cope.policy import Policy
 
@@ -73,11 +85,27 @@ class AgentRLModule(pl.LightningModule):
         objectives: the named, weighted loss terms (``algo.objectives``).
         optimizer: partial optimizer, finished over the trainable (LoRA) parameters.
         scheduler: optional partial LR scheduler, stepped every optimizer step.
+        temperature: the rollouts' sampling temperature (``${data.sampling.temperature}``): action
+            tokens are scored under ``softmax(logits / temperature)``, the distribution they were drawn from.
+        gradient_clip_val: clip the global gradient norm to this before each step (None: no clipping).
+        max_tokens_per_microbatch: forward/backward at most this many tokens (rows x padded length)
+            at once, accumulating into one optimizer step (None: the whole minibatch in one forward).
+            The scoring pass uses the same budget.
     """
 
     def __init__(self, policy: Policy, objectives: list[Objective], optimizer: Callable[..., torch.optim.Optimizer],
-                 scheduler: Callable[..., Any] | None = None):
+                 scheduler: Callable[..., Any] | None = None, temperature: float = 1.0,
+                 gradient_clip_val: float | None = 1.0, max_tokens_per_microbatch: int | None = None):
         super().__init__()
+        if temperature < 0:
+            raise ValueError(f"module.temperature must be >= 0, got {temperature}")
+        if gradient_clip_val is not None and gradient_clip_val <= 0:
+            raise ValueError(f"module.gradient_clip_val must be null or > 0, got {gradient_clip_val}")
+        if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
+            raise ValueError(f"module.max_tokens_per_microbatch must be null or >= 1, got {max_tokens_per_microbatch}")
+        self.automatic_optimization = False  # the step is written out in training_step (micro-batches)
+        self.temperature, self.gradient_clip_val = float(temperature), gradient_clip_val
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
         if not objectives:
             raise ValueError("algo.objectives is empty: at least the policy-gradient objective is needed")
         names = [o.name for o in objectives]
@@ -107,11 +135,47 @@ class AgentRLModule(pl.LightningModule):
         return mask
 
     def _logits(self, batch: dict) -> torch.Tensor:
+        """Full (N, T, V) logits (probes and tests; training and scoring go through :meth:`logprobs`)."""
         return self.model(input_ids=batch["input_ids"], attention_mask=self._attention(batch),
                           position_ids=batch["position_ids"], use_cache=False).logits  # (N, T, V)
 
+    def logprobs(self, batch: dict, rows: torch.Tensor | None = None, length: int | None = None,
+                 entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token (log-probs, entropy) of ``batch`` rows ``rows`` (all: None), first ``length`` columns;
+        action tokens at the sampling temperature, entropy at action tokens only (see :mod:`cope.logprobs`)."""
+        mask = self._attention(batch)
+        ids, pos, act = batch["input_ids"], batch["position_ids"], batch["action_mask"]
+        if rows is not None:
+            ids, pos, act, mask = ids[rows], pos[rows], act[rows], mask[rows]
+        if length is not None:
+            ids, pos, act = ids[:, :length], pos[:, :length], act[:, :length]
+            mask = mask[..., :length, :length] if mask.dim() == 4 else mask[:, :length]
+        lp, ent = causal_lm_logprobs(self.model, ids, mask, pos, tempered=act, temperature=self.temperature,
+                                     entropy_mask=act if entropy else None)
+        if mask.dim() == 2:  # right padding scores 0, whether or not a micro-batch cut it off
+            pad = mask == 0
+            lp, ent = lp.masked_fill(pad, 0.0), ent.masked_fill(pad, 0.0)
+        return lp, ent
+
+    def micro_batches(self, batch: dict) -> list[tuple[torch.Tensor | None, int | None]]:
+        """(rows, length) of each micro-batch under ``max_tokens_per_microbatch``: consecutive rows whose
+        count times their longest real length fits the budget (one row at least); [(None, None)]: all at once."""
+        if self.max_tokens_per_microbatch is None:
+            return [(None, None)]
+        lengths = row_lengths(batch)
+        parts, start, longest = [], 0, 0
+        for i, n in enumerate(lengths.tolist()):
+            grown = max(longest, n)
+            if i > start and grown * (i + 1 - start) > self.max_tokens_per_microbatch:
+                parts.append((start, i, longest))
+                start, grown = i, n
+            longest = grown
+        parts.append((start, len(lengths), longest))
+        dev = batch["input_ids"].device
+        return [(torch.arange(a, b, device=dev), n) for a, b, n in parts]
+
     def forward(self, batch: dict) -> ForwardOut:
-        lp, ent = token_logprobs(self._logits(batch), batch["input_ids"])
+        lp, ent = self.logprobs(batch)
         ref = batch.get("ref_logprobs") if self.needs_ref else None
         return ForwardOut(logprobs=lp, entropy=ent, ref_logprobs=ref)
 
@@ -123,11 +187,19 @@ class AgentRLModule(pl.LightningModule):
         try:
             for mb in minibatches:
                 dev = {k: v.to(self.device) for k, v in mb.items()}
-                lp, ent = token_logprobs(self._logits(dev), dev["input_ids"])
+                N, T = dev["input_ids"].shape
+                lp, ent = torch.zeros(N, T, device=self.device), torch.zeros(N, T, device=self.device)
+                ref = torch.zeros(N, T, device=self.device) if self.needs_ref else None
+                for rows, n in self.micro_batches(dev):
+                    r = slice(None) if rows is None else rows
+                    c = slice(None) if n is None else slice(0, n)
+                    lp[r, c], ent[r, c] = self.logprobs(dev, rows, n)
+                    if ref is not None:
+                        with self.model.disable_adapter():
+                            ref[r, c] = self.logprobs(dev, rows, n, entropy=False)[0]
                 mb["old_logprobs"], mb["old_entropy"] = lp.cpu(), ent.cpu()
-                if self.needs_ref:
-                    with self.model.disable_adapter():
-                        mb["ref_logprobs"] = token_logprobs(self._logits(dev), dev["input_ids"], with_entropy=False)[0].cpu()
+                if ref is not None:
+                    mb["ref_logprobs"] = ref.cpu()
         finally:
             self.model.train(was)
 
@@ -159,13 +231,46 @@ class AgentRLModule(pl.LightningModule):
         metrics = {**record.metrics, **sampler_gap(record.minibatches, record.episodes)}
         self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
 
+    def _backward(self, batch: dict) -> ForwardOut:
+        """Forward + backward of every micro-batch; returns the whole minibatch's forward output, detached."""
+        parts = self.micro_batches(batch)
+        if len(parts) == 1 and parts[0][0] is None:
+            out = self(batch)
+            total, _ = combine(self.objectives, out, batch, self.global_step)
+            self.manual_backward(total)
+            return ForwardOut(out.logprobs.detach(), out.entropy, out.ref_logprobs)
+        ref = batch.get("ref_logprobs") if self.needs_ref else None
+        lp = batch["old_logprobs"].to(self.device, torch.float32).clone()  # constant stand-in for rows not live
+        ent = torch.zeros_like(lp)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        blocker = getattr(strategy, "block_backward_sync", None)
+        for j, (rows, n) in enumerate(parts):
+            live_lp, live_ent = self.logprobs(batch, rows, n)
+            full = lp.clone()
+            full[rows, :n] = live_lp  # differentiable on this micro-batch's rows only
+            total, _ = combine(self.objectives, ForwardOut(full, ent, ref), batch, self.global_step)
+            last = j == len(parts) - 1
+            with (blocker() if blocker is not None and not last else contextlib.nullcontext()):  # DDP: sync once
+                self.manual_backward(total)
+            lp[rows, :n], ent[rows, :n] = live_lp.detach(), live_ent
+        return ForwardOut(lp, ent, ref)
+
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        out = self(batch)
-        total, metrics = combine(self.objectives, out, batch, self.global_step)
+        opt = self.optimizers()
+        opt.zero_grad()
+        out = self._backward(batch)
+        with torch.no_grad():  # the logged losses: every row's log-probs at once
+            total, metrics = combine(self.objectives, out, batch, self.global_step)
+        if self.gradient_clip_val is not None:
+            self.clip_gradients(opt, gradient_clip_val=self.gradient_clip_val, gradient_clip_algorithm="norm")
+        opt.step()
+        sch = self.lr_schedulers()
+        if sch is not None:
+            sch.step()
         bs = int(batch["input_ids"].shape[0])
         self.log_dict({k: v for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=bs)
         result = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in metrics.items()}
-        result["loss"] = total
+        result["loss"] = total.detach()
         return result
 
     def validation_step(self, batch: list[int], batch_idx: int) -> None:

@@ -18,8 +18,14 @@ Metrics = dict[str, float | torch.Tensor]
 class ForwardOut:
     """What one forward pass of the policy gives every objective.
 
-    logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) and entropy[:, t] is the entropy of
-    that predictive distribution; both are 0 at t = 0.
+    logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]); at action tokens under the sampling
+    distribution softmax(logits / temperature), elsewhere under the model's raw one; 0 at t = 0 and on
+    right padding. entropy[:, t] is that predictive distribution's entropy at action tokens, 0 elsewhere.
+
+    Contract for micro-batching (``module.max_tokens_per_microbatch``): an objective's loss is a sum of
+    per-row terms whose normalizers come from the batch's masks, never from other rows' log-probs (the
+    module runs it on log-probs live on one micro-batch's rows and constant elsewhere; tests/test_microbatch.py
+    checks every objective). Its ``__call__`` has no side effects (it may run several times per step).
     """
 
     logprobs: torch.Tensor  # (N, T)

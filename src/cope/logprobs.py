@@ -1,0 +1,148 @@
+"""Per-token log-probs of a causal LM without a (N, T, V) fp32 tensor.
+
+Every objective reads ``logprobs[:, t] = log p(ids[t] | ids[<t])`` (0 at t = 0). A full log-softmax
+over the vocabulary at every position is the cost that dominates a LoRA step at real vocabularies
+(152k for Qwen2.5: one 8k-token row's fp32 log-softmax alone is about 5 GB). Here the model body
+gives hidden states (N, T, H); the output head runs on chunks of at most ``chunk_elems // V`` tokens;
+each chunk yields ``z[y] - logsumexp(z)`` and is then dropped. Backward needs no second pass over the
+vocabulary: for a frozen linear head, d lp_t / d h_t = (W[y_t] - p_t W) / tau_t, a (K, H) tensor the
+forward computes while the chunk's probabilities are at hand (:class:`_FrozenHeadLogprob`; the same
+identity fused linear-cross-entropy kernels use). Memory is O(K * H) beyond the body's activations.
+
+Temperature: rollouts sample from ``softmax(z / T)``, so the policy's log-probs at action tokens
+(the PPO ratio, KL) are taken under that distribution; every other position (observations for ECHO,
+forecast targets for CoPE) keeps the model's own distribution (tau = 1). ``temperature <= 0``
+(greedy sampling) scores at tau = 1.
+
+Entropy is computed only where asked (``entropy_mask``: the action tokens; EMPG and the entropy
+metric read nothing else), without graph.
+
+Fallback: when the head is not a frozen ``nn.Linear`` (LoRA on ``lm_head``) or the architecture
+post-processes logits (soft-capping, logit scale), the model's own logits are used with the same
+chunked math under autograd (memory not bounded; logged once).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+CHUNK_ELEMS = 2**25  # fp32 logits per chunk (128 MB): tokens per chunk = CHUNK_ELEMS // vocab
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+class _FrozenHeadLogprob(torch.autograd.Function):
+    """lp_t = log softmax(h_t W^T + b)[y_t] / tau_t-tempered, with d lp_t / d h_t formed in the forward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, tau, ent_rows, chunk):  # noqa: D401 - autograd signature
+        need_grad = ctx.needs_input_grad[0]
+        K = h.shape[0]
+        lp = h.new_empty(K, dtype=torch.float32)
+        ent = h.new_zeros(K, dtype=torch.float32)
+        jac = torch.empty_like(h) if need_grad else None
+        for s in range(0, K, chunk):
+            e = min(K, s + chunk)
+            z = F.linear(h[s:e], weight, bias).float() / tau[s:e, None]  # (c, V)
+            lse = z.logsumexp(-1)  # (c,)
+            y = targets[s:e]
+            lp[s:e] = z.gather(-1, y[:, None]).squeeze(-1) - lse
+            if need_grad or ent_rows[s:e].any():
+                p = (z - lse[:, None]).exp_()  # (c, V) softmax of the tempered logits
+                if ent_rows[s:e].any():
+                    ent[s:e] = torch.where(ent_rows[s:e], lse - (p * z).sum(-1), 0.0)
+                if need_grad:  # (W[y] - p W) / tau: the whole Jacobian row of lp_t w.r.t. h_t
+                    pw = (p.to(weight.dtype) @ weight).float()  # (c, H)
+                    jac[s:e] = ((weight[y].float() - pw) / tau[s:e, None]).to(h.dtype)
+        if need_grad:
+            ctx.save_for_backward(jac)
+        ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_ent):
+        (jac,) = ctx.saved_tensors
+        return (grad_lp.to(jac.dtype)[:, None] * jac), None, None, None, None, None, None
+
+
+def _chunked_from_logits(logits, targets, tau, ent_rows, chunk):
+    """The same math on logits already computed (fallback path; autograd through the chunks)."""
+    lps, ents = [], []
+    for s in range(0, logits.shape[0], chunk):
+        z = logits[s: s + chunk].float() / tau[s: s + chunk, None]
+        lse = z.logsumexp(-1)
+        lps.append(z.gather(-1, targets[s: s + chunk, None]).squeeze(-1) - lse)
+        with torch.no_grad():
+            p = (z - lse[:, None]).exp()
+            ents.append(torch.where(ent_rows[s: s + chunk], lse - (p * z).sum(-1), 0.0))
+    return torch.cat(lps), torch.cat(ents)
+
+
+def frozen_linear_head(model) -> torch.nn.Linear | None:
+    """The output head when the fused path applies to ``model`` (a peft or plain causal LM), else None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    cfg = getattr(base, "config", None)
+    if type(head) is not torch.nn.Linear or any(p.requires_grad for p in head.parameters()):
+        return None
+    if cfg is not None and any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING):
+        return None
+    return head
+
+
+def causal_lm_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    tempered: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    entropy_mask: torch.Tensor | None = None,
+    chunk_elems: int = CHUNK_ELEMS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy), both (N, T) fp32, 0 at t = 0 and wherever not computed.
+
+    Args:
+        model: causal LM (peft-wrapped or not).
+        input_ids, attention_mask (2D, or 4D additive float), position_ids: the batch.
+        tempered: (N, T) bool, positions scored under ``softmax(z / temperature)`` (the action tokens).
+        temperature: the sampling temperature of the rollouts (<= 0: greedy, scored at 1).
+        entropy_mask: (N, T) bool, positions whose predictive entropy is returned (no graph).
+        chunk_elems: logits held at once (tokens per chunk = chunk_elems // vocab).
+    """
+    N, T = input_ids.shape
+    tau_value = float(temperature) if temperature and temperature > 0 else 1.0
+    targets = input_ids[:, 1:].reshape(-1)  # (K,) with K = N * (T - 1)
+    tau = torch.ones(N, T - 1, dtype=torch.float32, device=input_ids.device)
+    if tempered is not None and tau_value != 1.0:
+        tau = tau.masked_fill(tempered[:, 1:], tau_value)
+    tau = tau.reshape(-1)
+    ent_rows = (entropy_mask[:, 1:] if entropy_mask is not None else torch.zeros_like(input_ids[:, 1:], dtype=torch.bool)).reshape(-1)
+    head = frozen_linear_head(model)
+    kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if head is not None:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        hidden = base.get_decoder()(**kw).last_hidden_state  # (N, T, H)
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (K, H): position t - 1 predicts token t
+        chunk = max(1, chunk_elems // head.out_features)
+        lp, ent = _FrozenHeadLogprob.apply(h, head.weight, head.bias, targets, tau, ent_rows, chunk)
+    else:
+        _warn_fallback(model)
+        logits = model(**kw).logits  # (N, T, V)
+        flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+        lp, ent = _chunked_from_logits(flat, targets, tau, ent_rows, max(1, chunk_elems // logits.shape[-1]))
+    zero = lp.new_zeros(N, 1)
+    return torch.cat([zero, lp.view(N, T - 1)], 1), torch.cat([zero, ent.view(N, T - 1)], 1)
+
+
+_warned: set[int] = set()
+
+
+def _warn_fallback(model) -> None:
+    if id(model) not in _warned:
+        _warned.add(id(model))
+        log.warning("log-probs from the model's full logits (its output head is trained or post-processes logits): "
+                    "memory grows with tokens x vocabulary")
