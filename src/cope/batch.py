@@ -5,6 +5,9 @@ Keys (N sequences, T tokens; right padded):
     input_ids      (N, T) long   exact transcript ids; pad id past the end
     attention_mask (N, T) long   1 on real tokens (a transform may replace it by a 4D additive
                                  float mask (N, 1, T, T); then position_ids must be honoured)
+    attn_context_end, attn_segment_start (N, T) long   optional segment attention (CoPE's packed
+                                 forecasts): query i attends keys j < context_end[i] and
+                                 segment_start[i] <= j <= i (see segment_attention)
     position_ids   (N, T) long
     roles          (N, T) long   cope.episode.Role values, PAD=-1
     step_ids       (N, T) long   index of the step a token belongs to, -1 for the first prompt/pad
@@ -74,10 +77,27 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
 
 def row_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """(N,) real length of each row: one past its last attended token (2D ``attention_mask``, right
-    padded); the full width T when a transform replaced the mask by a 4D one (packed rows)."""
+    padded, segments of segment attention included); the full width T when a transform replaced the
+    mask by a 4D one."""
     mask = batch["attention_mask"]
     N, T = batch["input_ids"].shape
     if mask.dim() != 2:
         return torch.full((N,), T, dtype=torch.long, device=mask.device)
     pos = torch.arange(1, T + 1, device=mask.device).expand(N, T)
     return (pos * (mask != 0)).amax(-1).clamp(min=1)
+
+
+SEGMENT_KEYS = ("attn_context_end", "attn_segment_start")
+
+
+def segment_attention(context_end: torch.Tensor, segment_start: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The (N, 1, T, T) mask of segment attention: query i attends key j iff j < context_end[i] or
+    segment_start[i] <= j <= i. Bool (True = attend: SDPA's form) when ``dtype`` is None, else additive
+    in ``dtype`` (0 = attend, the dtype's min = blocked) for eager attention. Every query attends itself."""
+    T = context_end.shape[-1]
+    j = torch.arange(T, device=context_end.device)  # keys
+    i = j[:, None]  # queries
+    keep = (j < context_end[..., None]) | ((j >= segment_start[..., None]) & (j <= i))  # (N, T, T)
+    if dtype is None:
+        return keep[:, None]
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)[:, None]

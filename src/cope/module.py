@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from cope.batch import row_lengths
+from cope.batch import SEGMENT_KEYS, row_lengths, segment_attention
 from cope.logprobs import causal_lm_logprobs
 from cope.objectives import ForwardOut, Objective, combine
 from cope.policy import Policy
@@ -126,11 +126,19 @@ class AgentRLModule(pl.LightningModule):
         return any(o.needs_ref and (o.weight != 0 or (o.schedule != "constant" and o.final_weight != 0))
                    for o in self.objectives)
 
+    def _compute_dtype(self) -> torch.dtype:
+        dtype = next(p for p in self.model.parameters() if p.is_floating_point()).dtype
+        return torch.float32 if dtype not in (torch.float16, torch.bfloat16, torch.float32) else dtype
+
     def _attention(self, batch: dict) -> torch.Tensor:
+        """The mask the model gets: the 2D padding mask, the (N, 1, T, T) mask of segment attention (bool
+        for SDPA, additive otherwise; built here, per forward), or a transform's own 4D additive mask."""
         mask = batch["attention_mask"]
+        if all(k in batch for k in SEGMENT_KEYS):
+            sdpa = getattr(self.model.config, "_attn_implementation", "sdpa") == "sdpa"
+            return segment_attention(*(batch[k] for k in SEGMENT_KEYS), dtype=None if sdpa else self._compute_dtype())
         if mask.dim() == 4:  # additive float mask from a collate transform: re-express in the compute dtype
-            dtype = next(p for p in self.model.parameters() if p.is_floating_point()).dtype
-            dtype = torch.float32 if dtype not in (torch.float16, torch.bfloat16, torch.float32) else dtype
+            dtype = self._compute_dtype()
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask < 0, torch.finfo(dtype).min)
         return mask
 
@@ -143,17 +151,15 @@ class AgentRLModule(pl.LightningModule):
                  entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (log-probs, entropy) of ``batch`` rows ``rows`` (all: None), first ``length`` columns;
         action tokens at the sampling temperature, entropy at action tokens only (see :mod:`cope.logprobs`)."""
-        mask = self._attention(batch)
-        ids, pos, act = batch["input_ids"], batch["position_ids"], batch["action_mask"]
-        if rows is not None:
-            ids, pos, act, mask = ids[rows], pos[rows], act[rows], mask[rows]
+        keys = ("input_ids", "position_ids", "action_mask", "attention_mask", *(k for k in SEGMENT_KEYS if k in batch))
+        part = {k: batch[k] if rows is None else batch[k][rows] for k in keys}  # only this micro-batch's rows
         if length is not None:
-            ids, pos, act = ids[:, :length], pos[:, :length], act[:, :length]
-            mask = mask[..., :length, :length] if mask.dim() == 4 else mask[:, :length]
-        lp, ent = causal_lm_logprobs(self.model, ids, mask, pos, tempered=act, temperature=self.temperature,
-                                     entropy_mask=act if entropy else None)
-        if mask.dim() == 2:  # right padding scores 0, whether or not a micro-batch cut it off
-            pad = mask == 0
+            part = {k: v[:, :length] if v.dim() == 2 else v[..., :length, :length] for k, v in part.items()}
+        act, mask = part["action_mask"], self._attention(part)  # a segment mask only for these rows and columns
+        lp, ent = causal_lm_logprobs(self.model, part["input_ids"], mask, part["position_ids"], tempered=act,
+                                     temperature=self.temperature, entropy_mask=act if entropy else None)
+        if part["attention_mask"].dim() == 2:  # right padding scores 0, whether or not a micro-batch cut it off
+            pad = part["attention_mask"] == 0
             lp, ent = lp.masked_fill(pad, 0.0), ent.masked_fill(pad, 0.0)
         return lp, ent
 

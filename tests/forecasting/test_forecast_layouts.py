@@ -12,7 +12,7 @@ from cope.algos.cope.forecast_targets import ForecastTargets
 from cope.algos.cope.loss import AdaptiveScale, ForecastLoss, forecast_nll
 from cope.algos.cope.loss_balance import LossBalance
 from cope.algos.cope.targets import build_chunks, pack_forecasts, plain_forecasts
-from cope.batch import collate
+from cope.batch import SEGMENT_KEYS, collate, segment_attention
 from cope.episode import Role
 from cope.objectives import ForwardOut
 
@@ -27,10 +27,17 @@ def tiny_model(attn):
     return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(CFG), attn_implementation=attn, dtype=torch.float32)
 
 
+def mask_of(batch):
+    """The mask the model gets: segment attention as an additive float mask (any attention kernel), else 2D."""
+    if all(k in batch for k in SEGMENT_KEYS):
+        return segment_attention(*(batch[k] for k in SEGMENT_KEYS), dtype=torch.float32)
+    return batch["attention_mask"]
+
+
 def token_logprobs(model, batch):
     """(N, T) log p(token t | tokens < t); position 0 holds 0."""
     ids = batch["input_ids"]
-    logits = model(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).logits  # (N, T, V)
+    logits = model(input_ids=ids, attention_mask=mask_of(batch), position_ids=batch["position_ids"]).logits  # (N, T, V)
     lp = logits.float().log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)  # (N, T-1)
     return torch.nn.functional.pad(lp, (1, 0))  # (N, T)
 
@@ -64,8 +71,9 @@ def test_packed_and_plain_give_the_same_loss_and_gradients(attn, normalize, chat
     chunks, _ = build_chunks([eps[i] for i in [1, 0]], chat, K=3, indices=[1, 0])
     assert chunks and {c.episode for c in chunks} == {0}
     packed, plain = pack_forecasts(base, eps, chunks, PAD), plain_forecasts(base, eps, chunks, PAD)
-    assert packed["attention_mask"].shape[1] == 1 and packed["attention_mask"].dtype == torch.float32
-    assert (packed["attention_mask"] == 0).any(-1).all()  # every query attends to something
+    assert packed["attention_mask"].dim() == 2 and all(k in packed for k in SEGMENT_KEYS)  # O(N T): no (T, T) mask stored
+    keep = segment_attention(*(packed[k] for k in SEGMENT_KEYS))  # (N, 1, T, T) bool
+    assert keep.dtype == torch.bool and keep.diagonal(dim1=-2, dim2=-1).all()  # every query attends itself
     assert plain["input_ids"].shape[0] == 2 + len(chunks) and plain["aux_row"].sum() == len(chunks)
     for b in (packed, plain):  # added positions are invisible to the policy-gradient path
         extra = b["forecast_chunk"] >= 0
@@ -198,7 +206,7 @@ def test_forecast_targets_callback_registers_transform_and_logs():
     assert len(fns) == 1
     eps = episodes()
     out = fns[0](collate(eps, PAD), eps)
-    assert out["attention_mask"].dim() == 4 and out["forecast_mask"].any()
+    assert all(k in out for k in SEGMENT_KEYS) and out["forecast_mask"].any()
     cb.on_train_epoch_end(trainer, module)
     assert logged["forecast/targets"] == 4 and logged["forecast/episodes"] == 1
     assert 0 < logged["forecast/masked_frac"] < 1 and logged["forecast/ensemble_size"] > 1

@@ -143,3 +143,18 @@ def test_sampled_anchors_and_indices():
                          ({"max_anchors_per_episode": 2}, "max_anchors")]:
         with pytest.raises(ValueError, match=word):
             build_chunks(eps, CHAT, **kwargs)
+
+
+def test_projected_actions_are_no_forecast_targets_unless_asked():
+    """An action the env read out of free text (Step.projected) is valid for the env and the reward, but
+    its tokens are prose: by default the forecast masks it like an invalid action (or cuts there)."""
+    ep = make_episode(4)
+    ep.steps[1].projected = True
+    assert ep.steps[1].valid and not ep.steps[1].strict
+    masked, _ = build_chunks([ep], CHAT, K=3)
+    kept, _ = build_chunks([ep], CHAT, K=3, mask_projected=False)
+    sup = lambda chunks: {j for c in chunks for j, t in zip(c.action_index, c.target) if t}  # noqa: E731
+    assert 1 not in sup(masked) and 1 in sup(kept)
+    assert sup(masked) == {0, 2, 3}
+    cut, _ = build_chunks([ep], CHAT, K=3, cut_at_invalid=True)
+    assert all(1 not in c.action_index for c in cut)

@@ -12,7 +12,7 @@ from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E
 
 from cope.algos.cope.loss import forecast_nll
 from cope.algos.cope.targets import build_chunks, pack_forecasts
-from cope.batch import collate
+from cope.batch import collate, segment_attention
 from cope.module import token_logprobs
 
 K, BAD = 3, 1  # step 1 is the invalid action
@@ -57,7 +57,8 @@ def positions(batch, eps, chunks, lengths):
 def grads(model, batch):
     """Forecast loss gradient w.r.t. leaf log-probs (N, T) and w.r.t. leaf logits (N, T, V)."""
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+        mask = segment_attention(batch["attn_context_end"], batch["attn_segment_start"], torch.float32)
+        logits = model(input_ids=batch["input_ids"], attention_mask=mask,
                        position_ids=batch["position_ids"], use_cache=False).logits  # (N, T, V)
     logits = logits.detach().requires_grad_(True)
     lp, _ = token_logprobs(logits, batch["input_ids"], with_entropy=False)  # (N, T)
@@ -81,7 +82,7 @@ def test_invalid_action_gets_no_forecast_gradient(model, chat, mask_invalid):
     chunks, _ = build_chunks(eps, chat, K=K, mask_invalid=mask_invalid)
     assert [c.step for c in chunks] == [0, 1, 2, 3] and {c.episode for c in chunks} == {0}
     batch = pack_forecasts(base, eps, chunks, PAD)
-    assert batch["attention_mask"].dim() == 4  # segments were appended
+    assert "attn_segment_start" in batch  # segments were appended
     pos = positions(batch, eps, chunks, lengths)
     # the invalid action sits in chunks 0 and 1 (anchor and segment) and is in the transcript once
     bad = {k: v for k, v in pos.items() if k[1] == BAD}

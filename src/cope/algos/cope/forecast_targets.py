@@ -34,13 +34,15 @@ class ForecastTargets(Callback):
         K: actions per chunk (the paper advises 2 to 4); >= 1.
         mask_invalid: invalid actions stay as inputs but give no gradient.
         cut_at_invalid: stop chunks before the first invalid action instead.
-        layout: ``packed`` (segments after the transcript, 4D mask; cheaper) or ``plain`` (one extra
+        layout: ``packed`` (segments after the transcript, segment attention; cheaper) or ``plain`` (one extra
             row per chunk; the reference layout).
         anchors: ``all`` steps, or ``sample`` up to ``max_anchors_per_episode`` per episode.
         max_anchors_per_episode: sample size for ``anchors='sample'``.
         success_only: only successful episodes give targets (ignored when ``min_score`` is set).
         min_score: episodes with ``score >= min_score`` give targets instead.
         seed: seed of the anchor sampler.
+        mask_projected: actions the env read out of free text (``env.action_parsing=project``) are
+            treated as invalid (masked, or cut with ``cut_at_invalid``): forecasts learn the strict format.
     """
 
     def __init__(
@@ -54,13 +56,14 @@ class ForecastTargets(Callback):
         success_only: bool = True,
         min_score: float | None = None,
         seed: int = 0,
+        mask_projected: bool = True,
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"ForecastTargets.layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
         check_chunk_args(K, anchors, max_anchors_per_episode)
         self.K, self.mask_invalid, self.cut_at_invalid, self.layout = int(K), mask_invalid, cut_at_invalid, layout
         self.anchors, self.max_anchors_per_episode = anchors, max_anchors_per_episode
-        self.success_only, self.min_score = success_only, min_score
+        self.success_only, self.min_score, self.mask_projected = success_only, min_score, mask_projected
         self._rng = random.Random(seed)
         self._datamodule = None
         self._chat, self._pad_id = None, 0  # the policy's, bound at setup
@@ -92,6 +95,7 @@ class ForecastTargets(Callback):
             min_score=self.min_score,
             rng=self._rng,
             indices=idx,
+            mask_projected=self.mask_projected,
         )
         for k in _SUMS:
             self._sums[k] += metrics[k]

@@ -17,7 +17,8 @@ Layouts (both return a new batch dict, see ``cope.batch`` for the keys, and add 
 (N, T) bool, ``forecast_chunk`` (N, T) long (index into ``chunks``, -1 elsewhere),
 ``forecast_actions`` (C,) long, and set ``aux_row`` (N,) bool on rows that are not transcripts; both ignore chunks whose episode
 has no row in the batch, so they give the same loss):
-    * :func:`pack_forecasts`: segments appended after their episode's row, one 4D additive mask.
+    * :func:`pack_forecasts`: segments appended after their episode's row, segment attention (O(N T)
+      in the batch; the (T, T) mask exists only per forward, as bool for SDPA).
     * :func:`plain_forecasts`: one extra row per chunk, ``tokens[:anchor] + chunk``.
 """
 from __future__ import annotations
@@ -72,14 +73,16 @@ def qualifies(ep: Episode, success_only: bool = True, min_score: float | None = 
     return ep.success or not success_only
 
 
-def _chunk(ep: Episode, ei: int, t: int, chat: ChatFormat, K: int, mask_invalid: bool, cut_at_invalid: bool) -> ForecastChunk | None:
+def _chunk(ep: Episode, ei: int, t: int, chat: ChatFormat, K: int, mask_invalid: bool, cut_at_invalid: bool,
+           mask_projected: bool = True) -> ForecastChunk | None:
     toks: list[int] = []
     target: list[bool] = []
     act: list[int] = []
     num = 0
     for j in range(t, min(t + K, len(ep.steps))):
         s = ep.steps[j]
-        if cut_at_invalid and not s.valid:
+        ok = s.strict if mask_projected else s.valid  # a projected action's tokens are prose, not the format
+        if cut_at_invalid and not ok:
             break
         if j > t:
             joiner = chat.assistant_joiner(ep.steps[j - 1].closed)
@@ -87,7 +90,7 @@ def _chunk(ep: Episode, ei: int, t: int, chat: ChatFormat, K: int, mask_invalid:
             target += [False] * len(joiner)
             act += [-1] * len(joiner)
         ids = ep.tokens[s.action_start : s.action_end]
-        sup = s.valid or not mask_invalid
+        sup = ok or not mask_invalid
         toks += ids
         target += [sup] * len(ids)
         act += [j] * len(ids)
@@ -109,6 +112,7 @@ def build_chunks(
     min_score: float | None = None,
     rng: random.Random | None = None,
     indices: list[int] | None = None,
+    mask_projected: bool = True,
 ) -> tuple[list[ForecastChunk], dict[str, float]]:
     """Forecast chunks of the qualifying episodes.
 
@@ -124,6 +128,8 @@ def build_chunks(
         min_score: episodes with ``score >= min_score`` qualify instead.
         rng: for anchor sampling (default ``random.Random(0)``).
         indices: the episode index stored in each chunk (default: position in ``episodes``).
+        mask_projected: actions the env read out of free text (``Step.projected``) count as invalid
+            here (masked / cut like them): the forecast learns the strict action format only.
 
     Returns:
         (chunks, metrics): ``forecast/targets`` (chunks), ``forecast/episodes`` (qualifying),
@@ -144,7 +150,8 @@ def build_chunks(
         if not qualifies(ep, success_only, min_score):
             continue
         n_eps += 1
-        cands = [c for t in range(ep.num_steps) if (c := _chunk(ep, ei, t, chat, K, mask_invalid, cut_at_invalid))]
+        cands = [c for t in range(ep.num_steps)
+                 if (c := _chunk(ep, ei, t, chat, K, mask_invalid, cut_at_invalid, mask_projected))]
         if anchors == "sample" and len(cands) > max_anchors_per_episode:
             keep = sorted(rng.sample(range(len(cands)), max_anchors_per_episode))
             cands = [cands[i] for i in keep]
@@ -191,14 +198,16 @@ def _widen(batch: dict, N: int, T: int, T_new: int, pad_id: int) -> dict:
 
 
 def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
-    """Append each chunk after its episode's transcript in the same row; one 4D additive mask.
+    """Append each chunk after its episode's transcript in the same row, with segment attention
+    (``attn_context_end``, ``attn_segment_start``: see :func:`cope.batch.segment_attention`).
 
     The chunk's a_t is scored at its transcript positions; the appended segment (joiner, a_{t+1},
     ...) anchors at ``steps[t].action_end``: it attends to transcript positions < action_end and
     causally to itself, and its position ids continue from there. When a segment would open with a
     target token (an empty joiner), the token before it is repeated first as a non-target, because
     the first column of a segment is scored from the previous column's logits, which belong to
-    something else. When no segment is appended, the 2D mask is kept.
+    something else. ``attention_mask`` stays 2D (1 on transcript and segment tokens, rows right padded).
+    When no segment is appended, the batch has no segment keys.
     """
     N, T = _check_2d(batch, "pack_forecasts")
     lengths = batch["attention_mask"].sum(-1).tolist()
@@ -232,24 +241,24 @@ def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastCh
     for r, col, tg, cid in marks:
         fmask[r, col], fchunk[r, col] = tg, cid
     if segs:
-        allowed = torch.zeros(N, T_new, T_new, dtype=torch.bool)  # (N, T_new, T_new) query x key
-        tri = torch.ones(T_new, T_new, dtype=torch.bool).tril()  # (T_new, T_new)
-        for r in range(N):
-            allowed[r, : lengths[r], : lengths[r]] = tri[: lengths[r], : lengths[r]]
-            pad = torch.arange(ends[r], T_new)
-            allowed[r, pad, pad] = True  # padding attends to itself only
-        ids_t, pos_t = out["input_ids"].clone(), out["position_ids"].clone()  # (N, T_new)
+        # segment attention, O(N * T) (cope.batch.segment_attention builds the (T, T) mask per forward):
+        # query i sees keys j < context_end[i] and segment_start[i] <= j <= i. Transcript: (0, 0), causal;
+        # padding: (0, i), itself only; a segment: (anchor context, its first column).
+        col = torch.arange(T_new)
+        ctx_end = torch.zeros(N, T_new, dtype=torch.long)  # (N, T_new)
+        seg_start = torch.where(col[None] < torch.tensor(lengths)[:, None], 0, col[None]).clone()  # (N, T_new)
+        ids_t, pos_t, real = out["input_ids"].clone(), out["position_ids"].clone(), out["attention_mask"].clone()
         for r, c0, ctx, ids, tgt, cid in segs:
             c1 = c0 + len(ids)
             ids_t[r, c0:c1] = torch.tensor(ids, dtype=torch.long)
             pos_t[r, c0:c1] = torch.arange(ctx, ctx + len(ids))
             fmask[r, c0:c1] = torch.tensor(tgt, dtype=torch.bool)
             fchunk[r, c0:c1] = cid
-            allowed[r, c0:c1, :ctx] = True  # the history h_t (up to the anchor)
-            allowed[r, c0:c1, c0:c1] = tri[: c1 - c0, : c1 - c0]  # causal inside the segment
-        mask = torch.zeros(N, 1, T_new, T_new, dtype=torch.float32)  # (N, 1, T_new, T_new) additive
-        out["attention_mask"] = mask.masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
-        out["input_ids"], out["position_ids"] = ids_t, pos_t
+            ctx_end[r, c0:c1] = ctx  # the history h_t (up to the anchor)
+            seg_start[r, c0:c1] = c0  # causal inside the segment
+            real[r, c0:c1] = 1
+        out["attn_context_end"], out["attn_segment_start"] = ctx_end, seg_start
+        out["input_ids"], out["position_ids"], out["attention_mask"] = ids_t, pos_t, real
     out["forecast_mask"], out["forecast_chunk"] = fmask, fchunk
     out["forecast_actions"] = torch.tensor([c.num_actions for c in chunks], dtype=torch.long)  # (C,)
     out["aux_row"] = batch.get("aux_row", torch.zeros(N, dtype=torch.bool))  # (N,): no rows added
