@@ -85,6 +85,30 @@ def _malloc_trim() -> None:
         pass
 
 
+class StepMeter:
+    """Seconds and peak memory of one step: CUDA's peak allocated over the step start, or the CPU's
+    sampled RSS delta (after ``malloc_trim``). ``start()`` before the step, ``stop() -> (s, bytes)`` after."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.rss = cuda, None if cuda else RssPeak()
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            _malloc_trim()
+            self.rss.reset()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> tuple[float, int]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - self.t0
+        return dt, (torch.cuda.max_memory_allocated() - self.base) if self.cuda else self.rss.delta()
+
+
 def collect(dm, policy, n: int, min_success: int, max_batches: int, seed: int):
     """``n`` episodes from the current policy, with at least ``min_success`` successes if possible."""
     from cope.advantages import group_advantages
@@ -195,21 +219,13 @@ def main(argv: list[str] | None = None) -> dict:
                           rows=sum(mb["input_ids"].shape[0] for mb in mbs), cols=max(mb["input_ids"].shape[1] for mb in mbs),
                           cells=sum(mb["input_ids"].numel() for mb in mbs), chunks=n_chunks)
 
-    cuda = device.type == "cuda"
-    rss = None if cuda else RssPeak()
+    meter = StepMeter(device.type == "cuda")
     policy.model.train()
     for r in range(args.warmup + args.steps):
         for v in runs.values():
             load(v["state"])
             batch = v["mbs"][r % len(v["mbs"])]
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            else:
-                _malloc_trim()
-                rss.reset()
-            t0 = time.perf_counter()
+            meter.start()
             with amp():
                 out = v["module"](batch)
                 total, _ = combine(v["module"].objectives, out, batch, r)
@@ -218,10 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
                 torch.nn.utils.clip_grad_norm_(params.values(), float(clip))
             v["opt"].step()
             v["opt"].zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            mem = torch.cuda.max_memory_allocated() - base if cuda else rss.delta()
+            dt, mem = meter.stop()
             v["state"] = snapshot()
             if r >= args.warmup:
                 v["times"].append(dt)
@@ -229,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"round {r + 1}/{args.warmup + args.steps}" + (" (warmup)" if r < args.warmup else ""), flush=True)
 
     base_t = statistics.mean(runs["GRPO"]["times"])
-    mem_label = "peak allocated over step start, MiB (CUDA)" if cuda else "peak RSS delta, MiB (CPU, approximate)"
+    mem_label = "peak allocated over step start, MiB (CUDA)" if meter.cuda else "peak RSS delta, MiB (CPU, approximate)"
     results = {}
     for name, v in runs.items():
         m = statistics.mean(v["times"])

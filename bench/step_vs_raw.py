@@ -27,14 +27,13 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_overhead import RssPeak, _malloc_trim  # noqa: E402
+from step_overhead import StepMeter  # noqa: E402
 
 from cope.algos.grpo import PolicyGradient  # noqa: E402
 from cope.module import AgentRLModule, token_logprobs  # noqa: E402
@@ -106,22 +105,12 @@ def make_steps(policy: Policy, mb: dict):
 def measure(steps: dict, rounds: int, warmup: int, cuda: bool) -> dict:
     times = {k: [] for k in steps}
     mem = {k: 0.0 for k in steps}
-    rss = None if cuda else RssPeak()
+    meter = StepMeter(cuda)
     for r in range(warmup + rounds):
         for name, fn in steps.items():
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            else:
-                _malloc_trim()
-                rss.reset()
-            t0 = time.perf_counter()
+            meter.start()
             fn()
-            if cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            peak = (torch.cuda.max_memory_allocated() - base) if cuda else rss.delta()
+            dt, peak = meter.stop()
             if r >= warmup:
                 times[name].append(dt)
                 mem[name] = max(mem[name], peak / 2**20)

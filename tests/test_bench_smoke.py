@@ -39,6 +39,16 @@ def test_step_overhead_smoke(tmp_path):
     assert all(len(v["times_s"]) == 2 and v["mean_s"] > 0 for v in report["variants"].values())
 
 
+def test_step_vs_raw_smoke(tmp_path):
+    out = tmp_path / "svr.json"
+    proc = _run("step_vs_raw.py", ["--quick", "--json", str(out)])
+    assert "raw/trainer" in proc.stdout and "peak memory per step" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["speed"] and report["memory"]
+    for row in report["speed"]:
+        assert row["raw_mean_s"] > 0 and row["trainer_mean_s"] > 0 and row["before_mean_s"] > 0 and row["raw_over_trainer"] > 0
+
+
 def test_sample_efficiency_smoke(tmp_path):
     out = tmp_path / "se"
     args = ["--algos", "grpo", "cope", "--seeds", "0", "--overrides", "debug=fast", "trainer.max_epochs=1",
