@@ -68,7 +68,6 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -189,35 +188,6 @@ def expected_lora_params(shape: dict, r: int) -> int:
     kv = shape["num_key_value_heads"] * hidden // shape["num_attention_heads"]
     per_layer = (hidden + hidden) * 2 + (hidden + kv) * 2 + (hidden + inter) * 3  # q, o; k, v; gate, up, down: r * (in + out) each
     return r * per_layer * shape["num_hidden_layers"]
-
-
-class _CacheAsPastKeyValues:
-    """transformers releases before the ``cache=`` rename (5.17 on the GPU image) take ``past_key_values=``
-    and return ``.past_key_values``; ``cope.generation`` passes ``cache=`` and reads ``.cache``. This
-    callable translates both ways so the project's actor runs unchanged there."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def parameters(self):
-        return self.model.parameters()
-
-    def __call__(self, **kw):
-        kw["past_key_values"] = kw.pop("cache", None)
-        out = self.model(**kw)
-        return SimpleNamespace(logits=out.logits, cache=out.past_key_values)
-
-
-def generation_model(model) -> tuple[object, str | None]:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    params = inspect.signature(base.forward).parameters
-    if "cache" in params or "past_key_values" not in params:
-        return model, None
-    import transformers
-
-    return _CacheAsPastKeyValues(model), (f"transformers {transformers.__version__}: the causal LM's forward takes past_key_values, "
-                                          "not cache; cope.generation.CachedSamplingActor passes cache= and reads out.cache "
-                                          "(the script adapts the call)")
 
 
 # -- synthetic episodes ------------------------------------------------------------------------------
@@ -385,7 +355,7 @@ def run_generation(policy, pad: int, sizes: Sizes, device, words, temperature: f
     prompts = [[*chat.system_open, *[rng.randrange(*words) for _ in range(body // 2)], *chat.turn_end, *chat.newline, *chat.user_open,
                 *[rng.randrange(*words) for _ in range(body - body // 2)], *chat.close_turn()] for _ in range(sizes.gen_batch)]
     policy.model.eval()
-    model, note = generation_model(policy.model)
+    model, note = policy.model, None  # cope.generation handles the cache keyword of older transformers
     CachedSamplingActor(model, pad, chat.stop_ids, max_new_tokens=4, temperature=temperature, seed=0)(prompts)  # warm-up
     actor = CachedSamplingActor(model, pad, chat.stop_ids, max_new_tokens=sizes.gen_new, temperature=temperature, seed=0)
     times, new = [], []

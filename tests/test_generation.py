@@ -2,12 +2,14 @@
 also while rows drop out; `sample_next` keeps only the nucleus and is argmax at temperature 0."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from tiny_fixtures import maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 
 from cope.envs.maze import MazeEnv
-from cope.generation import CachedSamplingActor, sample_next
+from cope.generation import CachedSamplingActor, cache_kwarg, sample_next
 from cope.rollout import run_episodes
 
 MAX_ACTION = 6
@@ -100,6 +102,32 @@ def test_shrinking_context_is_rejected(model):
     with pytest.raises(ValueError, match="shrank"):
         actor([ctx[:3]], keys=[0])
     assert len(first[0]) <= 2
+
+
+class PastKeyValuesLM(torch.nn.Module):
+    """The model as transformers releases before the ``cache`` rename call it (5.17 on GPU images):
+    forward takes ``past_key_values=`` and returns ``.past_key_values``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None,
+                logits_to_keep=0):
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=past_key_values,
+                         use_cache=use_cache, logits_to_keep=logits_to_keep)
+        return SimpleNamespace(logits=out.logits, past_key_values=out.cache)
+
+
+def test_actor_speaks_the_older_cache_keyword(model):
+    """The same greedy actions through a model whose forward names its KV cache ``past_key_values``."""
+    tok, chat = tiny_tokenizer(), tiny_chat()
+    old = PastKeyValuesLM(model)
+    assert cache_kwarg(model) == "cache" and cache_kwarg(old) == "past_key_values"
+    ctxs = [[1, 290, 201, 30, 31, 2, 201, 1, 295, 201], [1, 290, 201, 2, 201, 1, 295, 201, 30]]
+    new_ids = CachedSamplingActor(model, tok.pad_token_id, chat.stop_id, MAX_ACTION, temperature=0.0)(ctxs)
+    old_ids = CachedSamplingActor(old, tok.pad_token_id, chat.stop_id, MAX_ACTION, temperature=0.0)(ctxs)
+    assert old_ids == new_ids and all(len(a) > 0 for a in new_ids)
 
 
 # probs 0.15, 0.50, 0.05, 0.30 (unsorted on purpose, so the scatter back to vocab order is exercised)

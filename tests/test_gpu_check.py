@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,35 +100,6 @@ def gpu_check():
     finally:
         sys.meta_path[:] = before  # the script's checkout finder is for its own process
         sys.modules.pop("gpu_check", None)
-
-
-class _OldLM(torch.nn.Module):
-    """A causal LM forward of transformers before the ``cache=`` rename (5.17)."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.zeros(1))
-        self.seen = None
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, use_cache=None, logits_to_keep=0):
-        self.seen = past_key_values
-        return SimpleNamespace(logits=torch.zeros(1, 1, 3), past_key_values=("new", past_key_values))
-
-
-class _NewLM(_OldLM):
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None, logits_to_keep=0):
-        return SimpleNamespace(logits=torch.zeros(1, 1, 3), cache=cache)
-
-
-def test_cache_kwarg_shim_translates_both_ways(gpu_check):
-    old = _OldLM()
-    model, note = gpu_check.generation_model(old)
-    assert model is not old and "past_key_values" in note
-    out = model(input_ids=None, cache="c0", use_cache=True, logits_to_keep=1)
-    assert old.seen == "c0" and out.cache == ("new", "c0") and out.logits.shape == (1, 1, 3)
-    assert next(model.parameters()) is old.w  # CachedSamplingActor reads the device from it
-    new = _NewLM()
-    assert gpu_check.generation_model(new) == (new, None)
 
 
 @pytest.mark.long

@@ -12,9 +12,18 @@ this is the cheaper path for long episodes and needs nothing beyond a causal LM'
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
+
+
+def cache_kwarg(model) -> str:
+    """The name under which this model's forward takes and returns its KV cache: ``cache`` (transformers
+    releases after the rename, this project's pin) or ``past_key_values`` (older ones, e.g. 5.17 on GPU images)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(base.forward).parameters
+    return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -51,6 +60,7 @@ class CachedSamplingActor:
         self.model, self.pad_id, self.stop_id = model, pad_id, self.stop_ids[0]
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.device = next(model.parameters()).device
+        self._cache_kw = cache_kwarg(model)
         self._stops = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)  # (S,)
         self.generator = None
         if seed is not None:
@@ -101,8 +111,9 @@ class CachedSamplingActor:
         pos = pos.clamp(min=0)
         self.mask = torch.cat([self.mask, new_mask], dim=1)  # (B, past + W)
         self.next_pos = self.next_pos + new_mask.sum(-1)
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache, use_cache=True, logits_to_keep=1)
-        self.cache = out.cache
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{self._cache_kw: self.cache})
+        self.cache = getattr(out, self._cache_kw)
         return out.logits[:, -1]  # (B, V)
 
     @torch.no_grad()
