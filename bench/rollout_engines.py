@@ -132,9 +132,11 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=os.environ.get("COPE_CACHE", str(Path.home() / ".cache/cope-trainer")))
     ap.add_argument("--out", default=str(REPO / "bench/results/rollout_engines/rollout_engines.md"))
     args = ap.parse_args()
-    results = [bench_env(env, args) for env in args.env]
+    results = []
+    for env in args.env:
+        results.append(bench_env(env, args))
+        print(render(results[-1:]), flush=True)  # each env as soon as it is measured
     text = render(results)
-    print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)

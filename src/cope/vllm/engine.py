@@ -150,17 +150,21 @@ class VLLMEngine:
             self.server = ManagedServer(policy.source, python=self.python, dtype=dtype, max_model_len=self.max_context,
                                         max_lora_rank=int(peft_cfg.r), log_path=self.workdir / "server.log", **self.server_kw)
             weakref.finalize(self, self.server.stop)  # garbage collection or exit; the guard covers crashes
-        self.server.start()
-        self._client()
         try:
-            self.base_name = check_server(self.client, policy, self.max_context,
-                                          self.model if self.url else self.server.served_name, self.check_tolerance)
-        except VLLMError as e:
-            cause = self.server.log_error() if self.server.managed else ""
-            raise VLLMError(f"{e}{f' (server log: {cause})' if cause else ''}") from None
-        self._version = None
-        self._save_adapter()
-        self._load_adapter()
+            self.server.start()
+            self._client()
+            try:
+                self.base_name = check_server(self.client, policy, self.max_context,
+                                              self.model if self.url else self.server.served_name, self.check_tolerance)
+            except VLLMError as e:
+                cause = self.server.log_error() if self.server.managed else ""
+                raise VLLMError(f"{e}{f' (server log: {cause})' if cause else ''}") from None
+            self._version = None
+            self._save_adapter()
+            self._load_adapter()
+        except BaseException:
+            self.server.stop()  # a managed server that cannot serve this run goes at once (attached: nothing)
+            raise
 
     def _client(self) -> Client:
         self.client = Client(self.server.url, timeout_s=self.request_timeout_s, api_key=self.api_key)

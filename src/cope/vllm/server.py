@@ -151,8 +151,7 @@ class ManagedServer:
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
         for k in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):  # the trainer's venv must not leak into vLLM's
             env.pop(k, None)
-        if Path(self.model).is_dir():
-            env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")  # like the trainer (local_files_only): a hub id must be in the local cache
         if self.threads:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.threads
         env.update(self.extra_env)
