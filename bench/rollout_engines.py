@@ -58,7 +58,7 @@ def bench_env(env: str, args) -> dict:
     groups = [i // args.group for i in range(args.episodes)]
     hf = HFEngine(factory, EnvRuntime(), max_context)
     vl = VLLMEngine(factory, EnvRuntime(), max_context, python=args.python, dtype=args.dtype, threads=args.threads,
-                    kv_cache_gb=args.kv_cache_gb, workdir=tempfile.mkdtemp(prefix="cope-bench-vllm-"))
+                    kv_cache_gb=args.kv_cache_gb, server_args=args.server_args, workdir=tempfile.mkdtemp(prefix="cope-bench-vllm-"))
     hf.connect(policy)
     t0 = time.perf_counter()
     vl.connect(policy)
@@ -90,7 +90,8 @@ def bench_env(env: str, args) -> dict:
     med = {k: {m: statistics.median(v[m]) for m in v} for k, v in rows.items()}
     return {"env": env, "episodes": args.episodes, "rounds": args.rounds, "max_action_tokens": args.max_action_tokens,
             "model": str(policy.source), "dtype": vl.server.dtype, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
-            "server_threads": args.threads, "server_start_s": vl.stats()["server_start_seconds"], "connect_s": connect_s,
+            "server_threads": args.threads, "server_args": args.server_args,
+            "server_start_s": vl.stats()["server_start_seconds"], "connect_s": connect_s,
             "median": med, "ratio_tokens_per_s": med["vllm"]["tok_s"] / med["hf"]["tok_s"],
             "ratio_episodes_per_s": med["vllm"]["eps_s"] / med["hf"]["eps_s"],
             "adapter_sync_s_median": statistics.median(syncs), "adapter_sync_s_max": max(syncs), "rows": rows}
@@ -129,6 +130,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="server dtype (default: the trainer's)")
     ap.add_argument("--threads", default="0-1", help="server cores (VLLM_CPU_OMP_THREADS_BIND)")
     ap.add_argument("--kv-cache-gb", type=float, default=2.0)
+    ap.add_argument("--server-args", type=str.split, default=[], help="more vLLM server flags in one string: \"--block-size 16\"")
     ap.add_argument("--cache-dir", default=os.environ.get("COPE_CACHE", str(Path.home() / ".cache/cope-trainer")))
     ap.add_argument("--out", default=str(REPO / "bench/results/rollout_engines/rollout_engines.md"))
     args = ap.parse_args()

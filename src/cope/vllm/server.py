@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from cope.vllm.client import Client
 log = logging.getLogger(__name__)
 GUARD = Path(__file__).with_name("guard.py")
 REPO = Path(__file__).resolve().parents[3]
+_EXC = re.compile(r"(?:\] |^)((?:\w+\.)*\w*(?:Error|Exception): .*)$")  # an exception line, after vLLM's log prefix
 
 
 class VLLMError(RuntimeError):
@@ -191,19 +193,20 @@ class ManagedServer:
             rc = self._guard.poll()
             if rc is not None:
                 raise VLLMError(f"vLLM server exited with code {rc} while starting (log {self.log_path}): "
-                                f"{_tail(self.log_path, 6)}")
+                                f"{self.log_error() or _tail(self.log_path, 6)}")
             if time.monotonic() > deadline:
                 raise VLLMError(f"vLLM server did not become healthy within {self.startup_timeout_s:.0f} s "
                                 f"(log {self.log_path}): {_tail(self.log_path, 4)}")
             time.sleep(0.5)
 
     def log_error(self) -> str:
-        """The newest exception line of the server's log ("RuntimeError: ..."), for one-line errors."""
+        """The first exception line the server logged since its newest start ("ValueError: ..."): usually the
+        root cause, where the last one is "Engine core initialization failed"."""
         if not self.log_path.exists():
             return ""
-        hits = [ln.split("] ")[-1].strip() for ln in self.log_path.read_text(errors="replace").splitlines()
-                if "Error: " in ln and "Traceback" not in ln]
-        return hits[-1][:400] if hits else ""
+        text = self.log_path.read_text(errors="replace").rsplit("=== cope: starting vLLM", 1)[-1]
+        hits = [m.group(1) for m in map(_EXC.search, text.splitlines()) if m]
+        return hits[0][:400] if hits else ""
 
     def alive(self) -> bool:
         return self._guard is not None and self._guard.poll() is None and Client(self.url).healthy()
