@@ -153,10 +153,14 @@ class RolloutDataModule(pl.LightningDataModule):
             bar = tqdm(total=len(tasks), desc=desc, leave=False, dynamic_ncols=True)
         seed = self._rng.randrange(2**31)  # drawn for greedy calls too: one stream position per call
         try:
+            t0 = time.perf_counter()
             if self.trainer is not None:
                 self.engine.sync(self.trainer.global_step)
-            return self.engine.rollout(tasks, groups, dataclasses.replace(sampling, seed=seed),
-                                       progress=bar.update if bar else None)
+            synced = time.perf_counter() - t0
+            eps, stats = self.engine.rollout(tasks, groups, dataclasses.replace(sampling, seed=seed),
+                                             progress=bar.update if bar else None)
+            stats.sync_seconds += synced
+            return eps, stats
         finally:
             if bar:
                 bar.close()
@@ -223,10 +227,12 @@ class RolloutDataModule(pl.LightningDataModule):
             "perf/rollout_seconds": t_roll,
             "perf/tokens_per_s": stats.generated_tokens / max(stats.gen_seconds, 1e-9),
             "perf/env_seconds": stats.env_seconds,
+            "perf/adapter_sync_seconds": stats.sync_seconds,
         })
         m.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
         return EpochRecord(epoch=epoch, version=version, episodes=eps, groups=groups, minibatches=minibatches,
-                           stats=stats, metrics=m, counters=dict(self.counters))
+                           stats=stats, metrics=m, counters=dict(self.counters),
+                           sampler_logprobs=bool(getattr(self.engine, "reports_logprobs", False)))
 
     def _env_stats_delta(self) -> dict[str, int]:
         """Env-runtime events (restarts, timeouts, ...) since the last call."""

@@ -79,7 +79,8 @@ class EnvRuntime:
 
 
 class RolloutEngine(Protocol):
-    """What the DataModule needs from a rollout engine."""
+    """What the DataModule needs from a rollout engine. Optional class attribute ``reports_logprobs``
+    (default False): every sampled action carries the sampler's own log-probs (``Step.sampler_logprobs``)."""
 
     def connect(self, policy: Any) -> None:
         """Bind the policy (model, tokenizer, chat scaffold) the episodes are sampled from."""
@@ -95,7 +96,8 @@ class RolloutEngine(Protocol):
         """Cumulative env-runtime events (restarts, timeouts, ...; :data:`cope.envs.runtime.batch.STATS`)."""
 
     def close(self) -> None:
-        """Release env instances and processes; the engine may be used again afterwards."""
+        """Release env instances and worker processes; the engine may be used again afterwards. A server
+        engine may keep its server up (validation then fit must not reload the model; it ends with the process)."""
 
 
 class HFEngine:

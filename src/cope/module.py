@@ -234,7 +234,10 @@ class AgentRLModule(pl.LightningModule):
             for fn in self._scored_transforms:
                 fn(record.minibatches, record.episodes)
             record.scored = True
-        metrics = {**record.metrics, **sampler_gap(record.minibatches, record.episodes)}
+        gap = sampler_gap(record.minibatches, record.episodes)
+        if record.sampler_logprobs:  # the same keys on every rank (DDP reduces them), also with nothing to compare
+            gap = {"rollout/logprob_gap": 0.0, "rollout/logprob_gap_max": 0.0, **gap}
+        metrics = {**record.metrics, **gap}
         self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
 
     def _backward(self, batch: dict) -> ForwardOut:

@@ -34,6 +34,7 @@ class EpochRecord:
     metrics: dict[str, float]
     counters: dict[str, int]
     scored: bool = False  # set by the module once the minibatches carry old log-probs
+    sampler_logprobs: bool = False  # the engine reports its own log-probs (``Step.sampler_logprobs``: a server engine)
 
 
 @dataclass

@@ -62,11 +62,12 @@ class RolloutStats:
     env_errors: int = 0
     gen_seconds: float = 0.0
     env_seconds: float = 0.0
+    sync_seconds: float = 0.0  # making the trained weights the sampler's (0 in process; a vLLM adapter hot load)
     errors: list[str] = field(default_factory=list)
 
     def add(self, other: "RolloutStats") -> None:
         """Accumulate another run's stats (the waves of one epoch)."""
-        for k in ("episodes", "env_steps", "generated_tokens", "env_errors", "gen_seconds", "env_seconds"):
+        for k in ("episodes", "env_steps", "generated_tokens", "env_errors", "gen_seconds", "env_seconds", "sync_seconds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.errors += other.errors
 

@@ -46,6 +46,7 @@ def test_trains_end_to_end_against_its_own_server(managed_run, read_metrics):
     assert "held-out success:" in proc.stdout and "episodes 8," in proc.stdout, report
     cols = read_metrics(run_dir / "csv" / "metrics.csv")
     assert cols.get("rollout/logprob_gap") and max(cols["rollout/logprob_gap"]) < 1e-3, cols.get("rollout/logprob_gap")
+    assert cols.get("perf/adapter_sync_seconds") and min(cols["perf/adapter_sync_seconds"]) > 0  # save + hot load, each epoch
     assert cols.get("env/server_restarts") == [0.0]
     assert cols["counters/episodes"] == [8.0] and cols.get("loss/pg")
     log = (run_dir / "vllm" / "server.log").read_text()

@@ -104,6 +104,8 @@ class VLLMEngine:
         api_key: bearer token of an attached server.
     """
 
+    reports_logprobs = True  # Step.sampler_logprobs of every sampled action: the module logs rollout/logprob_gap
+
     def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None,
                  url: str | None = None, model: str | None = None, python: str | None = None, workdir: str | None = None,
                  dtype: str | None = None, kv_cache_gb: float = 2.0, gpu_memory_utilization: float | None = None,
