@@ -44,19 +44,26 @@ class _FrozenHeadLogprob(torch.autograd.Function):
         lp = h.new_empty(K, dtype=torch.float32)
         ent = h.new_zeros(K, dtype=torch.float32)
         jac = torch.empty_like(h) if need_grad else None
+        tempered = bool((tau != 1).any())
         for s in range(0, K, chunk):
             e = min(K, s + chunk)
-            z = F.linear(h[s:e], weight, bias).float() / tau[s:e, None]  # (c, V)
+            z = F.linear(h[s:e], weight, bias).float()  # (c, V); the only (c, V) buffer kept
+            if tempered:
+                z.div_(tau[s:e, None])
             lse = z.logsumexp(-1)  # (c,)
             y = targets[s:e]
             lp[s:e] = z.gather(-1, y[:, None]).squeeze(-1) - lse
-            if need_grad or ent_rows[s:e].any():
-                p = (z - lse[:, None]).exp_()  # (c, V) softmax of the tempered logits
-                if ent_rows[s:e].any():
-                    ent[s:e] = torch.where(ent_rows[s:e], lse - (p * z).sum(-1), 0.0)
-                if need_grad:  # (W[y] - p W) / tau: the whole Jacobian row of lp_t w.r.t. h_t
-                    pw = (p.to(weight.dtype) @ weight).float()  # (c, H)
-                    jac[s:e] = ((weight[y].float() - pw) / tau[s:e, None]).to(h.dtype)
+            rows = ent_rows[s:e].nonzero().squeeze(-1)  # entropy only where asked (action tokens)
+            if rows.numel():
+                zr = z[rows]
+                ent[s + rows] = lse[rows] - ((zr - lse[rows, None]).exp() * zr).sum(-1)
+            if need_grad:  # (W[y] - p W) / tau: the whole Jacobian row of lp_t w.r.t. h_t
+                p = z.sub_(lse[:, None]).exp_()  # (c, V) softmax of the tempered logits, in place
+                pw = (p.to(weight.dtype) @ weight).float()  # (c, H)
+                g = weight[y].float() - pw
+                if tempered:
+                    g.div_(tau[s:e, None])
+                jac[s:e] = g.to(h.dtype)
         if need_grad:
             ctx.save_for_backward(jac)
         ctx.mark_non_differentiable(ent)
