@@ -266,12 +266,8 @@ def train_step(module, opt, batch) -> float:
     the logged total, clip, optimizer step (no scheduler in the default config)."""
     import torch
 
-    from cope.objectives import combine
-
     opt.zero_grad(set_to_none=True)
-    out = module._backward(batch)
-    with torch.no_grad():
-        total, _ = combine(module.objectives, out, batch, module.global_step)
+    _, total, _ = module._backward(batch)
     if module.gradient_clip_val is not None:
         torch.nn.utils.clip_grad_norm_(module.policy.trainable_parameters(), module.gradient_clip_val)
     opt.step()

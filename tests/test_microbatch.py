@@ -21,7 +21,6 @@ from cope.algos.echo import ObservationLoss  # noqa: E402
 from cope.algos.grpo import KLPenalty, PolicyGradient  # noqa: E402
 from cope.batch import collate, row_lengths  # noqa: E402
 from cope.module import AgentRLModule  # noqa: E402
-from cope.objectives import combine  # noqa: E402
 from cope.policy import Policy  # noqa: E402
 
 OBJECTIVES = {
@@ -64,9 +63,7 @@ def _module(policy, objectives, budget):
 
 def _step(module, mb):
     module.zero_grad(set_to_none=True)
-    out = module._backward(mb)
-    with torch.no_grad():
-        total, metrics = combine(module.objectives, out, mb, 0)
+    out, total, metrics = module._backward(mb)
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.requires_grad}
     return out, total, metrics, grads
 

@@ -122,7 +122,7 @@ def test_zero_weight_objective_is_skipped(policy, episodes):
     assert "ref_logprobs" not in mb  # no reference forward for an objective that is off
     module.manual_backward = lambda loss: loss.backward()  # no Trainer: the plain autograd call
     policy.model.zero_grad(set_to_none=True)
-    _, result = combine(module.objectives, module._backward(mb), mb, step=0)  # what training_step logs
+    _, _, result = module._backward(mb)  # what training_step logs
     assert "loss/kl" not in result and "loss/kl_weighted" not in result and "policy/kl" not in result
     assert "loss/pg" in result and any(p.grad is not None for p in policy.trainable_parameters())
     policy.model.zero_grad(set_to_none=True)

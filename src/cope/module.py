@@ -240,14 +240,15 @@ class AgentRLModule(pl.LightningModule):
         metrics = {**record.metrics, **gap}
         self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
 
-    def _backward(self, batch: dict) -> ForwardOut:
-        """Forward + backward of every micro-batch; returns the whole minibatch's forward output, detached."""
+    def _backward(self, batch: dict) -> tuple[ForwardOut, torch.Tensor, dict]:
+        """Forward + backward of every micro-batch. Returns the whole minibatch's forward output, its total
+        loss (detached) and the objectives' metrics, as one forward over every row gives them."""
         parts = self.micro_batches(batch)
         if len(parts) == 1 and parts[0][0] is None:
             out = self(batch)
-            total, _ = combine(self.objectives, out, batch, self.global_step)
+            total, metrics = combine(self.objectives, out, batch, self.global_step)
             self.manual_backward(total)
-            return ForwardOut(out.logprobs.detach(), out.entropy, out.ref_logprobs)
+            return ForwardOut(out.logprobs.detach(), out.entropy, out.ref_logprobs), total.detach(), metrics
         ref = batch.get("ref_logprobs") if self.needs_ref else None
         lp = batch["old_logprobs"].to(self.device, torch.float32).clone()  # constant stand-in for rows not live
         ent = torch.zeros_like(lp)
@@ -262,14 +263,15 @@ class AgentRLModule(pl.LightningModule):
             with (blocker() if blocker is not None and not last else contextlib.nullcontext()):  # DDP: sync once
                 self.manual_backward(total)
             lp[rows, :n], ent[rows, :n] = live_lp.detach(), live_ent
-        return ForwardOut(lp, ent, ref)
+        out = ForwardOut(lp, ent, ref)
+        with torch.no_grad():  # the logged losses: every row's log-probs at once
+            total, metrics = combine(self.objectives, out, batch, self.global_step)
+        return out, total, metrics
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         opt = self.optimizers()
         opt.zero_grad()
-        out = self._backward(batch)
-        with torch.no_grad():  # the logged losses: every row's log-probs at once
-            total, metrics = combine(self.objectives, out, batch, self.global_step)
+        _, total, metrics = self._backward(batch)
         if self.gradient_clip_val is not None:
             self.clip_gradients(opt, gradient_clip_val=self.gradient_clip_val, gradient_clip_algorithm="norm")
         opt.step()
@@ -279,7 +281,7 @@ class AgentRLModule(pl.LightningModule):
         bs = int(batch["input_ids"].shape[0])
         self.log_dict({k: v for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=bs)
         result = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in metrics.items()}
-        result["loss"] = total.detach()
+        result["loss"] = total
         return result
 
     def validation_step(self, batch: list[int], batch_idx: int) -> None:
