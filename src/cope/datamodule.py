@@ -53,7 +53,10 @@ class RolloutDataModule(pl.LightningDataModule):
         minibatch_size: episodes per optimizer step.
         ppo_epochs: passes over the epoch's minibatches (>1 makes the clipped ratio matter).
         advantage_mode: ``grpo`` (std-normalized) or ``drgrpo``.
-        val_tasks: held-out tasks evaluated greedily at each validation (a fixed panel: indices 0..n-1).
+        val_tasks: held-out tasks evaluated greedily at each validation (a fixed panel of the ``test``
+            split: indices ``val_offset .. val_offset + val_tasks - 1``).
+        val_offset: first index of that panel; a tuning panel disjoint from the reported one is another
+            offset (e.g. 0 reported, 500 for tuning). The panel must fit in the split.
         val_batch_size: held-out episodes run together.
         seed: task-sampling seed (combined with the rank); also draws each rollout call's sampling seed.
         progress: show a progress bar while collecting rollouts.
@@ -80,6 +83,7 @@ class RolloutDataModule(pl.LightningDataModule):
         advantage_mode: str = "grpo",
         val_tasks: int = 64,
         val_batch_size: int = 64,
+        val_offset: int = 0,
         seed: int = 0,
         progress: bool = True,
         sampling: Sampling | None = None,
@@ -95,6 +99,8 @@ class RolloutDataModule(pl.LightningDataModule):
                 raise ValueError(f"data.{name} must be >= 1, got {v}")
         if val_tasks < 0:
             raise ValueError(f"data.val_tasks must be >= 0, got {val_tasks}")
+        if val_offset < 0:
+            raise ValueError(f"data.val_offset must be >= 0, got {val_offset}")
         try:  # fail fast on a bad mode, naming the key (data.advantage_mode defaults to ${algo.advantage_mode})
             group_advantages(torch.zeros(1), torch.zeros(1, dtype=torch.long), mode=advantage_mode)
         except ValueError as e:
@@ -102,6 +108,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.tasks_per_epoch, self.group_size, self.minibatch_size = tasks_per_epoch, group_size, minibatch_size
         self.ppo_epochs, self.advantage_mode = ppo_epochs, advantage_mode
         self.val_tasks, self.val_batch_size, self.seed, self.progress = val_tasks, val_batch_size, seed, progress
+        self.val_offset = val_offset
         self.sampling = sampling or Sampling()
         self.val_sampling = Sampling(temperature=0.0, top_p=1.0, max_action_tokens=self.sampling.max_action_tokens)
         runtime = env_runtime or EnvRuntime()
@@ -113,6 +120,9 @@ class RolloutDataModule(pl.LightningDataModule):
             log.info("%s: at most %d live episodes at once (the env's max_instances; "
                      "data.env_runtime.max_live_episodes overrides)", probe.name, runtime.max_live_episodes)
         probe.close()
+        if val_offset and val_offset + val_tasks > self.num_test_tasks:
+            raise ValueError(f"data.val_offset + data.val_tasks = {val_offset + val_tasks} exceeds the "
+                             f"{self.num_test_tasks} test tasks of env {self.env_name!r}")
         self.engine: RolloutEngine = (engine or HFEngine)(env=env, runtime=runtime, max_context=max_context,
                                                            instructions=instructions)
         self.counters = {k: 0 for k in COUNTERS}
@@ -246,7 +256,7 @@ class RolloutDataModule(pl.LightningDataModule):
         rank = self.trainer.global_rank if self.trainer is not None else 0
         world = self.trainer.world_size if self.trainer is not None else 1
         n = min(self.val_tasks, self.num_test_tasks)
-        mine = list(range(n))[rank::world]  # each rank evaluates its shard of the fixed panel
+        mine = list(range(self.val_offset, self.val_offset + n))[rank::world]  # each rank evaluates its shard of the fixed panel
         chunks = [mine[s: s + self.val_batch_size] for s in range(0, len(mine), self.val_batch_size)]
         return DataLoader(chunks, batch_size=None, shuffle=False, collate_fn=_identity)
 
