@@ -20,7 +20,9 @@ of truth and cover whatever ``_target_`` names. What types cannot say has one pl
 * value ranges third-party classes check late or with a bare assert, and those of classes built after the
   model (the LightningModule): :data:`RANGES`;
 * cross-field: ``data.max_context`` must fit the model's positions (``model.max_context`` of the tiny
-  model, else ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk);
+  model, else ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk); an
+  objective with ``normalize: gradnorm`` needs a ``GradientStats`` callback that measures
+  (``callbacks.grad_stats.every_n_steps >= 1``: it feeds that scale);
 * settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0).
 
 Arguments ``cope.run.train`` passes when it builds a block (:data:`PASSED_AT_BUILD`) are not config
@@ -208,9 +210,27 @@ class _Checker:
             if data.get("group_size") == 1:
                 self.warnings.append("data.group_size=1: one episode per group, so every group-relative advantage is 0 "
                                      "and the policy gradient is 0 (only auxiliary objectives train)")
-        objectives = [o for o in ((cfg.get("algo") or {}).get("objectives") or {}).values() if o is not None]
+        named = {k: o for k, o in ((cfg.get("algo") or {}).get("objectives") or {}).items() if o is not None}
+        objectives = list(named.values())
+        for name, o in named.items():
+            if o.get("normalize") == "gradnorm" and not _measures_gradients(cfg):
+                n = (cfg.get("callbacks") or {}).get("grad_stats")
+                now = f" = {n.get('every_n_steps')!r}" if isinstance(n, DictConfig) else " (absent)"
+                self.fail("callbacks.grad_stats.every_n_steps", f"{now}: must be >= 1 with algo.objectives.{name}.normalize="
+                          "gradnorm (cope.normalize=gradnorm): the GradientStats callback measures the gradient norms "
+                          "that feed its scale")
         if objectives and all(o.get("weight", 1.0) == 0 and o.get("final_weight", 0.0) == 0 for o in objectives):
             self.warnings.append("every algo.objectives.*.weight is 0: training changes nothing")
+
+
+GRADIENT_STATS = "cope.callbacks.grad_stats.GradientStats"
+
+
+def _measures_gradients(cfg: DictConfig) -> bool:
+    """Whether ``callbacks.*`` or ``algo.callbacks.*`` holds a :data:`GRADIENT_STATS` with ``every_n_steps >= 1``."""
+    blocks = [*((cfg.get("callbacks") or {}).values()), *(((cfg.get("algo") or {}).get("callbacks") or {}).values())]
+    return any(isinstance(b, DictConfig) and b.get("_target_") == GRADIENT_STATS and isinstance(b.get("every_n_steps"), int)
+               and b.get("every_n_steps") >= 1 for b in blocks)
 
 
 def model_positions(model: DictConfig) -> tuple[int, str] | None:

@@ -6,5 +6,6 @@
 * :mod:`~cope.algos.cope.loss`: the forecast objective and its adaptive scale (the only owner of that state,
   checkpointed with the objective);
 * :mod:`~cope.algos.cope.forecast_targets`: the callback that adds the targets to every minibatch;
-* :mod:`~cope.algos.cope.loss_balance`: the callback that reports each step's magnitudes to the adaptive scale.
+* :mod:`~cope.algos.cope.loss_balance`: the callback that reports each step's loss magnitudes to the adaptive scale
+  (``normalize=gradnorm`` is fed gradient norms by ``cope.callbacks.grad_stats`` instead).
 """

@@ -9,10 +9,20 @@ Where we are specific (the paper's exact normalization is not known to us):
     * Per chunk, the mean token NLL over its target tokens; then the mean over chunks that have any
       target token in the batch. ``per_step`` further divides each chunk's mean by its number of
       supervised actions.
-    * The optional adaptive scale (:class:`AdaptiveScale`, driven by the ``LossBalance`` callback)
-      keeps ``scale * |L_forecast|`` at ``target_ratio`` times an EMA of ``|L_pg|``. The scale is a
-      plain float: no gradient flows through it. Note that a PPO/GRPO loss *value* is only a rough
-      proxy of its gradient's size (it hovers near 0 on-policy), hence the clamp.
+    * The optional adaptive scale (:class:`AdaptiveScale`) keeps a magnitude of the forecast term at
+      ``target_ratio`` times an EMA of the same magnitude of the policy-gradient term. The scale is a
+      plain float: no gradient flows through it. Two choices of magnitude:
+
+      - ``adaptive``: loss values, ``scale * |L_forecast| ~= ratio * |L_pg|`` (fed after every step by
+        the ``LossBalance`` callback). Cheap, but a PPO/GRPO loss *value* is only a rough proxy of its
+        gradient's size (it hovers near 0 on-policy), hence the clamp.
+      - ``gradnorm``: gradient norms, ``scale * |grad L_forecast| ~= ratio * |grad (w_pg L_pg)|`` (fed on
+        the steps the ``GradientStats`` callback samples, ``callbacks.grad_stats.every_n_steps``; the
+        scale holds in between. It measures both gradients: one extra forward and one backward per
+        objective). The forecast term's contribution to the update is then ``weight * ratio * |grad
+        (w_pg L_pg)|``; with ``weight`` 1 its gradient norm is held at ``ratio`` times the policy
+        gradient's, what ``adaptive`` only approximates through loss values (in the spirit of GradNorm,
+        Chen et al. 2018, with a fixed target ratio instead of learned task weights).
 """
 from __future__ import annotations
 
@@ -22,7 +32,10 @@ import torch
 
 from cope.objectives import ForwardOut, Metrics, Objective
 
-NORMALIZE = ("none", "per_step")
+NORMALIZE = ("none", "per_step")  # the chunk math of forecast_nll
+# ForecastLoss.normalize: the chunk math, or `none`'s with a scale held at a ratio of the policy-gradient term,
+# fed loss magnitudes (adaptive) or gradient norms (gradnorm); value -> what feeds the scale
+BALANCED = {"adaptive": "loss", "gradnorm": "gradient"}
 
 
 def forecast_nll(
@@ -67,11 +80,13 @@ def forecast_nll(
 
 
 class AdaptiveScale:
-    """EMA bookkeeping for ``scale * |L_forecast| ~= target_ratio * EMA(|L_pg|)``.
+    """EMA bookkeeping for ``scale * m_forecast ~= target_ratio * EMA(m_pg)``.
 
-    Both magnitudes are EMAs (initialized at their first value, so no warm-up bias); a forecast
-    value of 0 (a step without targets, e.g. cold start) is not a measurement and is skipped.
-    Before the first forecast measurement the scale is 1.
+    ``m`` is a magnitude of each term: ``|loss|`` (``normalize=adaptive``) or a gradient norm
+    (``normalize=gradnorm``); the math is the same, only what is fed (and by whom) differs. Both
+    magnitudes are EMAs (initialized at their first value, so no warm-up bias); a forecast magnitude
+    of ~0 (a step without targets, e.g. cold start) is not a measurement and is skipped. Before the
+    first forecast measurement the scale is 1.
 
     Args:
         target_ratio: the wanted ratio of the forecast term to the policy-gradient term; > 0.
@@ -124,14 +139,17 @@ class ForecastLoss(Objective):
 
     Args:
         weight: lambda, the multiplier in the total loss.
-        normalize: ``none`` or ``per_step`` (see :func:`forecast_nll`), or ``adaptive``: ``none``'s
-            per-chunk mean, scaled so the term stays at ``adaptive_target`` (default 0.5) times the
-            running magnitude of the policy-gradient term (needs the ``LossBalance`` callback).
-        adaptive_target: when set, the objective owns an :class:`AdaptiveScale` with this target
-            ratio (the only copy of that state; checkpointed through :meth:`state_dict`); the
-            ``LossBalance`` callback reports ``|loss/pg|`` and the raw forecast loss after each step
-            (:meth:`observe`), and ``scale`` follows (without that callback it stays 1).
-        adaptive_beta: EMA decay of the adaptive scale.
+        normalize: ``none`` or ``per_step`` (see :func:`forecast_nll`); or ``none``'s per-chunk mean
+            times a scale held at ``adaptive_target`` (default 0.5) times the policy-gradient term:
+            ``adaptive`` balances loss values (``scale * |L_forecast| ~= ratio * |L_pg|``; needs the
+            ``LossBalance`` callback), ``gradnorm`` gradient norms (``scale * |grad L_forecast| ~=
+            ratio * |grad (w_pg L_pg)|``, so the term's contribution to the update has norm ``weight *
+            ratio * |grad (w_pg L_pg)|``; needs the ``GradientStats`` callback with ``every_n_steps >= 1``,
+            which ``LossBalance`` checks at setup).
+        adaptive_target: the ratio of the balanced modes; the objective owns an :class:`AdaptiveScale`
+            with it (the only copy of that state; checkpointed through :meth:`state_dict`, per mode).
+            Ignored by ``none`` / ``per_step``.
+        adaptive_beta: EMA decay of the scale.
         schedule, final_weight, schedule_steps: see :class:`cope.objectives.Objective`.
     """
 
@@ -148,9 +166,11 @@ class ForecastLoss(Objective):
         schedule_steps: int = 0,
     ):
         super().__init__(weight=weight, schedule=schedule, final_weight=final_weight, schedule_steps=schedule_steps)
-        if normalize not in (*NORMALIZE, "adaptive"):
-            raise ValueError(f"ForecastLoss.normalize must be one of {(*NORMALIZE, 'adaptive')}, got {normalize!r}")
-        if normalize == "adaptive":  # chunk math of `none`, magnitude held at a ratio of |L_pg| (LossBalance)
+        if normalize not in (*NORMALIZE, *BALANCED):
+            raise ValueError(f"ForecastLoss.normalize must be one of {(*NORMALIZE, *BALANCED)}, got {normalize!r}")
+        self.mode = normalize  # as configured (`normalize` below is the chunk math)
+        self.balance: str | None = BALANCED.get(normalize)  # what feeds the scale: loss | gradient | None (fixed)
+        if self.balance is not None:  # chunk math of `none`, magnitude held at a ratio of the pg term
             adaptive_target = 0.5 if adaptive_target is None else adaptive_target
             normalize = "none"
         else:  # `none` / `per_step` are fixed scalings: no adaptive scale, whatever adaptive_target says
@@ -160,20 +180,27 @@ class ForecastLoss(Objective):
 
     @property
     def scale(self) -> float:
-        """The multiplier of the raw forecast loss: a plain float (no gradient flows through it); 1 unless adaptive."""
+        """The multiplier of the raw forecast loss: a plain float (no gradient flows through it); 1 unless balanced."""
         return self.adaptive.scale if self.adaptive is not None else 1.0
 
     def observe(self, reference_abs: float, raw_abs: float) -> None:
-        """One step's magnitudes (``|L_pg|``, ``|L_forecast raw|``) for the adaptive scale; a no-op otherwise."""
-        if self.adaptive is not None:
+        """One step's loss magnitudes (``|L_pg|``, ``|L_forecast raw|``) for ``adaptive``; a no-op otherwise."""
+        if self.balance == "loss":
             self.adaptive.update(reference_abs, raw_abs)
 
+    def observe_gradients(self, reference_norm: float, raw_norm: float) -> None:
+        """One measurement of gradient norms for ``gradnorm``: ``|grad (w_pg L_pg)|`` and ``|grad L_forecast raw|``
+        (unscaled, unweighted); a no-op otherwise."""
+        if self.balance == "gradient":
+            self.adaptive.update(reference_norm, raw_norm)
+
     def state_dict(self) -> dict:
-        return {"adaptive": self.adaptive.state_dict()} if self.adaptive is not None else {}
+        # keyed by mode: a resume under the other balanced mode starts its scale afresh (different magnitudes)
+        return {self.mode: self.adaptive.state_dict()} if self.adaptive is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.adaptive is not None and "adaptive" in state:
-            self.adaptive.load_state_dict(state["adaptive"])
+        if self.adaptive is not None and self.mode in state:
+            self.adaptive.load_state_dict(state[self.mode])
 
     def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         if "forecast_mask" in batch:

@@ -7,6 +7,14 @@ and its state (:class:`cope.algos.cope.loss.AdaptiveScale` inside ``ForecastLoss
 objective). This callback only reports each step's two magnitudes to it (``objective.observe``);
 the new scale applies from the next batch on. It holds no state of its own.
 
+``normalize=gradnorm`` balances gradient norms instead; those are measured and fed by the
+``GradientStats`` callback (``cope.callbacks.grad_stats``), and this callback leaves such an
+objective alone. It does check, at setup, that the feeder is there (``callbacks.grad_stats`` with
+``every_n_steps >= 1``): without it the scale would silently stay 1. The check lives here, not in
+``GradientStats``, because this callback already finds the objective and is part of ``algo=cope``,
+whereas ``GradientStats`` may be absent altogether (the config path also fails earlier, in
+:mod:`cope.config_check`, before the model is built).
+
 Reads the detached metrics that ``training_step`` returns in its output dict: ``loss/<reference>``
 and ``<objective>/raw`` (the unscaled loss; falls back to ``loss/<objective> / scale``). Under DDP
 both magnitudes are averaged over ranks first, so every rank keeps the same scale.
@@ -42,6 +50,12 @@ class LossBalance(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._obj = self._find(pl_module)
+        if getattr(self._obj, "balance", None) == "gradient":
+            # GradientStats.measures_gradients: on (every_n_steps >= 1); read by name, so no import of cope.callbacks
+            if not any(getattr(cb, "measures_gradients", False) for cb in getattr(trainer, "callbacks", [])):
+                raise ValueError(f"{self.objective} normalize=gradnorm (cope.normalize=gradnorm) needs the gradient-norm "
+                                 "measurements of the GradientStats callback: set callbacks.grad_stats.every_n_steps >= 1 "
+                                 "(or use cope.normalize=adaptive, which balances loss values)")
 
     @staticmethod
     def _value(x) -> float | None:
@@ -54,8 +68,8 @@ class LossBalance(Callback):
             return
         if self._obj is None:
             self._obj = self._find(pl_module)
-        if getattr(self._obj, "adaptive", None) is None:
-            return  # a fixed normalization (none / per_step): nothing to balance
+        if getattr(self._obj, "adaptive", None) is None or getattr(self._obj, "balance", "loss") != "loss":
+            return  # a fixed normalization (none / per_step), or one GradientStats feeds (gradnorm)
         pg = self._value(outputs.get(f"loss/{self.reference}"))
         raw = self._value(outputs.get(f"{self.objective}/raw"))
         if raw is None:

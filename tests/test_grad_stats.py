@@ -1,0 +1,294 @@
+"""Per-objective gradient diagnostics (`cope.grad_stats`, the `GradientStats` callback) and CoPE's
+`normalize=gradnorm` that they feed.
+
+The pure functions are checked on hand-made linear objectives with known gradients; the callback inside
+small real Lightning fits of the LightningModule (a random two-layer Qwen2 with LoRA, a fixed CoPE
+minibatch): it logs, leaves the training result bit-identical (no .grad, RNG or mode change, even with
+LoRA dropout on), uses the first micro-batch, and holds the forecast term's gradient at the target ratio."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+sys.path.insert(0, str(Path(__file__).parent / "forecasting"))
+from forecast_fixtures import CFG, CHAT, PAD, make_episode  # noqa: E402
+
+from cope.algos.cope.loss import ForecastLoss  # noqa: E402
+from cope.algos.cope.loss_balance import LossBalance  # noqa: E402
+from cope.algos.cope.targets import build_chunks, pack_forecasts  # noqa: E402
+from cope.algos.grpo import PolicyGradient  # noqa: E402
+from cope.batch import collate  # noqa: E402
+from cope.callbacks.grad_stats import GradientStats  # noqa: E402
+from cope.grad_stats import ObjectiveGradient, gradient_metrics, objective_gradients  # noqa: E402
+from cope.module import AgentRLModule  # noqa: E402
+from cope.objectives import ForwardOut, Objective  # noqa: E402
+from cope.policy import Policy  # noqa: E402
+
+
+# -- the pure functions -------------------------------------------------------------------------------
+class Linear(Objective):
+    """loss = <c, logprobs>: its gradient with respect to the log-probs is c."""
+
+    def __init__(self, name: str, c, weight: float = 1.0):
+        super().__init__(weight=weight)
+        self.name, self.c, self.calls = name, torch.tensor([c], dtype=torch.float32), 0
+
+    def __call__(self, out, batch):
+        self.calls += 1
+        return (out.logprobs * self.c).sum(), {}
+
+
+def _linear_setup():
+    w1, w2, unused = (torch.nn.Parameter(torch.zeros(n)) for n in (2, 1, 3))
+    lp = torch.cat([w1, w2]).view(1, 3) * 1.0  # (1, 3): d loss / d (w1, w2) = c
+    return [w1, w2, unused], ForwardOut(lp, torch.zeros(1, 3))
+
+
+def test_gradients_norms_cosine_and_ratio_are_exact():
+    params, out = _linear_setup()
+    pg, aux, off = Linear("pg", [3.0, 4.0, 0.0]), Linear("aux", [0.0, 4.0, 3.0], weight=0.5), Linear("off", [1.0, 1.0, 1.0], weight=0.0)
+    grads = objective_gradients([pg, aux, off], out, {}, step=0, params=params)
+    assert list(grads) == ["pg", "aux"] and off.calls == 0  # weight 0: off, not even computed
+    torch.testing.assert_close(grads["aux"].grad, torch.tensor([0.0, 4.0, 3.0, 0.0, 0.0, 0.0]))  # unused param: zeros
+    assert grads["aux"].weight == 0.5 and all(p.grad is None for p in params)  # nothing accumulated
+    metrics, raw = gradient_metrics(grads, reference="pg")
+    expect = {
+        "grad/pg_norm": 5.0,
+        "grad/aux_norm": 2.5,  # 0.5 x 5: the contribution
+        "grad/cos_aux_pg": 16.0 / 25.0,
+        "grad/ratio_aux_pg": 0.5,
+        "grad/total_norm": (3.0**2 + 6.0**2 + 1.5**2) ** 0.5,  # |c_pg + 0.5 c_aux|
+    }
+    assert metrics.keys() == expect.keys()
+    for k, v in expect.items():
+        assert metrics[k].item() == pytest.approx(v, rel=1e-6), k
+    assert {k: v.item() for k, v in raw.items()} == pytest.approx({"pg": 5.0, "aux": 5.0})  # unweighted
+
+
+def test_undefined_cosine_and_ratio_are_zero_and_a_missing_reference_gives_norms_only():
+    grads = {"pg": ObjectiveGradient(1.0, torch.zeros(3)), "aux": ObjectiveGradient(1.0, torch.tensor([1.0, 0.0, 0.0]))}
+    metrics, _ = gradient_metrics(grads, reference="pg")
+    assert metrics["grad/cos_aux_pg"].item() == 0.0 and metrics["grad/ratio_aux_pg"].item() == 0.0
+    assert metrics["grad/aux_norm"].item() == 1.0 and metrics["grad/total_norm"].item() == 1.0
+    metrics, _ = gradient_metrics({"aux": grads["aux"]}, reference="pg")  # pg off at this step
+    assert set(metrics) == {"grad/aux_norm", "grad/total_norm"}
+
+
+# -- the callback in real Lightning fits --------------------------------------------------------------
+def _policy(dropout: float = 0.0) -> Policy:
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    base = Qwen2ForCausalLM(CFG)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=dropout))
+    with torch.no_grad():  # lora_B starts at 0: move it so both LoRA factors get gradients
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    return Policy(model=model, tokenizer=None, chat=CHAT, source="test")
+
+
+def _minibatch() -> dict:
+    """Five episodes (three successful: forecast targets), packed CoPE layout, K=2."""
+    eps = [make_episode(CHAT, n, ok, seed) for n, ok, seed in [(3, True, 1), (1, False, 2), (4, True, 3), (2, False, 4), (3, True, 5)]]
+    for e, a in zip(eps, [1.0, -0.5, 0.8, -1.2, 0.3]):
+        e.advantage = a
+    chunks, _ = build_chunks(eps, CHAT, K=2)
+    return pack_forecasts(collate(eps, PAD), eps, chunks, PAD)
+
+
+class Watch(Callback):
+    """Records what the step sees at ``on_train_batch_start``: .grad of the adapter, RNG state, train/eval modes."""
+
+    def __init__(self):
+        self.seen: list[tuple] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        grads = [None if p.grad is None else p.grad.clone() for p in pl_module.policy.trainable_parameters()]
+        self.seen.append((grads, torch.get_rng_state(), pl_module.training, pl_module.model.training))
+
+
+def _fit(objectives, callbacks, steps: int = 2, budget: int | None = None, dropout: float = 0.0, lr: float = 0.5):
+    """``steps`` optimizer steps (SGD) on the same scored minibatch.
+
+    Returns (adapter weights, module, the logged dicts with grad/* keys, the CPU RNG state after the fit)."""
+    import lightning.pytorch as pl
+
+    policy = _policy(dropout)
+    module = AgentRLModule(policy, objectives, optimizer=functools.partial(torch.optim.SGD, lr=lr), max_tokens_per_microbatch=budget)
+    mb = _minibatch()
+    module.score_minibatches([mb])
+    logged: list[dict] = []
+    log_dict = module.log_dict
+    module.log_dict = lambda d, **kw: (logged.append({k: float(v) for k, v in d.items()}), log_dict(d, **kw))[1]
+    trainer = pl.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    torch.manual_seed(123)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([mb] * steps, batch_size=None))
+    adapter = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+    return adapter, module, [d for d in logged if any(k.startswith("grad/") for k in d)], torch.get_rng_state()
+
+
+def _cope():
+    return [PolicyGradient(), ForecastLoss(weight=0.3)]
+
+
+@pytest.mark.parametrize("budget", [None, 40], ids=["whole", "micro"])
+def test_callback_logs_and_leaves_the_training_result_identical(budget):
+    off, _, logged_off, rng_off = _fit(_cope(), [], budget=budget, dropout=0.1)  # LoRA dropout: the step draws RNG
+    watch_a, watch_b = Watch(), Watch()
+    # Watch before and after GradientStats in the list: what the callback changes between them
+    on, module, logged, rng_on = _fit(_cope(), [watch_a, GradientStats(every_n_steps=1), watch_b], budget=budget, dropout=0.1)
+    assert logged_off == [] and len(logged) == 2  # one measurement per step
+    for key in ("grad/pg_norm", "grad/forecast_norm", "grad/cos_forecast_pg", "grad/ratio_forecast_pg", "grad/total_norm"):
+        assert all(key in d for d in logged), (key, logged[0])
+    assert logged[0]["grad/forecast_norm"] > 0 and logged[0]["grad/pg_norm"] > 0 and -1 <= logged[0]["grad/cos_forecast_pg"] <= 1
+    assert logged[0]["grad/ratio_forecast_pg"] == pytest.approx(logged[0]["grad/forecast_norm"] / logged[0]["grad/pg_norm"], rel=1e-5)
+    for n, w in off.items():  # same steps: no .grad leak, no RNG draw, no mode change
+        assert torch.equal(on[n], w), n
+    assert torch.equal(rng_on, rng_off)
+    assert len(watch_a.seen) == len(watch_b.seen) == 2
+    for (g0, rng0, *mode0), (g1, rng1, *mode1) in zip(watch_a.seen, watch_b.seen):
+        assert torch.equal(rng0, rng1) and mode0 == mode1 and mode0[0]
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(g0, g1))
+    assert module.objectives[1].scale == 1.0  # normalize=none: observe_gradients changes nothing
+
+
+def test_micro_batches_measure_the_first_micro_batch():
+    budget = 40
+    _, module, logged, _ = _fit(_cope(), [GradientStats(every_n_steps=1)], steps=1, budget=budget, lr=0.0)
+    _, _, whole, _ = _fit(_cope(), [GradientStats(every_n_steps=1)], steps=1, lr=0.0)
+    mb = {k: v for k, v in _minibatch().items()}
+    module.score_minibatches([mb])
+    parts = module.micro_batches(mb)
+    assert len(parts) > 1
+    rows, n = parts[0]
+    lp = mb["old_logprobs"].clone()  # (N, T): live on the first micro-batch's rows only
+    lp[rows, :n] = module.logprobs(mb, rows, n)[0]
+    out = ForwardOut(lp, torch.zeros_like(lp))
+    params = module.policy.trainable_parameters()
+    for obj in module.objectives:  # lr 0: the parameters the callback saw
+        loss, _ = obj(out, mb)
+        norm = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params, retain_graph=True)]).norm()
+        assert logged[0][f"grad/{obj.name}_norm"] == pytest.approx(obj.weight * norm.item(), rel=1e-4), obj.name
+        assert logged[0][f"grad/{obj.name}_norm"] != pytest.approx(whole[0][f"grad/{obj.name}_norm"], rel=1e-3)  # a share only
+
+
+def test_off_does_no_work():
+    cb = GradientStats()
+    assert not cb.measures_gradients
+    cb.on_train_batch_start(None, None, {}, 0)  # no trainer or module is touched
+    with pytest.raises(ValueError, match="callbacks.grad_stats.every_n_steps"):
+        GradientStats(every_n_steps=-1)
+    with pytest.raises(ValueError, match="callbacks.grad_stats.reference"):
+        GradientStats(every_n_steps=1, reference="kl").setup(None, SimpleNamespace(objectives=_cope()), "fit")
+
+
+# -- normalize=gradnorm ---------------------------------------------------------------------------------
+def test_gradnorm_scale_follows_the_fed_gradient_norms():
+    fc = ForecastLoss(normalize="gradnorm", adaptive_target=0.5, adaptive_beta=0.5)
+    assert fc.normalize == "none" and fc.balance == "gradient" and fc.scale == 1.0  # 1 before a measurement
+    fc.observe(2.0, 8.0)  # loss magnitudes (LossBalance's feed): ignored
+    assert fc.scale == 1.0
+    fc.observe_gradients(2.0, 8.0)
+    assert fc.scale == pytest.approx(0.5 * 2.0 / 8.0)
+    fc.observe_gradients(4.0, 0.0)  # no forecast gradient (no targets): the raw norm is skipped
+    assert fc.adaptive.ema_forecast == 8.0 and fc.scale == pytest.approx(0.5 * 3.0 / 8.0)
+    fc.observe_gradients(1e12, 1e-6)
+    assert fc.scale == 1e3  # clamped
+    restored = ForecastLoss(normalize="gradnorm", adaptive_target=0.5, adaptive_beta=0.5)
+    restored.load_state_dict(fc.state_dict())
+    assert set(fc.state_dict()) == {"gradnorm"} and restored.scale == fc.scale and restored.state_dict() == fc.state_dict()
+    other = ForecastLoss(normalize="adaptive", adaptive_target=0.5)  # other magnitudes: does not take gradnorm's EMAs
+    other.load_state_dict(fc.state_dict())
+    assert other.scale == 1.0
+    other.observe_gradients(2.0, 8.0)
+    assert other.scale == 1.0
+    with pytest.raises(ValueError, match="gradnorm"):
+        ForecastLoss(normalize="gradnrom")
+
+
+def test_loss_balance_leaves_gradnorm_alone_and_requires_the_measuring_callback():
+    fc = ForecastLoss(normalize="gradnorm")
+    module = SimpleNamespace(objectives=[PolicyGradient(), fc], log=lambda *a, **k: pytest.fail("LossBalance logged"))
+    for callbacks in ([], [GradientStats(every_n_steps=0)]):
+        with pytest.raises(
+            ValueError,
+            match=r"callbacks\.grad_stats\.every_n_steps.*cope\.normalize=gradnorm|cope\.normalize=gradnorm.*"
+            r"callbacks\.grad_stats\.every_n_steps",
+        ):
+            LossBalance().setup(SimpleNamespace(callbacks=callbacks, world_size=1), module, "fit")
+    cb = LossBalance()
+    trainer = SimpleNamespace(callbacks=[GradientStats(every_n_steps=4)], world_size=1)
+    cb.setup(trainer, module, "fit")
+    cb.on_train_batch_end(trainer, module, {"loss/pg": 2.0, "forecast/raw": 8.0}, {}, 0)
+    assert fc.scale == 1.0 and fc.adaptive.ema_pg is None
+
+
+def test_config_check_requires_grad_stats_for_gradnorm(compose, tmp_path):
+    from cope.config_check import ConfigError, check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose(["algo=cope", "cope.normalize=gradnorm"], tmp_path))
+    assert len(err.value.problems) == 1 and err.value.problems[0].startswith("callbacks.grad_stats.every_n_steps = 0: must be >= 1")
+    assert "cope.normalize=gradnorm" in err.value.problems[0]
+    check_config(compose(["algo=cope", "cope.normalize=gradnorm", "callbacks.grad_stats.every_n_steps=2"], tmp_path))
+
+
+@pytest.mark.parametrize("beta, lr, rel", [(0.9, 0.01, 0.2), (0.0, 0.2, 1e-4)], ids=["ema", "last-measurement"])
+def test_gradnorm_holds_the_forecast_gradient_at_the_ratio(beta, lr, rel):
+    """Constant minibatch, SGD steps: the forecast contribution follows weight x ratio x |grad pg| as the callback
+    measures it on every step (the new scale applies to the measured step: exact with beta 0), and, for small
+    steps, as measured afresh at the final parameters."""
+    weight, ratio = 0.3, 0.5
+    objectives = [PolicyGradient(), ForecastLoss(weight=weight, normalize="gradnorm", adaptive_target=ratio, adaptive_beta=beta)]
+    _, module, logged, _ = _fit(objectives, [GradientStats(every_n_steps=1)], steps=4, lr=lr)
+    fc = module.objectives[1]
+    assert len(logged) == 4 and fc.scale != 1.0
+    for d in logged:
+        assert d["grad/ratio_forecast_pg"] == pytest.approx(weight * ratio, rel=rel), d
+        assert d["grad/forecast_norm"] == pytest.approx(weight * ratio * d["grad/pg_norm"], rel=rel), d
+    if beta > 0:
+        mb = _minibatch()
+        module.score_minibatches([mb])
+        grads = objective_gradients(module.objectives, module(mb), mb, 4, module.policy.trainable_parameters())
+        metrics, _ = gradient_metrics(grads)
+        assert metrics["grad/ratio_forecast_pg"].item() == pytest.approx(weight * ratio, rel=rel)
+
+
+@pytest.mark.long
+def test_cope_gradnorm_run_logs_gradient_metrics(run_train, read_metrics, tmp_path):
+    """Through the entry point: algo=cope with gradnorm, every episode a forecast source (debug=fast's cold start
+    never succeeds), the gradient metrics on every step and the scale moved off 1."""
+    overrides = [
+        "algo=cope",
+        "cope.normalize=gradnorm",
+        "callbacks.grad_stats.every_n_steps=1",
+        "cope.min_score=-1",
+        "cope.mask_invalid=false",
+        "trainer.max_epochs=2",
+        "validate_before_fit=false",
+    ]
+    run_train(overrides, tmp_path)
+    cols = read_metrics(tmp_path / "csv" / "metrics.csv")
+    for key in ("grad/pg_norm", "grad/forecast_norm", "grad/cos_forecast_pg", "grad/ratio_forecast_pg", "grad/total_norm"):
+        assert len(cols.get(key, [])) == 2, (key, sorted(cols))
+    assert all(s != 1.0 for s in cols["forecast/scale"]), cols["forecast/scale"]
