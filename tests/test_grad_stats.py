@@ -212,6 +212,8 @@ def test_gradnorm_scale_follows_the_fed_gradient_norms():
     assert fc.scale == pytest.approx(0.5 * 2.0 / 8.0)
     fc.observe_gradients(4.0, 0.0)  # no forecast gradient (no targets): the raw norm is skipped
     assert fc.adaptive.ema_forecast == 8.0 and fc.scale == pytest.approx(0.5 * 3.0 / 8.0)
+    fc.observe_gradients(0.0, 8.0)  # no policy gradient (equal rewards in every group): no measurement at all
+    assert fc.adaptive.ema_pg == 3.0 and fc.scale == pytest.approx(0.5 * 3.0 / 8.0)
     fc.observe_gradients(1e12, 1e-6)
     assert fc.scale == 1e3  # clamped
     restored = ForecastLoss(normalize="gradnorm", adaptive_target=0.5, adaptive_beta=0.5)

@@ -110,8 +110,12 @@ class AdaptiveScale:
     def _ema(self, old: float | None, x: float) -> float:
         return x if old is None else self.beta * old + (1.0 - self.beta) * x
 
-    def update(self, pg_abs: float, forecast_raw: float) -> None:
+    def update(self, pg_abs: float, forecast_raw: float, skip_zero_reference: bool = False) -> None:
+        """One measurement. ``skip_zero_reference``: a reference magnitude of ~0 is no measurement either
+        (a policy gradient of 0 means every group had equal rewards: no signal to hold the forecast term to)."""
         pg, fc = abs(float(pg_abs)), abs(float(forecast_raw))
+        if skip_zero_reference and not pg > self.eps:
+            return
         if math.isfinite(pg):
             self.ema_pg = self._ema(self.ema_pg, pg)
         if math.isfinite(fc) and fc > self.eps:
@@ -191,8 +195,8 @@ class ForecastLoss(Objective):
     def observe_gradients(self, reference_norm: float, raw_norm: float) -> None:
         """One measurement of gradient norms for ``gradnorm``: ``|grad (w_pg L_pg)|`` and ``|grad L_forecast raw|``
         (unscaled, unweighted); a no-op otherwise."""
-        if self.balance == "gradient":
-            self.adaptive.update(reference_norm, raw_norm)
+        if self.balance == "gradient":  # a zero PG gradient (no group with a reward spread) is skipped
+            self.adaptive.update(reference_norm, raw_norm, skip_zero_reference=True)
 
     def state_dict(self) -> dict:
         # keyed by mode: a resume under the other balanced mode starts its scale afresh (different magnitudes)
