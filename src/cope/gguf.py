@@ -26,11 +26,11 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from cope.build_cache import build_once
 from cope.extras import require
 
 log = logging.getLogger(__name__)
@@ -66,26 +66,17 @@ def convert_gguf(gguf_path: Path, cache_dir: str | Path) -> Path:
     gguf_path = Path(gguf_path)
     key = f"{file_sha256(gguf_path)[:16]}-v{CONVERTER_VERSION}"
     out = Path(os.path.expanduser(str(cache_dir))) / key
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
-    log.info("converting %s into %s (once)", gguf_path, out)
-    try:
+
+    def build(tmp: Path) -> None:
+        log.info("converting %s into %s (once)", gguf_path, out)
         _convert(gguf_path, tmp)
         (tmp / "cope_gguf.json").write_text(json.dumps(
             {"source": gguf_path.name, "sha256": file_sha256(gguf_path), "converter": CONVERTER_VERSION,
              "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
-        try:
-            tmp.rename(out)  # atomic on one file system
-        except OSError:
-            if not (out / "config.json").is_file():  # not a concurrent conversion that won the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("converted %s in %.0f s", gguf_path.name, time.perf_counter() - t0)
+
+    if build_once(out, build):  # concurrent callers wait for one conversion (cope.build_cache)
+        log.info("converted %s in %.0f s", gguf_path.name, time.perf_counter() - t0)
     return out
 
 
