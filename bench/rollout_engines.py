@@ -43,13 +43,14 @@ def bench_env(env: str, args) -> dict:
 
     from cope.engine import EnvRuntime, HFEngine, Sampling
     from cope.envs.base import Task
+    from cope.run import instantiate_plain
     from cope.vllm.engine import VLLMEngine
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3", job_name="bench"):
         cfg = compose(config_name="config", overrides=[f"env={env}", "paths.output_dir=/tmp/cope-bench",
                                                        f"paths.cache_dir={args.cache_dir}", *args.overrides])
     factory = instantiate(cfg.env)
-    policy = instantiate(cfg.model)(env_factory=factory)
+    policy = instantiate_plain(cfg.model)(env_factory=factory)  # as train.py builds it (plain containers: LoraConfig serializes)
     max_context = int(cfg.data.max_context)
     sampling = Sampling(temperature=1.0, top_p=1.0, max_action_tokens=args.max_action_tokens)
     probe = factory()
@@ -88,7 +89,8 @@ def bench_env(env: str, args) -> dict:
         hf.close()
         vl.shutdown()
     med = {k: {m: statistics.median(v[m]) for m in v} for k, v in rows.items()}
-    return {"env": env, "episodes": args.episodes, "rounds": args.rounds, "max_action_tokens": args.max_action_tokens,
+    label = f"{env} ({args.label})" if args.label else env
+    return {"env": label, "episodes": args.episodes, "rounds": args.rounds, "max_action_tokens": args.max_action_tokens,
             "model": str(policy.source), "dtype": vl.server.dtype, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
             "server_threads": args.threads, "server_args": args.server_args,
             "server_start_s": vl.stats()["server_start_seconds"], "connect_s": connect_s,
@@ -126,6 +128,7 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=5)
     ap.add_argument("--max-action-tokens", type=int, default=16)
     ap.add_argument("--overrides", nargs="*", default=[])
+    ap.add_argument("--label", default=None, help="shown after the env name, e.g. the model of --overrides model=...")
     ap.add_argument("--python", default=None, help="vLLM interpreter (default: .venv-vllm/bin/python)")
     ap.add_argument("--dtype", default=None, help="server dtype (default: the trainer's)")
     ap.add_argument("--threads", default="0-1", help="server cores (VLLM_CPU_OMP_THREADS_BIND)")

@@ -42,12 +42,13 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from cope.envs.base import Task
+    from cope.run import instantiate_plain
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3", job_name="bench"):
         cfg = compose(config_name="config", overrides=["debug=fast", f"env={args.env}", "paths.output_dir=/tmp/cope-bench",
                                                        f"paths.cache_dir={args.cache_dir}", *args.overrides])
     factory = instantiate(cfg.env)
-    policy = instantiate(cfg.model)(env_factory=factory)
+    policy = instantiate_plain(cfg.model)(env_factory=factory)  # as train.py builds it (plain containers: LoraConfig serializes)
     settings = {"in-process": dict(workers=0), "workers": dict(workers=args.workers),  # data.env_runtime.*
                 "workers+overlap": dict(workers=args.workers, chunks=2)}
     dms = {}

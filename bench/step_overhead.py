@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from cope.module import AgentRLModule
     from cope.objectives import combine
+    from cope.run import instantiate_plain
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = cfgs["grpo"]
     env_factory = instantiate(cfg.env)
     dm = instantiate(cfg.data, env=env_factory, progress=False)
-    policy = instantiate(cfg.model)(env_factory=env_factory)
+    policy = instantiate_plain(cfg.model)(env_factory=env_factory)  # as train.py builds it (plain containers: LoraConfig serializes)
     dm.connect(policy)
     policy.model.to(device)
     eps = collect(dm, policy, args.episodes, args.min_success, args.max_batches, args.seed)
