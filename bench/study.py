@@ -1,0 +1,190 @@
+"""The sample-efficiency study: GRPO, CoPE and ECHO, equally tuned, paired seeds, per regime.
+
+What it runs (each run is one ``python train.py ...`` subprocess; see ``SPEC`` below for the exact
+overrides, and bench/README.md for the decisions behind them):
+
+1. Tuning, in regime ``prior`` only, on the *tuning* panel (held-out test mazes 500..755, never
+   reported) with tuning seeds 100 and 101: GRPO over its learning rate, then CoPE (weight, K, the
+   gradient-norm normalization) and ECHO (lambda) over the same number of settings (3) at GRPO's chosen
+   learning rate. Selection: the highest mean AUC. The other regimes reuse these settings.
+2. Test runs, on the *reported* panel (test mazes 0..255) with seeds 0..4, the chosen setting of each
+   arm; seed s is the same task stream and the same warm start in every arm (paired).
+
+Regimes (``--regimes``): ``random`` (a) the tiny model warm-started on uniform random walks, ``prior``
+(b) warm-started by behaviour cloning on noisy goal-directed walks, ``echo6/7/8`` ECHO's own maze
+experiment: a ~10M-parameter model on 6x6, 7x7, 8x8 mazes, GRPO vs GRPO+ECHO with the settings tuned in
+``prior``. A text-env regime (the issue's (c)) is not run: it did not fit the 4-hour budget next to the
+5 seeds and the 256-task panel (see bench/README.md). Every run logs the gradient diagnostics (``grad/*``) on every optimizer step.
+
+Outputs in ``--out``: run folders ``<regime>/<phase>/<arm>/<setting>/seed<s>`` (``done`` marks a finished
+one; finished runs are reused, unfinished ones restart, so an interrupted study resumes), ``study.md``
+(the tables), ``study.json``, ``success_vs_episodes.png`` (mean and bootstrap 95% band per arm, one panel
+per regime) and ``mechanism.png`` (cosine of each auxiliary gradient with the PG gradient, per step).
+
+Usage: ``python bench/study.py --jobs 2`` (about 4 hours on 2 cores); ``--report`` only rebuilds the
+tables and plots from finished runs; ``--smoke`` runs a minutes-long miniature (CI: tests/test_study.py).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sample_efficiency import train_one  # bench/ is on sys.path when run as a script
+from study_report import report
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_SEEDS, TUNE_SEEDS = (0, 1, 2, 3, 4), (100, 101)
+TEST_PANEL, TUNE_PANEL = ("data.val_offset=0", "data.val_tasks=256"), ("data.val_offset=500", "data.val_tasks=256")
+BUDGET = ("trainer.max_epochs=20", "trainer.check_val_every_n_epoch=4", "data.val_batch_size=128")
+COMMON = ("data.progress=false", "callbacks.grad_stats.every_n_steps=1", "~callbacks.trajectory_table")
+PRIOR_EXPERT_PROB = 0.35  # the noise level of regime (b): greedy held-out success 0.289 at the start (bench/results/warm_start_prior.json)
+TEN_M = ("model.hidden_size=384", "model.num_layers=6", "model.num_heads=6")  # 10.3M parameters with the maze vocab
+
+
+@dataclass(frozen=True)
+class Regime:
+    title: str
+    overrides: tuple[str, ...]
+    threshold: float  # held-out success for "episodes to threshold", fixed before any run
+    arms: tuple[str, ...] = ("grpo", "cope", "echo")
+    tuned_in: str | None = None  # reuse another regime's tuning (None: tune here)
+
+
+SPEC: dict[str, Regime] = {
+    "random": Regime("(a) warm start = uniform random walker", (), 0.15, tuned_in="prior"),
+    "prior": Regime(f"(b) warm start = BC on noisy goal-directed walks (expert p={PRIOR_EXPERT_PROB})",
+                    ("model.warm_start_policy=expert", f"model.warm_start_expert_prob={PRIOR_EXPERT_PROB}"), 0.5),
+    **{f"echo{n}": Regime(f"ECHO's maze: ~10M model, {n}x{n} mazes", (*TEN_M, f"env.sizes=[{n}]"), 0.15,
+                          ("grpo", "echo"), tuned_in="prior") for n in (6, 7, 8)},
+}
+# Each arm's search: the same number of settings (label -> overrides). CoPE and ECHO add GRPO's chosen lr.
+GRID: dict[str, dict[str, tuple[str, ...]]] = {
+    "grpo": {f"lr{lr}": (f"module.optimizer.lr={lr}",) for lr in ("3e-4", "1e-3", "3e-3")},
+    "cope": {
+        "w0.1_K3": ("cope.weight=0.1", "cope.K=3"),
+        "w0.3_K2": ("cope.weight=0.3", "cope.K=2"),
+        "gradnorm0.3_K3": ("cope.normalize=gradnorm", "cope.weight=1.0", "cope.adaptive_ratio=0.3", "cope.K=3"),
+    },
+    "echo": {f"lam{lam}": (f"algo.objectives.echo.weight={lam}",) for lam in ("0.005", "0.02", "0.05")},
+}
+
+
+@dataclass
+class Job:
+    regime: str
+    phase: str  # tune | test
+    arm: str
+    setting: str
+    seed: int
+    overrides: tuple[str, ...] = field(default=())
+
+    def dir(self, out: Path) -> Path:
+        return out / self.regime / self.phase / self.arm / self.setting / f"seed{self.seed}"
+
+
+def _overrides(regime: Regime, phase: str, arm: str, setting: tuple[str, ...], smoke: bool) -> tuple[str, ...]:
+    panel = TUNE_PANEL if phase == "tune" else TEST_PANEL
+    budget = SMOKE if smoke else BUDGET
+    return (*COMMON, *budget, *panel, *regime.overrides, f"callbacks.sample_efficiency.threshold={regime.threshold}",
+            *setting, *(SMOKE_PANEL if smoke else ()))
+
+
+SMOKE = ("trainer.max_epochs=2", "trainer.check_val_every_n_epoch=1", "data.tasks_per_epoch=2", "data.group_size=4",
+         "data.minibatch_size=8", "model.warm_start_steps=5", "env.max_steps=6", "callbacks.probes.max_episodes=2")
+SMOKE_PANEL = ("data.val_tasks=4",)
+
+
+def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int) -> list[dict]:
+    """Runs (or reuses) the jobs; returns one result per job, in order, with its Job attached."""
+    done: list[int] = []
+
+    def one(job: Job) -> dict:
+        d = job.dir(out)
+        r = train_one(job.arm, job.seed, d, list(job.overrides), threads, force=False)
+        done.append(1)
+        state = "reused" if r["skipped"] else ("ok" if r["rc"] == 0 else f"FAILED rc={r['rc']}, see {d}/bench.log")
+        print(f"[{len(done)}/{len(jobs)}] {job.regime} {job.phase} {job.arm} {job.setting} seed {job.seed}: "
+              f"{r['wall_s']:.0f} s ({state})", flush=True)
+        return {**r, "job": job}
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs_at_once)) as pool:
+        return list(pool.map(one, jobs))
+
+
+def best_setting(results: list[dict], regime: str, arm: str) -> str:
+    """The setting with the highest mean AUC over the tuning seeds (ties: the first in GRID order)."""
+    from study_report import run_curve  # noqa: PLC0415 - same folder
+
+    scores = {}
+    for label in GRID[arm]:
+        aucs = [run_curve(Path(r["dir"]))["auc"] for r in results
+                if r["rc"] == 0 and (r["job"].regime, r["job"].arm, r["job"].setting) == (regime, arm, label)]
+        aucs = [a for a in aucs if a is not None]
+        if aucs:
+            scores[label] = sum(aucs) / len(aucs)
+    if not scores:
+        raise RuntimeError(f"no finished tuning run for {regime}/{arm}: see the bench.log files under {regime}/tune/{arm}")
+    return max(scores, key=lambda k: (scores[k], -list(GRID[arm]).index(k)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--regimes", nargs="+", default=list(SPEC), choices=list(SPEC))
+    p.add_argument("--out", type=Path, default=REPO / "bench/results/study")
+    p.add_argument("--jobs", type=int, default=2, help="training subprocesses in parallel")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each subprocess")
+    p.add_argument("--report", action="store_true", help="only rebuild the tables and plots from finished runs")
+    p.add_argument("--smoke", action="store_true", help="a miniature of the whole study (seconds per run; CI)")
+    args = p.parse_args(argv)
+    out = args.out.resolve()
+    seeds_test, seeds_tune = (TEST_SEEDS[:2], TUNE_SEEDS[:1]) if args.smoke else (TEST_SEEDS, TUNE_SEEDS)
+    grid = {a: dict(list(g.items())[:2]) for a, g in GRID.items()} if args.smoke else GRID
+    regimes = [r for r in args.regimes if SPEC[r].tuned_in is None or SPEC[r].tuned_in in args.regimes]
+    for r in set(args.regimes) - set(regimes):
+        p.error(f"regime {r} reuses the tuning of {SPEC[r].tuned_in}: add it to --regimes")
+    tuned = [r for r in regimes if SPEC[r].tuned_in is None]
+    results: list[dict] = []
+    choice: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
+
+    def tune(arms: list[str], base: dict[str, tuple[str, ...]]) -> None:
+        jobs = [Job(r, "tune", a, label, s, _overrides(SPEC[r], "tune", a, (*base.get(r, ()), *ov), args.smoke))
+                for r in tuned for a in arms if a in SPEC[r].arms for label, ov in grid[a].items() for s in seeds_tune]
+        done = [] if args.report else run_jobs(jobs, out, args.jobs, args.threads)
+        done = done or [{"dir": str(j.dir(out)), "rc": 0 if (j.dir(out) / "done").exists() else 1, "job": j} for j in jobs]
+        results.extend(done)
+        for r in tuned:
+            for a in arms:
+                if a in SPEC[r].arms:
+                    label = best_setting(done, r, a) if not args.smoke else next(iter(grid[a]))
+                    choice[(r, a)] = (label, (*base.get(r, ()), *grid[a][label]))
+
+    tune(["grpo"], {})
+    tune(["cope", "echo"], {r: choice[(r, "grpo")][1] for r in tuned})  # the aux arms at GRPO's chosen lr
+    tests = [Job(r, "test", a, choice[(SPEC[r].tuned_in or r, a)][0], s,
+                 _overrides(SPEC[r], "test", a, choice[(SPEC[r].tuned_in or r, a)][1], args.smoke))
+             for r in regimes for a in SPEC[r].arms for s in seeds_test]
+    done = [] if args.report else run_jobs(tests, out, args.jobs, args.threads)
+    results.extend(done or [{"dir": str(j.dir(out)), "rc": 0 if (j.dir(out) / "done").exists() else 1, "job": j} for j in tests])
+    failed = [r for r in results if r["rc"] != 0]
+    meta = {"regimes": {r: {"title": SPEC[r].title, "threshold": SPEC[r].threshold, "overrides": list(SPEC[r].overrides),
+                            "tuned_in": SPEC[r].tuned_in} for r in regimes},
+            "choice": {f"{r}/{a}": {"setting": lab, "overrides": list(ov)} for (r, a), (lab, ov) in choice.items()},
+            "grid": {a: {k: list(v) for k, v in g.items()} for a, g in grid.items()},
+            "budget": list(SMOKE if args.smoke else BUDGET), "common": list(COMMON),
+            "panels": {"tune": list(TUNE_PANEL), "test": list(TEST_PANEL)}, "smoke": args.smoke}
+    report(results, meta, out)
+    if failed:
+        for r in failed[:5]:
+            log = Path(r["dir"]) / "bench.log"
+            tail = log.read_text().splitlines()[-15:] if log.exists() else ["(no log)"]
+            print(f"--- failed: {r['dir']}\n" + "\n".join(tail), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

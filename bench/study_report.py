@@ -1,0 +1,229 @@
+"""Tables and plots of the sample-efficiency study (bench/study.py), from the run folders alone.
+
+Per run (``run_curve``): the held-out curve of ``csv/learning_curve.csv``, the gradient diagnostics and
+probes of ``csv/metrics.csv`` and the wall time of its ``done`` marker. Per regime and arm (``report``):
+episodes and env steps to the regime's threshold (median over seeds, bootstrap 95%), final held-out
+success and AUC (mean, bootstrap 95%), the paired difference to GRPO in AUC and in final success (mean
+over seeds, bootstrap 95%; "better"/"worse" when the interval excludes 0), the mean cosine of each
+auxiliary gradient with the PG gradient and the mean ratio of their norms, and the wall time.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+from study_stats import INF, auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, separates
+
+NAMES = {"grpo": "GRPO", "cope": "CoPE", "echo": "ECHO"}
+AUX = {"cope": "forecast", "echo": "echo"}  # the arm's auxiliary objective (its grad/* name)
+DIAG = ("grad/cos_{aux}_pg", "grad/ratio_{aux}_pg")
+PROBES = ("probe/forecast_action_acc", "probe/obs_nll")
+
+
+def _rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [{k: (float(v) if v not in ("", None) else None) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -> dict:
+    """One run's numbers (see the module docstring); ``aux`` names the auxiliary objective whose
+    gradient diagnostics are read (``forecast``, ``echo``)."""
+    val = [r for r in _rows(d / "csv/learning_curve.csv") if r.get("val_success") is not None]
+    xs, steps, ys = [r["episodes"] for r in val], [r["env_steps"] for r in val], [r["val_success"] for r in val]
+    out = {"episodes": xs, "env_steps": steps, "success": ys, "auc": auc_norm(xs, ys), "final": ys[-1] if ys else None,
+           "start": ys[0] if ys else None}
+    if threshold is not None:
+        out["episodes_to"] = first_reaching(xs, ys, threshold)
+        out["env_steps_to"] = first_reaching(steps, ys, threshold)
+    metrics = _rows(d / "csv/metrics.csv")
+    if aux:
+        # steps where either gradient is 0 (no group with a reward spread: no PG gradient; no forecast
+        # target) log a cosine of 0 by convention: they are no measurement of the angle, so they are left out
+        measured = [r for r in metrics if (r.get("grad/pg_norm") or 0) > 0 and (r.get(f"grad/{aux}_norm") or 0) > 0]
+        out["grad/measured_steps"] = len(measured)
+        for key in DIAG:
+            k = key.format(aux=aux)
+            series = [(r["step"], r[k]) for r in measured if r.get(k) is not None and r.get("step") is not None]
+            out[k] = series
+            out[k + "/mean"] = sum(v for _, v in series) / len(series) if series else None
+    for k in PROBES:
+        vals = [r[k] for r in metrics if r.get(k) is not None]
+        out[k + "/last"] = vals[-1] if vals else None
+    done = d / "done"
+    out["wall_s"] = json.loads(done.read_text())["wall_s"] if done.exists() else None
+    return out
+
+
+def _iv(values: list[float], stat: str, spec: str) -> str:
+    return fmt_interval(*bootstrap(values, stat), spec) if values else "–"
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(results: list[dict], meta: dict) -> dict:
+    """{regime: {arm: row}} of the test runs, and {regime: {arm: {setting: tuning score}}}."""
+    table: dict = {}
+    tuning: dict = {}
+    for res in results:
+        job = res["job"]
+        if res["rc"] != 0:
+            continue
+        thr = meta["regimes"][job.regime]["threshold"]
+        c = run_curve(Path(res["dir"]), thr, AUX.get(job.arm))
+        if job.phase == "tune":
+            tuning.setdefault(job.regime, {}).setdefault(job.arm, {}).setdefault(job.setting, []).append(c)
+        else:
+            table.setdefault(job.regime, {}).setdefault(job.arm, {"setting": job.setting, "runs": {}})["runs"][job.seed] = c
+    for arms in table.values():
+        base = arms.get("grpo", {}).get("runs", {})
+        for arm, row in arms.items():
+            runs = row["runs"]
+            cs = list(runs.values())
+            row["seeds"] = sorted(runs)
+            row["episodes_to"] = bootstrap([c["episodes_to"] for c in cs], "median")
+            row["env_steps_to"] = bootstrap([c["env_steps_to"] for c in cs], "median")
+            row["final"] = bootstrap([c["final"] for c in cs if c["final"] is not None], "mean")
+            row["auc"] = bootstrap([c["auc"] for c in cs if c["auc"] is not None], "mean")
+            row["start"] = _mean([c["start"] for c in cs])
+            row["wall_s"] = _mean([c["wall_s"] for c in cs])
+            if arm != "grpo" and base:
+                for key in ("auc", "final"):
+                    d = paired_difference({s: c[key] for s, c in runs.items() if c[key] is not None},
+                                          {s: c[key] for s, c in base.items() if c[key] is not None})
+                    row[f"delta_{key}"] = d
+            if arm in AUX:
+                for key in DIAG:
+                    k = key.format(aux=AUX[arm])
+                    row[k] = _mean([c.get(k + "/mean") for c in cs])
+                row["grad/measured_steps"] = _mean([c.get("grad/measured_steps") for c in cs])
+            for k in PROBES:
+                row[k] = _mean([c.get(k + "/last") for c in cs])
+    return {"test": table, "tuning": tuning}
+
+
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown(summary: dict, meta: dict) -> str:
+    lines = ["# Sample-efficiency study", "", f"Budget per run: `{' '.join(meta['budget'])}`; every run: "
+             f"`{' '.join(meta['common'])}`. Panels: tuning `{' '.join(meta['panels']['tune'])}`, reported "
+             f"`{' '.join(meta['panels']['test'])}`. Intervals: bootstrap 95% over seeds; Δ = paired by seed vs GRPO.", ""]
+    for regime, info in meta["regimes"].items():
+        arms = summary["test"].get(regime, {})
+        lines += [f"## {regime}: {info['title']}", "", f"Threshold {info['threshold']:g} held-out success; overrides "
+                  f"`{' '.join(info['overrides']) or '(defaults)'}`" + (f"; settings tuned in `{info['tuned_in']}`"
+                                                                        if info["tuned_in"] else ""), ""]
+        lines += ["| arm | setting | seeds | start | episodes to thr (median) | env steps to thr (median) | final success | "
+                  "AUC | Δ AUC vs GRPO | Δ final vs GRPO | wall s/run |",
+                  "|---|---|---:|---:|---|---|---|---|---|---|---:|"]
+        for arm, row in arms.items():
+            deltas = []
+            for key in ("delta_auc", "delta_final"):
+                d = row.get(key)
+                deltas.append(f"{fmt_interval(*d[:3], '+.3f')} {separates(d[1], d[2])}" if d and d[3] else "–")
+            lines.append(" | ".join([
+                f"| {NAMES.get(arm, arm)}", f"`{row['setting']}`", str(len(row["seeds"])), _f(row["start"]),
+                fmt_interval(*row["episodes_to"], ".0f"), fmt_interval(*row["env_steps_to"], ".0f"),
+                fmt_interval(*row["final"]), fmt_interval(*row["auc"]), *deltas, _f(row["wall_s"], ".0f")]) + " |")
+        lines += ["", "Mechanism (means over the steps where both gradients are non-zero, then over seeds; "
+                  "probes: the last validation's held-out episodes):", "",
+                  "| arm | cos(aux grad, pg grad) | aux / pg grad norm | steps measured | probe forecast action acc | probe obs NLL |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for arm, row in arms.items():
+            aux = AUX.get(arm)
+            lines.append(f"| {NAMES.get(arm, arm)} | {_f(row.get(f'grad/cos_{aux}_pg'))} | {_f(row.get(f'grad/ratio_{aux}_pg'))} | "
+                         f"{_f(row.get('grad/measured_steps'), '.0f')} | "
+                         f"{_f(row.get('probe/forecast_action_acc'))} | {_f(row.get('probe/obs_nll'))} |")
+        tune = summary["tuning"].get(meta["regimes"][regime]["tuned_in"] or regime, {})
+        if tune and not info["tuned_in"]:
+            lines += ["", "Tuning (mean AUC / final success on the tuning panel, tuning seeds; chosen in bold):", ""]
+            for arm, settings in tune.items():
+                chosen = meta["choice"].get(f"{regime}/{arm}", {}).get("setting")
+                cells = []
+                for label, cs in settings.items():
+                    cell = f"`{label}` {_f(_mean([c['auc'] for c in cs]))} / {_f(_mean([c['final'] for c in cs]))}"
+                    cells.append(f"**{cell}**" if label == chosen else cell)
+                lines.append(f"- {NAMES.get(arm, arm)}: " + ", ".join(cells))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(summary: dict, meta: dict, out: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    regimes = [r for r in meta["regimes"] if r in summary["test"]]
+    if not regimes:
+        return
+    for name, draw in (("success_vs_episodes.png", _draw_success), ("mechanism.png", _draw_mechanism)):
+        fig = Figure(figsize=(4.2 * len(regimes), 3.8), dpi=100)
+        FigureCanvasAgg(fig)
+        for i, regime in enumerate(regimes):
+            ax = fig.add_subplot(1, len(regimes), i + 1)
+            draw(ax, summary["test"][regime], meta["regimes"][regime])
+            ax.set_title(regime, fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        fig.savefig(out / name)
+
+
+def _draw_success(ax, arms: dict, info: dict) -> None:
+    for arm, row in arms.items():
+        curves = [(c["episodes"], c["success"]) for c in row["runs"].values() if len(c["episodes"]) > 1]
+        if not curves:
+            continue
+        grid, mean, lo, hi = mean_band(curves)
+        (line,) = ax.plot(grid, mean, "o-", ms=2.5, label=f"{NAMES.get(arm, arm)} (n={len(curves)})")
+        ax.fill_between(grid, lo, hi, color=line.get_color(), alpha=0.18, lw=0)
+    ax.axhline(info["threshold"], color="gray", ls="--", lw=0.8)
+    ax.set(xlabel="episodes", ylabel="held-out success", ylim=(-0.02, 1.02))
+
+
+def _draw_mechanism(ax, arms: dict, info: dict) -> None:
+    for arm, row in arms.items():
+        aux = AUX.get(arm)
+        if not aux:
+            continue
+        key = f"grad/cos_{aux}_pg"
+        per_step: dict[float, list[float]] = {}
+        for c in row["runs"].values():
+            for step, v in c.get(key, []):
+                per_step.setdefault(step, []).append(v)
+        if per_step:
+            xs = sorted(per_step)
+            ax.plot(xs, [sum(per_step[x]) / len(per_step[x]) for x in xs], lw=1, label=f"cos({aux}, pg), {NAMES[arm]}")
+    ax.axhline(0.0, color="gray", lw=0.8)
+    ax.set(xlabel="optimizer step", ylabel="gradient cosine (mean over seeds)", ylim=(-1.02, 1.02))
+
+
+def report(results: list[dict], meta: dict, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summarize(results, meta)
+    text = markdown(summary, meta)
+    (out / "study.md").write_text(text)
+    js = lambda x: None if isinstance(x, float) and (math.isinf(x) or math.isnan(x)) else x  # noqa: E731
+
+    def clean(x):
+        if isinstance(x, dict):
+            return {str(k): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return js(x)
+
+    (out / "study.json").write_text(json.dumps(clean({"meta": meta, **summary}), indent=1))
+    plot(summary, meta, out)
+    print(text, flush=True)
+    print(f"wrote {out / 'study.md'}, {out / 'study.json'}, {out / 'success_vs_episodes.png'}, {out / 'mechanism.png'}")
+    return summary
+
+
+__all__ = ["INF", "report", "run_curve", "summarize"]

@@ -1,0 +1,61 @@
+"""The study's statistics (bench/study_stats.py), checked against hand-computed values."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from study_stats import INF, auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, separates  # noqa: E402
+
+
+def test_first_reaching_and_censoring():
+    assert first_reaching([0, 64, 128, 192], [0.0, 0.1, 0.2, 0.15], 0.15) == 128
+    assert first_reaching([0, 64], [0.0, 0.1], 0.15) == INF
+
+
+def test_auc_is_the_average_height():
+    assert auc_norm([0, 100], [0.0, 1.0]) == pytest.approx(0.5)
+    assert auc_norm([0, 50, 150], [0.2, 0.2, 0.2]) == pytest.approx(0.2)
+    # trapezoids on an uneven grid: (50*(0+0.4)/2 + 100*(0.4+0.4)/2) / 150
+    assert auc_norm([0, 50, 150], [0.0, 0.4, 0.4]) == pytest.approx((10 + 40) / 150)
+    assert auc_norm([0], [0.3]) is None
+
+
+def test_bootstrap_interval_contains_the_statistic_and_is_deterministic():
+    vals = [0.1, 0.2, 0.3, 0.4, 0.5]
+    m, lo, hi = bootstrap(vals)
+    assert m == pytest.approx(0.3) and lo < m < hi and 0.1 <= lo and hi <= 0.5
+    assert bootstrap(vals) == (m, lo, hi)  # fixed generator seed
+    # the bootstrap of the mean of n values has sd ~ sigma/sqrt(n): check the width roughly
+    sd = np.std(vals) / math.sqrt(len(vals))
+    assert 2.5 * sd < hi - lo < 5 * sd
+    assert bootstrap([0.7]) == (0.7, 0.7, 0.7)
+    assert all(math.isnan(x) for x in bootstrap([]))
+
+
+def test_censored_median_stays_infinite_not_nan():
+    m, lo, hi = bootstrap([128, 256, INF, INF, INF], "median")
+    assert m == INF and hi == INF and lo == 128
+    m, lo, hi = bootstrap([128, 128, 256, 256, INF], "median")
+    assert m == 256 and lo == 128 and hi == INF
+    assert fmt_interval(m, lo, hi, ".0f") == "256 [128, >budget]"
+
+
+def test_paired_difference_uses_common_seeds_and_separates():
+    arm = {0: 0.5, 1: 0.6, 2: 0.55, 3: 0.52, 9: 1.0}
+    base = {0: 0.3, 1: 0.35, 2: 0.33, 3: 0.31, 4: 0.0}
+    d, lo, hi, n = paired_difference(arm, base)
+    assert n == 4 and d == pytest.approx(np.mean([0.2, 0.25, 0.22, 0.21]))
+    assert separates(lo, hi) == "better" and separates(-hi, -lo) == "worse"
+    noisy = paired_difference({0: 0.5, 1: 0.1, 2: 0.4}, {0: 0.3, 1: 0.3, 2: 0.3})
+    assert separates(noisy[1], noisy[2]) == "no"
+
+
+def test_mean_band_on_the_common_grid():
+    grid, mean, lo, hi = mean_band([([0, 10, 20], [0.0, 0.5, 1.0]), ([0, 10], [0.0, 1.0])])
+    assert grid.tolist() == [0, 10] and mean.tolist() == [0.0, 0.75]
+    assert lo[1] <= 0.75 <= hi[1] and lo[1] >= 0.5 and hi[1] <= 1.0
