@@ -16,9 +16,10 @@ experiment: a ~10M-parameter model on 6x6, 7x7, 8x8 mazes, GRPO vs GRPO+ECHO wit
 ``prior``. A text-env regime (the issue's (c)) is not run: it did not fit the 4-hour budget next to the
 5 seeds and the 256-task panel (see bench/README.md). Every run logs the gradient diagnostics (``grad/*``) on every optimizer step.
 
-Outputs in ``--out``: run folders ``<regime>/<phase>/<arm>/<setting>/seed<s>`` (``done`` marks a finished
-one; finished runs are reused, unfinished ones restart, so an interrupted study resumes), ``study.md``
-(the tables), ``study.json``, ``success_vs_episodes.png`` (mean and bootstrap 95% band per arm, one panel
+Outputs: run folders ``<out>/<regime>/<phase>/<arm>/<setting>/seed<s>`` (``--out``, default ``outputs/study``;
+``done`` marks a finished one; finished runs are reused, unfinished ones restart, so an interrupted study
+resumes), and in ``--results`` (default ``bench/results/study``): ``study.md`` (the tables), ``study.json``,
+``success_vs_episodes.png`` (mean and bootstrap 95% band per arm, one panel
 per regime) and ``mechanism.png`` (cosine of each auxiliary gradient with the PG gradient, per step).
 
 Usage: ``python bench/study.py --jobs 2`` (about 4 hours on 2 cores); ``--report`` only rebuilds the
@@ -133,7 +134,9 @@ def best_setting(results: list[dict], regime: str, arm: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--regimes", nargs="+", default=list(SPEC), choices=list(SPEC))
-    p.add_argument("--out", type=Path, default=REPO / "bench/results/study")
+    p.add_argument("--out", type=Path, default=REPO / "outputs/study", help="run folders (checkpoints, logs; not committed)")
+    p.add_argument("--results", type=Path, default=None,
+                   help="where study.md/.json and the plots go (default: bench/results/study, or --out with --smoke)")
     p.add_argument("--jobs", type=int, default=2, help="training subprocesses in parallel")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each subprocess")
     p.add_argument("--report", action="store_true", help="only rebuild the tables and plots from finished runs")
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             "grid": {a: {k: list(v) for k, v in g.items()} for a, g in grid.items()},
             "budget": list(SMOKE if args.smoke else BUDGET), "common": list(COMMON),
             "panels": {"tune": list(TUNE_PANEL), "test": list(TEST_PANEL)}, "smoke": args.smoke}
-    report(results, meta, out)
+    report(results, meta, (args.results or (out if args.smoke else REPO / "bench/results/study")).resolve())
     if failed:
         for r in failed[:5]:
             log = Path(r["dir"]) / "bench.log"
