@@ -97,6 +97,11 @@ class Env(Protocol):
     * ``example_actions() -> list[str]``: an env whose steps report no admissible actions (a shell, tool
       calls, code) lists a few well-formed actions for the current state. Only the tiny model's
       format-only warm start (random walks) uses them.
+    * ``expert_action() -> str | None``: a good next action from the current state (for the maze, the next
+      move of a shortest path), in the format ``step`` accepts (an admissible action where the env lists
+      them); None when the episode is over or the env knows none. Only the tiny model's
+      ``model.warm_start_policy=expert`` warm start (noisy expert walks, :mod:`cope.warm_start`) uses it;
+      asking for it must not change the episode.
     * ``max_instances: int | None`` (class attribute; :class:`TaskEnv` says None): a memory-heavy env (one
       JVM per instance) says how many instances should live at once. With ``data.env_runtime.max_live_episodes=null``
       the DataModule runs an epoch's episodes in waves of that many, and the tiny warm start walks with

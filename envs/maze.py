@@ -22,7 +22,8 @@ north, south, east, west; zero components omitted)::
 the goal offset, ``none`` when no open move does. It keeps the decision local and in words, the way a
 text game says "you hear water to the south": a policy that takes a random ``Closer`` move (a random
 open move when there is none) solves about 80% of the mazes, uniformly random open moves about 15%.
-The warm start of the tiny model imitates random walks, so it has to *learn* from reward to prefer that list.
+The default warm start of the tiny model imitates random walks, so it has to *learn* from reward to prefer
+that list; :meth:`MazeEnv.expert_action` (a shortest path's next move) drives its ``expert`` warm start.
 
 Validity rules: the parser accepts exactly ``north``, ``south``, ``east``, ``west``, tolerating only
 surrounding whitespace, surrounding quotes or backticks, a trailing period, letter case and a leading
@@ -242,6 +243,16 @@ class MazeEnv(TaskEnv):
                     r, c = r + dr, c + dc
                     break
         return path
+
+    def expert_action(self) -> str | None:
+        """The next move of a shortest path from the current position (one of the admissible actions, spelled
+        as they are), or None when the episode is over or the goal cannot be reached from here. Ties go to
+        the first direction in the fixed order (north, south, east, west). Demonstrations only (the tiny
+        model's expert warm start, tests); the agent never sees it."""
+        self._require_episode("expert_action")
+        if self.episode_over or self._pos == self._layout.goal or self._pos not in self._dist:
+            return None
+        return self.shortest_path()[0]
 
     def render(self) -> str:
         """ASCII grid: ``#`` wall, ``.`` open, ``A`` agent, ``G`` goal (tests/benchmarks only)."""

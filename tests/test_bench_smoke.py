@@ -90,3 +90,19 @@ def test_rollout_speed_smoke(tmp_path):
     lines = [ln for ln in proc.stdout.splitlines() if "speed-up" in ln]
     assert [ln.split()[0] for ln in lines] == ["in-process", "workers", "workers+overlap"], proc.stdout
     assert all(" 0 " not in ln.split("env steps")[1] for ln in lines)
+
+
+def test_warm_start_prior_smoke(tmp_path):
+    """bench/warm_start_prior.py builds a random and an expert micro warm start, measures both, writes its table;
+    a second call adds a build seed, loads the cached build and keeps the rows it did not redo."""
+    out = tmp_path / "wsp.json"
+    common = ["--tasks", "4", "--cache-dir", str(tmp_path / "cache"), "--overrides", "debug=fast", "--out", str(out)]
+    proc = _run("warm_start_prior.py", ["--probs", "random", "0.5", *common])
+    assert "expert 0.5" in proc.stdout and "random" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["warm_start"] for r in rows] == ["random", "0.5"] and all(r["built"] and r["build_seconds"] > 0 for r in rows)
+    assert all(r["val_panel"] == 4 and 0 <= r["greedy_val_panel"] <= 1 for r in rows)  # debug=fast: 8 val tasks, 4 run
+    _run("warm_start_prior.py", ["--probs", "0.5", "--build-seeds", "0", "1", *common])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["warm_start"], r["build_seed"], r["built"]) for r in rows] == [("random", 0, True), ("0.5", 0, False), ("0.5", 1, True)]
+    assert rows[1]["build_seconds"] > 0  # the earlier build's time is kept

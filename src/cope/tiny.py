@@ -1,13 +1,17 @@
 """A tiny Qwen2-architecture policy built locally, for CPU demos and tests (``model=tiny``).
 
 A randomly initialized model cannot write a valid action, while real users start from a pretrained
-LLM that can. The tiny path therefore gets an honest warm start that uses no expert:
+LLM that can. The tiny path therefore gets a warm start, by default one that uses no expert:
 
 1. a byte-level BPE tokenizer trained on text the env produces (instructions, observations of
    random walks, admissible actions), with the ChatML special tokens and chat template;
-2. a Qwen2 model from config, behaviour-cloned on *random walks over admissible actions*
-   (format only: the walk is uniformly random, it knows nothing about the goal), with the loss on
-   action tokens. Transcripts come from the same rollout engine as training (token-in/token-out).
+2. a Qwen2 model from config, behaviour-cloned on walks with the loss on action tokens. By default
+   (``warm_start_policy="random"``) the walks are *uniformly random over admissible actions* (format
+   only: the walk knows nothing about the goal). ``warm_start_policy="expert"`` clones *noisy
+   goal-directed walks* instead: the env's ``expert_action()`` with probability
+   ``warm_start_expert_prob``, else a random admissible action, a stand-in for a pretrained/SFT'd
+   model that is goal-directed but imperfect (:mod:`cope.warm_start`; the tokenizer's walks stay random).
+   Transcripts come from the same rollout engine as training (token-in/token-out).
 
 The result is saved with ``save_pretrained`` to a cache folder keyed by a hash of everything that
 went into it, so it is built once; the policy is then loaded through the same
@@ -21,7 +25,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -29,56 +32,21 @@ from typing import Any, Callable
 import torch
 
 from cope.batch import collate
+from cope.build_cache import build_once
 from cope.chat import CHATML_TEMPLATE, ChatFormat
 from cope.envs.base import Env, Task
 from cope.policy import Policy, load_pretrained
-from cope.rollout import run_episodes
+from cope.warm_start import (  # noqa: F401 - RandomWalkActor, NoisyExpertActor: re-exported
+    NoisyExpertActor,
+    RandomWalkActor,
+    _random_walks,
+    _walked_tasks,
+    _WithExamples,
+    check_warm_start,
+)
 
 log = logging.getLogger(__name__)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-class RandomWalkActor:
-    """Picks a uniformly random admissible action (format-only demonstrations)."""
-
-    def __init__(self, tokenizer, stop_id: int, seed: int):
-        self.tokenizer, self.stop_id, self.rng = tokenizer, stop_id, random.Random(seed)
-
-    def __call__(self, contexts, admissible, keys=None):
-        out = []
-        for adm in admissible:
-            if not adm:
-                raise ValueError("the tiny model's warm start needs an env that reports admissible actions "
-                                 "or defines example_actions()")
-            text = self.rng.choice(adm)
-            out.append([*self.tokenizer.encode(text, add_special_tokens=False), self.stop_id])
-        return out
-
-
-class _WithExamples:
-    """Wraps an env whose steps report no admissible actions (a shell, tool calls) so that its
-    ``example_actions()`` stand in for them during the format-only warm start."""
-
-    def __init__(self, env: Env):
-        self.env = env
-        self.name, self.max_steps, self.instructions = env.name, env.max_steps, env.instructions
-
-    def num_tasks(self, split: str) -> int:
-        return self.env.num_tasks(split)
-
-    def _fill(self, r):
-        if r.admissible_actions is None and hasattr(self.env, "example_actions"):
-            r.admissible_actions = list(self.env.example_actions())
-        return r
-
-    def reset(self, task: Task):
-        return self._fill(self.env.reset(task))
-
-    def step(self, action: str):
-        return self._fill(self.env.step(action))
-
-    def close(self) -> None:
-        self.env.close()
 
 
 def _describe(env_factory: Callable[[], Env]) -> str:
@@ -86,22 +54,6 @@ def _describe(env_factory: Callable[[], Env]) -> str:
         f = env_factory.func
         return f"{f.__module__}.{f.__qualname__}({sorted(env_factory.keywords.items())!r})"
     return f"{type(env_factory).__module__}.{getattr(env_factory, '__qualname__', type(env_factory).__name__)}"
-
-
-def _walked_tasks(env: Env, limit: int | None) -> int:
-    """How many train tasks (indices 0..n-1) the warm start walks: all, or the first ``limit``."""
-    return min(env.num_tasks("train"), limit or env.num_tasks("train"))
-
-
-def _random_walks(envs: list[Env], tokenizer, chat, seed: int, max_context: int, max_action_tokens: int,
-                  num_tasks: int | None = None):
-    """One random walk per env instance (instances are reused across calls: JVM-backed envs start once)."""
-    rng = random.Random(seed)
-    n = len(envs)
-    tasks = [Task(envs[0].name, "train", rng.randrange(_walked_tasks(envs[0], num_tasks))) for _ in range(n)]
-    actor = RandomWalkActor(tokenizer, chat.stop_id, seed)
-    episodes, _ = run_episodes(envs, tasks, list(range(n)), actor, tokenizer, chat, max_context, max_action_tokens)
-    return [e for e in episodes if not e.aborted]
 
 
 def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, episodes: int = 200,
@@ -158,9 +110,13 @@ def build_tiny_base(
     warm_start_walks: int = 128,
     max_action_tokens: int = 8,
     warm_start_tasks: int | None = None,
+    warm_start_policy: str = "random",
+    warm_start_expert_prob: float = 0.5,
 ) -> None:
+    """Train the tokenizer and behaviour-clone a fresh tiny Qwen2 on ``warm_start_policy``'s walks into ``out_dir``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    check_warm_start(warm_start_policy, warm_start_expert_prob, env_factory)
     torch.manual_seed(seed)
     tokenizer = train_tokenizer(env_factory, vocab_size, seed, tokenizer_episodes, warm_start_tasks)
     chat = ChatFormat.chatml(tokenizer)
@@ -190,7 +146,7 @@ def build_tiny_base(
             if pool:
                 break
             pool = _random_walks(walkers, tokenizer, chat, seed + step + 7919 * attempt, max_context, max_action_tokens,
-                                 warm_start_tasks)
+                                 warm_start_tasks, warm_start_policy, warm_start_expert_prob)
         if not pool:
             raise RuntimeError("the tiny model's warm start got no episode from the env (every random walk aborted); "
                                "see the env errors logged above")
@@ -209,11 +165,8 @@ def build_tiny_base(
             log.info("warm start %d/%d: action nll %.3f (%.0fs)", step + 1, warm_start_steps, loss.item(), time.perf_counter() - t0)
     for w in walkers:
         w.close()
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(out_dir)  # atomic: a half-built cache is never picked up
+    model.save_pretrained(out_dir)  # a temporary folder of cope.build_cache, renamed into the cache when complete
+    tokenizer.save_pretrained(out_dir)
 
 
 def tiny_policy(
@@ -232,13 +185,20 @@ def tiny_policy(
     warm_start_walks: int = 128,
     warm_start_action_tokens: int = 8,
     warm_start_tasks: int | None = None,
+    warm_start_policy: str = "random",
+    warm_start_expert_prob: float = 0.5,
     seed: int = 0,
     dtype: str = "fp32",
     quantization: str | None = None,
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
 ) -> Policy:
-    """Build (once, cached) and load the tiny warm-started policy for the env of ``env_factory``."""
+    """Build (once, cached) and load the tiny warm-started policy for the env of ``env_factory``.
+
+    ``warm_start_policy``: ``random`` (format-only walks) or ``expert`` (noisy expert walks: the env's
+    ``expert_action()`` with probability ``warm_start_expert_prob``, else a random admissible action).
+    """
+    check_warm_start(warm_start_policy, warm_start_expert_prob, env_factory)  # before any work
     spec = dict(
         env=_describe(env_factory), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, vocab_size=vocab_size,
         max_context=max_context, warm_start_steps=warm_start_steps, warm_start_batch=warm_start_batch,
@@ -248,6 +208,8 @@ def tiny_policy(
         if warm_start_tasks < 1:
             raise ValueError(f"model.warm_start_tasks must be >= 1 or null, got {warm_start_tasks}")
         spec.update(warm_start_tasks=warm_start_tasks)
+    if warm_start_policy != "random":  # the random walks' caches keep their keys (the prob does not change them)
+        spec.update(warm_start_policy=warm_start_policy, warm_start_expert_prob=float(warm_start_expert_prob))
     if (tokenizer_episodes, warm_start_walks, warm_start_action_tokens) != (200, 128, 8):  # old cache keys stay valid
         spec.update(tokenizer_episodes=tokenizer_episodes, warm_start_walks=warm_start_walks,
                     warm_start_action_tokens=warm_start_action_tokens)
@@ -257,13 +219,16 @@ def tiny_policy(
             raise ValueError(f"model.{name} must be >= 1, got {v}")
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     out = Path(os.path.expanduser(cache_dir)) / key
-    if not (out / "config.json").exists():
+
+    def build(tmp: Path) -> None:
         log.info("building the tiny base model in %s (once): %s", out, spec)
-        out.parent.mkdir(parents=True, exist_ok=True)
         with torch.random.fork_rng(devices=[]):  # the build reseeds torch: keep the caller's RNG (LoRA init) as it was
-            build_tiny_base(env_factory, out, hidden_size, num_layers, num_heads, vocab_size, max_context,
+            build_tiny_base(env_factory, tmp, hidden_size, num_layers, num_heads, vocab_size, max_context,
                             warm_start_steps, warm_start_batch, warm_start_lr, seed,
-                            tokenizer_episodes, warm_start_walks, warm_start_action_tokens, warm_start_tasks)
-        (out / "spec.json").write_text(json.dumps(spec, indent=1))
+                            tokenizer_episodes, warm_start_walks, warm_start_action_tokens, warm_start_tasks,
+                            warm_start_policy, warm_start_expert_prob)
+        (tmp / "spec.json").write_text(json.dumps(spec, indent=1))
+
+    build_once(out, build)  # concurrent runs (a study's parallel jobs, DDP ranks) wait for one build
     return load_pretrained(str(out), lora=lora, dtype=dtype, quantization=quantization,
                            gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation)
