@@ -46,21 +46,36 @@ def _finished(run: Path) -> bool:
     return (run / "done").exists() and (run / "csv/learning_curve.csv").exists()
 
 
-def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, force: bool) -> dict:
-    """Run (or reuse) one training job; returns {algo, seed, dir, wall_s, rc, skipped}."""
+def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, force: bool, resume: bool = False) -> dict:
+    """Run (or reuse) one training job; returns {algo, seed, dir, wall_s, rc, skipped}.
+
+    ``resume``: an unfinished run with a checkpoint continues from it (``ckpt_path=auto``: the same epochs,
+    task stream and curve as an uninterrupted run) instead of restarting; ``wall_s`` sums its attempts."""
     if _finished(run) and not force:
         return {"algo": algo, "seed": seed, "dir": str(run), "rc": 0, "skipped": True,
                 "wall_s": json.loads((run / "done").read_text())["wall_s"]}
-    shutil.rmtree(run, ignore_errors=True)  # a half-finished run restarts from scratch
-    run.mkdir(parents=True)
-    cmd = [sys.executable, str(REPO / "train.py"), f"algo={algo}", f"seed={seed}", f"hydra.run.dir={run}", *shared]
+    spent = run / "attempts.json"  # wall seconds of earlier, interrupted attempts
+    if resume and not force and (run / "checkpoints/last.ckpt").exists():
+        earlier = json.loads(spent.read_text()) if spent.exists() else []
+    else:
+        shutil.rmtree(run, ignore_errors=True)  # a half-finished run restarts from scratch
+        earlier = []
+    run.mkdir(parents=True, exist_ok=True)
+    extra = ["ckpt_path=auto"] if resume else []
+    cmd = [sys.executable, str(REPO / "train.py"), f"algo={algo}", f"seed={seed}", f"hydra.run.dir={run}", *shared, *extra]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     t0 = time.perf_counter()
-    with (run / "bench.log").open("w") as log:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - t0
+    with (run / "bench.log").open("a" if earlier else "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait()
+        finally:  # interrupted (the study killed): record the time this attempt spent
+            if proc.poll() is None:
+                proc.kill()
+            spent.write_text(json.dumps([*earlier, time.perf_counter() - t0]))
+    wall = sum(json.loads(spent.read_text()))
     if rc == 0:
-        (run / "done").write_text(json.dumps({"wall_s": wall, "cmd": cmd}))
+        (run / "done").write_text(json.dumps({"wall_s": wall, "cmd": cmd, "attempts": len(earlier) + 1}))
     return {"algo": algo, "seed": seed, "dir": str(run), "rc": rc, "skipped": False, "wall_s": wall}
 
 

@@ -17,8 +17,9 @@ experiment: a ~10M-parameter model on 6x6, 7x7, 8x8 mazes, GRPO vs GRPO+ECHO wit
 5 seeds and the 256-task panel (see bench/README.md). Every run logs the gradient diagnostics (``grad/*``) on every optimizer step.
 
 Outputs: run folders ``<out>/<regime>/<phase>/<arm>/<setting>/seed<s>`` (``--out``, default ``outputs/study``;
-``done`` marks a finished one; finished runs are reused, unfinished ones restart, so an interrupted study
-resumes), and in ``--results`` (default ``bench/results/study``): ``study.md`` (the tables), ``study.json``,
+``done`` marks a finished one; finished runs are reused, an unfinished one continues from its last epoch
+checkpoint with ``ckpt_path=auto``, so an interrupted study resumes where it stopped), and in ``--results``
+(default ``bench/results/study``): ``study.md`` (the tables), ``study.json``,
 ``success_vs_episodes.png`` (mean and bootstrap 95% band per arm, one panel
 per regime) and ``mechanism.png`` (cosine of each auxiliary gradient with the PG gradient, per step).
 
@@ -104,7 +105,7 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int) -> lis
 
     def one(job: Job) -> dict:
         d = job.dir(out)
-        r = train_one(job.arm, job.seed, d, list(job.overrides), threads, force=False)
+        r = train_one(job.arm, job.seed, d, list(job.overrides), threads, force=False, resume=True)
         done.append(1)
         state = "reused" if r["skipped"] else ("ok" if r["rc"] == 0 else f"FAILED rc={r['rc']}, see {d}/bench.log")
         print(f"[{len(done)}/{len(jobs)}] {job.regime} {job.phase} {job.arm} {job.setting} seed {job.seed}: "

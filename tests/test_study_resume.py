@@ -1,0 +1,51 @@
+"""The study's run launcher (bench/sample_efficiency.train_one) resumes an interrupted run from its checkpoint.
+
+A stand-in train.py (records its arguments, fails on the first attempt after writing a checkpoint) keeps this
+in the fast tier; that ``ckpt_path=auto`` continues a real run exactly is tests/test_resume_crash.py's job."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import sample_efficiency  # noqa: E402
+
+FAKE = '''import json, sys
+from pathlib import Path
+run = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("hydra.run.dir=")))
+calls = run / "calls.jsonl"
+with calls.open("a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+(run / "checkpoints").mkdir(exist_ok=True)
+(run / "checkpoints/last.ckpt").write_text("epoch")
+if len(calls.read_text().splitlines()) == 1:
+    sys.exit(3)  # the first attempt dies after its first checkpoint
+(run / "csv").mkdir(exist_ok=True)
+(run / "csv/learning_curve.csv").write_text("epoch,episodes,val_success\\n")
+'''
+
+
+def test_resume_continues_from_the_checkpoint_and_sums_the_attempts(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text(FAKE)
+    monkeypatch.setattr(sample_efficiency, "REPO", tmp_path)
+    run = tmp_path / "runs/grpo/seed0"
+    first = sample_efficiency.train_one("grpo", 0, run, ["x=1"], 1, force=False, resume=True)
+    assert first["rc"] == 3 and not (run / "done").exists() and (run / "checkpoints/last.ckpt").exists()
+    second = sample_efficiency.train_one("grpo", 0, run, ["x=1"], 1, force=False, resume=True)
+    assert second["rc"] == 0 and not second["skipped"]
+    calls = [json.loads(line) for line in (run / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 2 and all(c[-1] == "ckpt_path=auto" for c in calls)  # the folder was kept, not wiped
+    done = json.loads((run / "done").read_text())
+    assert done["attempts"] == 2 and done["wall_s"] == sum(json.loads((run / "attempts.json").read_text()))
+    assert sample_efficiency.train_one("grpo", 0, run, ["x=1"], 1, force=False, resume=True)["skipped"]
+
+
+def test_without_resume_an_unfinished_run_restarts_from_scratch(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text(FAKE)
+    monkeypatch.setattr(sample_efficiency, "REPO", tmp_path)
+    run = tmp_path / "runs/grpo/seed0"
+    assert sample_efficiency.train_one("grpo", 0, run, [], 1, force=False)["rc"] == 3
+    assert sample_efficiency.train_one("grpo", 0, run, [], 1, force=False)["rc"] == 3  # wiped: a first attempt again
+    calls = [json.loads(line) for line in (run / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 1 and "ckpt_path=auto" not in calls[0]
