@@ -106,6 +106,9 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int) -> lis
     def one(job: Job) -> dict:
         d = job.dir(out)
         r = train_one(job.arm, job.seed, d, list(job.overrides), threads, force=False, resume=True)
+        if r["rc"] == 0 and not _complete(d, job.overrides):  # exit 0 without the last epoch (a SIGTERM'd run)
+            (d / "done").unlink(missing_ok=True)
+            r = {**r, "rc": -15}
         done.append(1)
         state = "reused" if r["skipped"] else ("ok" if r["rc"] == 0 else f"FAILED rc={r['rc']}, see {d}/bench.log")
         print(f"[{len(done)}/{len(jobs)}] {job.regime} {job.phase} {job.arm} {job.setting} seed {job.seed}: "
@@ -114,6 +117,15 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int) -> lis
 
     with ThreadPoolExecutor(max_workers=max(1, jobs_at_once)) as pool:
         return list(pool.map(one, jobs))
+
+
+def _complete(run: Path, overrides: tuple[str, ...]) -> bool:
+    """Whether the run trained its last epoch (``trainer.max_epochs``) and validated after it."""
+    epochs = int(next(o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("trainer.max_epochs=")))
+    from study_report import _rows  # noqa: PLC0415 - same folder
+
+    train = _rows(run / "csv/learning_curve_train.csv")
+    return bool(train) and int(train[-1]["epoch"]) == epochs - 1
 
 
 def best_setting(results: list[dict], regime: str, arm: str) -> str:
