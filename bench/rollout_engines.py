@@ -138,14 +138,13 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "bench/results/rollout_engines/rollout_engines.md"))
     args = ap.parse_args()
     results = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for env in args.env:
         results.append(bench_env(env, args))
         print(render(results[-1:]), flush=True)  # each env as soon as it is measured
-    text = render(results)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+        out.write_text(render(results))  # and saved: a stopped run keeps the envs it finished
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
