@@ -17,8 +17,10 @@ DataModule's own rollout engine (cope.engine.HFEngine, cope.rollout.run_episodes
 * ``greedy``: success at temperature 0, as validation runs it (``val/success``);
 * ``sampled``: success at temperature 1 (seed ``--seed``), as training rollouts sample.
 
-* ``val panel``: the greedy success on the first ``data.val_tasks`` of those (the panel validation runs), i.e.
-  the ``val/success`` a training run from this warm start starts at.
+* ``val panel``: the greedy success on validation's panel (``data.val_tasks`` test tasks from ``data.val_offset``,
+  run as validation runs them, in batches of ``data.val_batch_size``): the ``val/success`` a training run
+  from this warm start starts at. The same tasks inside the 256-task batch can end differently (batch
+  composition changes fp32 rounding, and a greedy near-tie can flip).
 
 ``--build-seeds`` builds each entry with those ``model.seed`` values (the tokenizer, the walks and the init
 all change): how much the prior itself varies. It prints a table (build seconds; ``*``: built by an
@@ -76,10 +78,12 @@ def measure(entry: str, build_seed: int, args) -> dict:
         t1 = time.perf_counter()
         greedy = _episodes(dm, tasks, dm.val_sampling)
         sampled = _episodes(dm, tasks, replace(dm.sampling, temperature=1.0, top_p=1.0, seed=args.seed))
+        for k, chunk in enumerate(dm.val_dataloader()):  # validation's own path: its panel, its batches
+            dm.evaluate(chunk, first=k == 0)
+        panel = dm.val_record.episodes if dm.val_record is not None else []
         eval_s = time.perf_counter() - t1
     finally:
         dm.teardown("validate")
-    panel = greedy[dm.val_offset:dm.val_offset + dm.val_tasks]  # the tasks validation runs: its starting val/success
     return dict(warm_start=entry, expert_prob=None if entry == "random" else float(entry), build_seed=build_seed,
                 greedy=_rate(greedy), sampled=_rate(sampled), greedy_val_panel=_rate(panel) if panel else None,
                 val_panel=len(panel), greedy_steps=round(sum(e.num_steps for e in greedy) / len(greedy), 2),

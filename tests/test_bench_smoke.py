@@ -101,7 +101,7 @@ def test_warm_start_prior_smoke(tmp_path):
     assert "expert 0.5" in proc.stdout and "random" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [r["warm_start"] for r in rows] == ["random", "0.5"] and all(r["built"] and r["build_seconds"] > 0 for r in rows)
-    assert all(r["val_panel"] == 4 and 0 <= r["greedy_val_panel"] <= 1 for r in rows)  # debug=fast: 8 val tasks, 4 run
+    assert all(r["val_panel"] == 8 and 0 <= r["greedy_val_panel"] <= 1 for r in rows)  # debug=fast: data.val_tasks=8
     _run("warm_start_prior.py", ["--probs", "0.5", "--build-seeds", "0", "1", *common])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["warm_start"], r["build_seed"], r["built"]) for r in rows] == [("random", 0, True), ("0.5", 0, False), ("0.5", 1, True)]
