@@ -279,7 +279,7 @@ def test_gradnorm_holds_the_forecast_gradient_at_the_ratio(beta, lr, rel):
 @pytest.mark.long
 def test_cope_gradnorm_run_logs_gradient_metrics(run_train, read_metrics, tmp_path):
     """Through the entry point: algo=cope with gradnorm, every episode a forecast source (debug=fast's cold start
-    never succeeds), the gradient metrics on every step and the scale moved off 1."""
+    never succeeds), the gradient metrics on every step, and the scale moved off 1 only by a non-zero PG gradient."""
     overrides = [
         "algo=cope",
         "cope.normalize=gradnorm",
@@ -293,4 +293,7 @@ def test_cope_gradnorm_run_logs_gradient_metrics(run_train, read_metrics, tmp_pa
     cols = read_metrics(tmp_path / "csv" / "metrics.csv")
     for key in ("grad/pg_norm", "grad/forecast_norm", "grad/cos_forecast_pg", "grad/ratio_forecast_pg", "grad/total_norm"):
         assert len(cols.get(key, [])) == 2, (key, sorted(cols))
-    assert all(s != 1.0 for s in cols["forecast/scale"]), cols["forecast/scale"]
+    if all(v == 0 for v in cols["grad/pg_norm"]):  # debug=fast's cold start: no reward spread, so no PG gradient,
+        assert cols["forecast/scale"] == [1.0, 1.0]  # which is no measurement: the scale is not collapsed to its floor
+    else:
+        assert all(s != 1.0 for s in cols["forecast/scale"]), cols["forecast/scale"]
