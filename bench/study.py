@@ -128,12 +128,12 @@ def _complete(run: Path, overrides: tuple[str, ...]) -> bool:
     return bool(train) and int(train[-1]["epoch"]) == epochs - 1
 
 
-def best_setting(results: list[dict], regime: str, arm: str) -> str:
+def best_setting(results: list[dict], regime: str, arm: str, grid: dict[str, tuple[str, ...]]) -> str:
     """The setting with the highest mean AUC over the tuning seeds (ties: the first in GRID order)."""
     from study_report import run_curve  # noqa: PLC0415 - same folder
 
     scores = {}
-    for label in GRID[arm]:
+    for label in grid:
         aucs = [run_curve(Path(r["dir"]))["auc"] for r in results
                 if r["rc"] == 0 and (r["job"].regime, r["job"].arm, r["job"].setting) == (regime, arm, label)]
         aucs = [a for a in aucs if a is not None]
@@ -141,7 +141,7 @@ def best_setting(results: list[dict], regime: str, arm: str) -> str:
             scores[label] = sum(aucs) / len(aucs)
     if not scores:
         raise RuntimeError(f"no finished tuning run for {regime}/{arm}: see the bench.log files under {regime}/tune/{arm}")
-    return max(scores, key=lambda k: (scores[k], -list(GRID[arm]).index(k)))
+    return max(scores, key=lambda k: (scores[k], -list(grid).index(k)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in tuned:
             for a in arms:
                 if a in SPEC[r].arms:
-                    label = best_setting(done, r, a) if not args.smoke else next(iter(grid[a]))
+                    label = best_setting(done, r, a, grid[a])
                     choice[(r, a)] = (label, (*base.get(r, ()), *grid[a][label]))
 
     tune(["grpo"], {})

@@ -14,7 +14,7 @@ import json
 import math
 from pathlib import Path
 
-from study_stats import INF, auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, separates
+from study_stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, separates
 
 NAMES = {"grpo": "GRPO", "cope": "CoPE", "echo": "ECHO"}
 AUX = {"cope": "forecast", "echo": "echo"}  # the arm's auxiliary objective (its grad/* name)
@@ -226,4 +226,4 @@ def report(results: list[dict], meta: dict, out: Path) -> dict:
     return summary
 
 
-__all__ = ["INF", "report", "run_curve", "summarize"]
+__all__ = ["report", "run_curve", "summarize"]
