@@ -30,9 +30,11 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +48,43 @@ def _finished(run: Path) -> bool:
     return (run / "done").exists() and (run / "csv/learning_curve.csv").exists()
 
 
+STOPPED = 128 + signal.SIGTERM  # a run's exit status after SIGTERM (train.py: newest epoch checkpoint kept)
+_LIVE: set[subprocess.Popen] = set()  # the training subprocesses running now (any thread)
+_STOPPING = threading.Event()
+
+
+def stop_on_sigterm() -> None:
+    """Install (main thread) a SIGTERM/SIGINT handler for a launcher: every running ``train.py`` gets SIGTERM
+    (it stops after its current optimizer step, keeps its newest epoch checkpoint and exits 143, so the next
+    launch resumes it) and no new run starts. Without it, killing the launcher left its runs training on."""
+    def handle(signum, frame):
+        if not _STOPPING.is_set():
+            print(f"launcher: signal {signum}: stopping {len(_LIVE)} running job(s); rerun the same command to resume",
+                  file=sys.stderr, flush=True)
+        _STOPPING.set()
+        for proc in list(_LIVE):
+            proc.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+def stopping() -> bool:
+    """Whether the launcher got SIGTERM/SIGINT (see :func:`stop_on_sigterm`)."""
+    return _STOPPING.is_set()
+
+
+def run_state(r: dict) -> str:
+    """One word or phrase for a finished job's line in a launcher's log."""
+    if r["skipped"]:
+        return "reused"
+    if r["rc"] == 0:
+        return "ok"
+    if r["rc"] == STOPPED:
+        return "stopped by SIGTERM; resumes on the next launch"
+    return f"FAILED rc={r['rc']}, see {r['dir']}/bench.log"
+
+
 def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, force: bool, resume: bool = False) -> dict:
     """Run (or reuse) one training job; returns {algo, seed, dir, wall_s, rc, skipped}.
 
@@ -54,6 +93,8 @@ def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, 
     if _finished(run) and not force:
         return {"algo": algo, "seed": seed, "dir": str(run), "rc": 0, "skipped": True,
                 "wall_s": json.loads((run / "done").read_text())["wall_s"]}
+    if _STOPPING.is_set():  # the launcher is stopping: do not start another run
+        return {"algo": algo, "seed": seed, "dir": str(run), "rc": STOPPED, "skipped": False, "wall_s": 0.0}
     spent = run / "attempts.json"  # wall seconds of earlier, interrupted attempts
     if resume and not force and (run / "checkpoints/last.ckpt").exists():
         earlier = json.loads(spent.read_text()) if spent.exists() else []
@@ -67,9 +108,13 @@ def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, 
     t0 = time.perf_counter()
     with (run / "bench.log").open("a" if earlier else "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _LIVE.add(proc)
+        if _STOPPING.is_set():  # a stop that came while this one was starting
+            proc.send_signal(signal.SIGTERM)
         try:
             rc = proc.wait()
         finally:  # interrupted (the study killed): record the time this attempt spent
+            _LIVE.discard(proc)
             if proc.poll() is None:
                 proc.kill()
             spent.write_text(json.dumps([*earlier, time.perf_counter() - t0]))
@@ -216,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     def one(job):
         r = train_one(*job, shared, args.threads, args.force)
         done.append(r)
-        state = "reused" if r["skipped"] else ("ok" if r["rc"] == 0 else f"FAILED rc={r['rc']}, see {r['dir']}/bench.log")
+        state = run_state(r)
         print(f"[{len(done)}/{len(jobs)}] {r['algo']} seed {r['seed']}: {r['wall_s']:.0f} s ({state})", flush=True)
         return r
 

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sample_efficiency import train_one  # bench/ is on sys.path when run as a script
+from sample_efficiency import STOPPED, run_state, stop_on_sigterm, stopping, train_one  # bench/ is on sys.path as a script
 from study_report import report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,13 +110,17 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int) -> lis
             (d / "done").unlink(missing_ok=True)
             r = {**r, "rc": -15}
         done.append(1)
-        state = "reused" if r["skipped"] else ("ok" if r["rc"] == 0 else f"FAILED rc={r['rc']}, see {d}/bench.log")
+        state = run_state(r)
         print(f"[{len(done)}/{len(jobs)}] {job.regime} {job.phase} {job.arm} {job.setting} seed {job.seed}: "
               f"{r['wall_s']:.0f} s ({state})", flush=True)
         return {**r, "job": job}
 
     with ThreadPoolExecutor(max_workers=max(1, jobs_at_once)) as pool:
-        return list(pool.map(one, jobs))
+        results = list(pool.map(one, jobs))
+    if stopping():  # SIGTERM/SIGINT: the running jobs checkpointed and stopped; the next launch resumes them
+        print("study stopped by a signal: rerun the same command to resume", file=sys.stderr, flush=True)
+        sys.exit(STOPPED)
+    return results
 
 
 def _complete(run: Path, overrides: tuple[str, ...]) -> bool:
@@ -156,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a miniature of the whole study (seconds per run; CI)")
     args = p.parse_args(argv)
     out = args.out.resolve()
+    stop_on_sigterm()
     seeds_test, seeds_tune = (TEST_SEEDS[:2], TUNE_SEEDS[:1]) if args.smoke else (TEST_SEEDS, TUNE_SEEDS)
     grid = {a: dict(list(g.items())[:2]) for a, g in GRID.items()} if args.smoke else GRID
     regimes = [r for r in args.regimes if SPEC[r].tuned_in is None or SPEC[r].tuned_in in args.regimes]

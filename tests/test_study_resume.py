@@ -49,3 +49,49 @@ def test_without_resume_an_unfinished_run_restarts_from_scratch(tmp_path, monkey
     assert sample_efficiency.train_one("grpo", 0, run, [], 1, force=False)["rc"] == 3  # wiped: a first attempt again
     calls = [json.loads(line) for line in (run / "calls.jsonl").read_text().splitlines()]
     assert len(calls) == 1 and "ckpt_path=auto" not in calls[0]
+
+
+SLEEPER = '''import signal, sys, time
+from pathlib import Path
+run = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("hydra.run.dir=")))
+def stop(signum, frame):
+    (run / "got_sigterm").write_text("1")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+(run / "started").write_text("1")
+time.sleep(120)
+'''
+
+LAUNCHER = '''import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import sample_efficiency as se
+se.REPO = Path(sys.argv[2])
+se.stop_on_sigterm()
+runs = [Path(sys.argv[2]) / f"runs/seed{s}" for s in range(3)]
+with ThreadPoolExecutor(2) as pool:  # 2 at once: the third must never start
+    results = list(pool.map(lambda r: se.train_one("grpo", 0, r, [], 1, force=False, resume=True), runs))
+print([(r["rc"], se.run_state(r)) for r in results], flush=True)
+'''
+
+
+def test_a_sigtermed_launcher_stops_its_runs_and_starts_no_more(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "train.py").write_text(SLEEPER)
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(bench), str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while len(list(tmp_path.glob("runs/*/started"))) < 2:
+        assert proc.poll() is None and time.monotonic() - t0 < 60, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # only the launcher: it must pass the stop on
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert sorted(p.parent.name for p in tmp_path.glob("runs/*/got_sigterm")) == ["seed0", "seed1"]
+    assert not (tmp_path / "runs/seed2/started").exists()
+    assert "stopped by SIGTERM" in out and "stopping 2 running job(s)" in err

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from cope.checkpoint_io import LAST, check_checkpoint_file, check_free_space
 from cope.config_check import check_config
+from cope.preemption import SigtermGuard
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Run one training job from a composed config; returns the final metrics."""
     check_config(cfg)  # every key typed against its `_target_`, before any seeding, instantiation or model load
     import lightning.pytorch as pl
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     t_start = time.perf_counter()
     output_dir = Path(cfg.paths.output_dir)
@@ -86,19 +88,28 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if trainer.is_global_zero:
         check_free_space(output_dir, policy)
     before: dict[str, float] = {}
-    failed = True
+    status = "failed"
+    guard = SigtermGuard()  # a SIGTERM from here on ends the run as interrupted (exit 143), in any stage
     try:
-        if cfg.validate_before_fit and ckpt_path is None:
-            before = {k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()}
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-        failed = False
+        with guard:
+            if cfg.validate_before_fit and ckpt_path is None:
+                before = {k: float(v) for k, v in trainer.validate(module, datamodule=datamodule, verbose=False)[0].items()}
+            fitted = False
+            if not guard.received:  # a SIGTERM during the pre-fit validation: do not start training
+                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+                fitted = True  # fit returned: it trained its last epoch (a SIGTERM after that changes nothing)
+        status = "ok" if fitted else "interrupted"
+    except SIGTERMException:
+        status = "interrupted"
     finally:
         for lg in trainer.loggers:
             if hasattr(lg, "experiment") and type(lg).__name__ == "WandbLogger":
                 lg.experiment.finish()
         result = _result(before, trainer, datamodule, module, t_start)
         if trainer.is_global_zero:
-            _summary(result, trainer, failed)
+            _summary(result, trainer, status)
+    if status == "interrupted":
+        raise guard.stop(trainer.current_epoch, ckpt_dir / LAST)
     return result
 
 
@@ -110,8 +121,12 @@ def _result(before: dict, trainer, datamodule, module, t_start: float) -> dict[s
     return result
 
 
-def _summary(r: dict[str, float], trainer, failed: bool = False) -> None:
-    lines = ["", "=== cope-trainer run summary" + (" (the run FAILED: see the error below) ===" if failed else " ===")]
+_STATUS_TITLE = {"ok": "", "failed": " (the run FAILED: see the error below)",
+                 "interrupted": " (INTERRUPTED by SIGTERM: resume with ckpt_path=auto)"}
+
+
+def _summary(r: dict[str, float], trainer, status: str = "ok") -> None:
+    lines = ["", f"=== cope-trainer run summary{_STATUS_TITLE[status]} ==="]
     if "val/success" in r or "start/val/success" in r:
         start = f"{r['start/val/success']:.3f} at start -> " if "start/val/success" in r else ""
         end = (f"{r['val/success']:.3f} after epoch {int(r['val/epoch'])}" if "val/success" in r and "val/epoch" in r
