@@ -6,6 +6,11 @@ episodes and env steps to the regime's threshold (median over seeds, bootstrap 9
 success and AUC (mean, bootstrap 95%), the paired difference to GRPO in AUC and in final success (mean
 over seeds, bootstrap 95%; "better"/"worse" when the interval excludes 0), the mean cosine of each
 auxiliary gradient with the PG gradient and the mean ratio of their norms, and the wall time.
+
+Per maze size (``by_size``, a regime's list of maze sizes): the same final success and AUC, and their paired
+differences to GRPO, on the panel's tasks of each size alone, read from each run's per-task validation files
+(``csv/val_episodes/episodes<N>.csv``, :mod:`cope.callbacks.val_episodes`); a task's size is what the maze env
+builds for it. A run without those files is left out of this table (its ``n`` says so).
 """
 from __future__ import annotations
 
@@ -58,6 +63,66 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
     return out
 
 
+def maze_sizes(indices: list[int], sizes: list[int]) -> dict[int, int]:
+    """The size of each held-out maze (test split) the env builds with ``sizes``."""
+    from cope.envs.base import Task
+    from cope.envs.maze import MazeEnv
+
+    env = MazeEnv(sizes=list(sizes))
+    try:
+        return {i: int(env.reset(Task(env.name, "test", i)).info["size"]) for i in indices}
+    finally:
+        env.close()
+
+
+def _outcomes(path: Path) -> list[dict]:
+    """A per-task validation file's rows as {index, success}."""
+    with path.open() as f:
+        return [{"index": int(r["index"]), "success": float(r["success"])} for r in csv.DictReader(f)]
+
+
+def size_curves(d: Path, sizes: list[int]) -> dict[int, dict]:
+    """{size: {episodes, success, auc, final}} from a run's per-task validation files ({} without them)."""
+    files = sorted((d / "csv/val_episodes").glob("episodes*.csv"), key=lambda p: int(p.stem.removeprefix("episodes")))
+    points = [(int(p.stem.removeprefix("episodes")), _outcomes(p)) for p in files if p.stem.removeprefix("episodes").isdigit()]
+    if not points:
+        return {}
+    size_of = maze_sizes(sorted({int(r["index"]) for _, rows in points for r in rows}), sizes)
+    out = {}
+    for size in sizes:
+        xs, ys = [], []
+        for n, rows in points:
+            hits = [r["success"] for r in rows if size_of[int(r["index"])] == size]
+            if hits:
+                xs.append(n)
+                ys.append(sum(hits) / len(hits))
+        if xs:
+            out[size] = {"episodes": xs, "success": ys, "auc": auc_norm(xs, ys), "final": ys[-1],
+                         "tasks": sum(size_of[int(r["index"])] == size for r in points[-1][1])}
+    return out
+
+
+def _by_size(arms: dict, sizes: list[int]) -> dict:
+    """{size: {arm: {n, final, auc, delta_final, delta_auc}}} over the runs that have per-task files."""
+    out: dict = {}
+    per_run = {arm: {s: c for s, c in row["size_runs"].items() if c} for arm, row in arms.items()}
+    for size in sizes:
+        base = {seed: c[size] for seed, c in per_run.get("grpo", {}).items() if size in c}
+        for arm, runs in per_run.items():
+            cs = {seed: c[size] for seed, c in runs.items() if size in c}
+            if not cs:
+                continue
+            row = {"n": len(cs), "tasks": next(iter(cs.values()))["tasks"],
+                   "final": bootstrap([c["final"] for c in cs.values()], "mean"),
+                   "auc": bootstrap([c["auc"] for c in cs.values() if c["auc"] is not None], "mean")}
+            if arm != "grpo" and base:
+                for key in ("auc", "final"):
+                    row[f"delta_{key}"] = paired_difference({s: c[key] for s, c in cs.items() if c[key] is not None},
+                                                            {s: c[key] for s, c in base.items() if c[key] is not None})
+            out.setdefault(size, {})[arm] = row
+    return out
+
+
 def _iv(values: list[float], stat: str, spec: str) -> str:
     return fmt_interval(*bootstrap(values, stat), spec) if values else "–"
 
@@ -80,7 +145,11 @@ def summarize(results: list[dict], meta: dict) -> dict:
         if job.phase == "tune":
             tuning.setdefault(job.regime, {}).setdefault(job.arm, {}).setdefault(job.setting, []).append(c)
         else:
-            table.setdefault(job.regime, {}).setdefault(job.arm, {"setting": job.setting, "runs": {}})["runs"][job.seed] = c
+            row = table.setdefault(job.regime, {}).setdefault(job.arm, {"setting": job.setting, "runs": {}, "size_runs": {}})
+            row["runs"][job.seed] = c
+            sizes = meta["regimes"][job.regime].get("by_size")
+            row["size_runs"][job.seed] = size_curves(Path(res["dir"]), sizes) if sizes else {}
+    by_size = {r: _by_size(arms, meta["regimes"][r]["by_size"]) for r, arms in table.items() if meta["regimes"][r].get("by_size")}
     for arms in table.values():
         base = arms.get("grpo", {}).get("runs", {})
         for arm, row in arms.items():
@@ -105,7 +174,10 @@ def summarize(results: list[dict], meta: dict) -> dict:
                 row["grad/measured_steps"] = _mean([c.get("grad/measured_steps") for c in cs])
             for k in PROBES:
                 row[k] = _mean([c.get(k + "/last") for c in cs])
-    return {"test": table, "tuning": tuning}
+    for arms in table.values():
+        for row in arms.values():
+            row.pop("size_runs", None)  # summarized in by_size
+    return {"test": table, "tuning": tuning, "by_size": by_size}
 
 
 def _f(x: float | None, spec: str = ".3f") -> str:
@@ -142,6 +214,17 @@ def markdown(summary: dict, meta: dict) -> str:
             lines.append(f"| {NAMES.get(arm, arm)} | {_f(row.get(f'grad/cos_{aux}_pg'))} | {_f(row.get(f'grad/ratio_{aux}_pg'))} | "
                          f"{_f(row.get('grad/measured_steps'), '.0f')} | "
                          f"{_f(row.get('probe/forecast_action_acc'))} | {_f(row.get('probe/obs_nll'))} |")
+        sized = summary.get("by_size", {}).get(regime)
+        if sized:
+            lines += ["", "Per maze size (the reported panel's tasks of that size; runs with per-task files):", "",
+                      "| size | tasks | arm | n | final success | AUC | Δ AUC vs GRPO | Δ final vs GRPO |",
+                      "|---|---:|---|---:|---|---|---|---|"]
+            for size, per_arm in sized.items():
+                for arm, row in per_arm.items():
+                    deltas = [f"{fmt_interval(*d[:3], '+.3f')} {separates(d[1], d[2])}" if (d := row.get(k)) and d[3] else "–"
+                              for k in ("delta_auc", "delta_final")]
+                    lines.append(f"| {size}x{size} | {row['tasks']} | {NAMES.get(arm, arm)} | {row['n']} | "
+                                 f"{fmt_interval(*row['final'])} | {fmt_interval(*row['auc'])} | {deltas[0]} | {deltas[1]} |")
         tune = summary["tuning"].get(meta["regimes"][regime]["tuned_in"] or regime, {})
         if tune and not info["tuned_in"]:
             lines += ["", "Tuning (mean AUC / final success on the tuning panel, tuning seeds; chosen in bold):", ""]

@@ -1,0 +1,59 @@
+"""The study's per-maze-size breakdown (bench/study_report.py), on hand-made per-task validation files."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from study_report import _by_size, maze_sizes, size_curves  # noqa: E402
+
+SIZES = [6, 7, 8]
+
+
+def _write(run: Path, n: int, outcomes: dict[int, int]) -> None:
+    d = run / "csv/val_episodes"
+    d.mkdir(parents=True, exist_ok=True)
+    rows = ["split,index,success,score,reward,steps,invalid,end_reason"]
+    rows += [f"test,{i},{s},{s},{s},3,0,done" for i, s in sorted(outcomes.items())]
+    (d / f"episodes{n}.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_maze_sizes_are_the_envs():
+    from cope.envs.base import Task
+    from cope.envs.maze import MazeEnv
+
+    got = maze_sizes(list(range(12)), SIZES)
+    env = MazeEnv(sizes=SIZES)
+    assert got == {i: env.reset(Task("maze", "test", i)).info["size"] for i in range(12)}
+    assert set(got.values()) <= set(SIZES)
+
+
+def test_size_curves_and_paired_deltas(tmp_path):
+    size = maze_sizes(list(range(40)), SIZES)
+    six = [i for i in range(40) if size[i] == 6][:2]
+    eight = [i for i in range(40) if size[i] == 8][:2]
+    panel = six + eight
+    runs = {}
+    for arm, seed, final in (("grpo", 0, {six[0]: 1}), ("grpo", 1, {}), ("echo", 0, {six[0]: 1, six[1]: 1}),
+                             ("echo", 1, {six[0]: 1, eight[0]: 1})):
+        run = tmp_path / arm / str(seed)
+        _write(run, 0, dict.fromkeys(panel, 0))
+        _write(run, 64, {i: final.get(i, 0) for i in panel})
+        runs.setdefault(arm, {})[seed] = size_curves(run, SIZES)
+    c = runs["echo"][1]
+    assert set(c) == {6, 8}  # no 7x7 task in this panel
+    assert c[6]["episodes"] == [0, 64] and c[6]["success"] == [0.0, 0.5] and c[8]["success"] == [0.0, 0.5]
+    assert c[6]["auc"] == pytest.approx(0.25) and c[6]["tasks"] == 2
+    table = _by_size({arm: {"size_runs": r} for arm, r in runs.items()}, SIZES)
+    six_echo = table[6]["echo"]
+    assert six_echo["n"] == 2 and six_echo["final"][0] == pytest.approx(0.75)  # (1.0 + 0.5) / 2
+    mean, lo, hi, pairs = six_echo["delta_final"]
+    assert pairs == 2 and mean == pytest.approx(((1.0 - 0.5) + (0.5 - 0.0)) / 2) and lo == pytest.approx(0.5)
+    assert table[8]["grpo"]["final"][0] == 0.0 and table[8]["echo"]["delta_final"][0] == pytest.approx(0.25)
+    assert 7 not in table
+
+
+def test_a_run_without_files_has_no_sizes(tmp_path):
+    assert size_curves(tmp_path, SIZES) == {}
