@@ -32,6 +32,7 @@ def _last_train_epoch(run: Path) -> int:
     return int(lines[-1].split(",")[0])
 
 
+@pytest.mark.long
 def test_sigterm_mid_fit_exits_143_and_resumes(tmp_path):
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -61,6 +62,7 @@ def test_sigterm_mid_fit_exits_143_and_resumes(tmp_path):
     assert _ckpt_epoch(ckpt) == saved + 2
 
 
+@pytest.mark.long
 def test_sigterm_during_prefit_validation_does_not_start_training(compose, tmp_path, monkeypatch):
     import lightning.pytorch as pl
 

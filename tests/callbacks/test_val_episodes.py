@@ -50,6 +50,7 @@ def test_rejects_bad_dirname(bad):
         ValidationEpisodes(dirname=bad)
 
 
+@pytest.mark.long
 def test_real_run_files_match_the_learning_curve(run_train, tmp_path):
     run_train(["trainer.max_epochs=2", "data.val_tasks=8"], tmp_path)
     [curve_csv] = tmp_path.rglob("learning_curve.csv")  # both live in the logger's folder
