@@ -62,8 +62,8 @@ class Regime:
 
 
 SPEC: dict[str, Regime] = {
-    # (a): GRPO vs ECHO only (ECHO's claim, per maze size); CoPE left out for the budget: it learns from successes
-    # only, and from a random walker about 3% of the episodes succeed (the earlier 3-seed study ran it there)
+    # (a): GRPO vs ECHO only (ECHO's claim, per maze size); CoPE left out for the budget (the earlier 3-seed
+    # study, sample_efficiency.py, ran it in this regime)
     "random": Regime("(a) warm start = uniform random walker", (), 0.15, ("grpo", "echo"), tuned_in="prior"),
     "prior": Regime(f"(b) warm start = BC on noisy goal-directed walks (expert p={PRIOR_EXPERT_PROB})",
                     ("model.warm_start_policy=expert", f"model.warm_start_expert_prob={PRIOR_EXPERT_PROB}"), 0.5),
