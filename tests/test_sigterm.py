@@ -102,3 +102,39 @@ def test_guard_chains_and_restores_the_previous_handler():
         assert not seen  # recorded by the guard, not passed on: the run decides when to stop
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.long
+def test_sigterm_during_a_rollout_stops_it_at_the_next_turn(compose, tmp_path, monkeypatch):
+    """A rollout at 7B can outlast a scheduler's grace period: the run stops at the next turn, not after it."""
+    import lightning.pytorch as pl
+
+    from cope.envs.maze import MazeEnv
+    from cope.run import train
+
+    step, fit = MazeEnv.step, pl.Trainer.fit
+    calls = {"n": 0, "at_signal": None, "fitting": False}
+
+    def step_then_sigterm(self, action):  # counts the training rollout's steps only (not the warm-start build's)
+        calls["n"] += calls["fitting"]
+        if calls["n"] == 5 and calls["at_signal"] is None:
+            calls["at_signal"] = calls["n"]
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self, action)
+
+    def fitting(self, *a, **k):
+        calls["fitting"] = True
+        return fit(self, *a, **k)
+
+    monkeypatch.setattr(MazeEnv, "step", step_then_sigterm)
+    monkeypatch.setattr(pl.Trainer, "fit", fitting)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            train(compose(["validate_before_fit=false", "trainer.max_epochs=3"], tmp_path))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exc.value.code == EXIT_SIGTERM
+    # the turn in progress finishes (at most one step per live episode: 2 tasks x 4), the rest of the epoch does not
+    assert calls["n"] - calls["at_signal"] <= 8, calls
+    assert not (tmp_path / "checkpoints/last.ckpt").exists()

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
 from cope.advantages import group_advantages
@@ -168,12 +169,21 @@ class RolloutDataModule(pl.LightningDataModule):
                 self.engine.sync(self.trainer.global_step)
             synced = time.perf_counter() - t0
             eps, stats = self.engine.rollout(tasks, groups, dataclasses.replace(sampling, seed=seed),
-                                             progress=bar.update if bar else None)
+                                             progress=lambda n: self._turn_done(n, bar))
             stats.sync_seconds += synced
             return eps, stats
         finally:
             if bar:
                 bar.close()
+
+    def _turn_done(self, finished: int, bar) -> None:
+        """Called by the engine after every turn: the progress bar, and the stop after a SIGTERM. A rollout
+        at 7B can take minutes, longer than a scheduler's grace period, so the run does not wait for it:
+        the epoch is left unfinished (resume runs it again from its start, see :mod:`cope.preemption`)."""
+        if bar is not None:
+            bar.update(finished)
+        if getattr(self.trainer, "received_sigterm", False):
+            raise SIGTERMException
 
     def _sample_tasks(self) -> tuple[list[Task], list[int]]:
         tasks, groups = [], []

@@ -1,5 +1,8 @@
 """SIGTERM (a scheduler's preemption, ``kill``, a launcher stopping its jobs) ends a run as *interrupted*:
 exit status 143 (128 + SIGTERM), the last epoch checkpoint kept, one log line saying how to resume.
+The run stops at the next optimizer step or validation batch (Lightning's own check) or, during a
+rollout, after the turn in progress (``RolloutDataModule`` checks after every turn: a rollout at 7B
+can outlast a scheduler's grace period).
 
 Lightning already stops ``fit`` at the next batch end after a SIGTERM, but it raises
 ``SIGTERMException`` (a ``SystemExit`` without a code), so the process exited with status 0 after any
@@ -43,7 +46,7 @@ class SigtermGuard:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self.received:
-            log.warning("SIGTERM received: the run stops after the current optimizer step (or validation batch)")
+            log.warning("SIGTERM received: the run stops after the current turn, optimizer step or validation batch")
         self.received = True
 
     def stop(self, epoch: int, checkpoint: Path) -> SystemExit:
