@@ -102,6 +102,13 @@ def size_curves(d: Path, sizes: list[int]) -> dict[int, dict]:
     return out
 
 
+def _deltas(runs: dict, base: dict) -> dict:
+    """``delta_auc`` and ``delta_final``: the arm's runs minus GRPO's, paired by seed (see ``paired_difference``)."""
+    return {f"delta_{key}": paired_difference({s: c[key] for s, c in runs.items() if c[key] is not None},
+                                              {s: c[key] for s, c in base.items() if c[key] is not None})
+            for key in ("auc", "final")}
+
+
 def _by_size(arms: dict, sizes: list[int]) -> dict:
     """{size: {arm: {n, final, auc, delta_final, delta_auc}}} over the runs that have per-task files."""
     out: dict = {}
@@ -116,9 +123,7 @@ def _by_size(arms: dict, sizes: list[int]) -> dict:
                    "final": bootstrap([c["final"] for c in cs.values()], "mean"),
                    "auc": bootstrap([c["auc"] for c in cs.values() if c["auc"] is not None], "mean")}
             if arm != "grpo" and base:
-                for key in ("auc", "final"):
-                    row[f"delta_{key}"] = paired_difference({s: c[key] for s, c in cs.items() if c[key] is not None},
-                                                            {s: c[key] for s, c in base.items() if c[key] is not None})
+                row.update(_deltas(cs, base))
             out.setdefault(size, {})[arm] = row
     return out
 
@@ -163,10 +168,7 @@ def summarize(results: list[dict], meta: dict) -> dict:
             row["start"] = _mean([c["start"] for c in cs])
             row["wall_s"] = _mean([c["wall_s"] for c in cs])
             if arm != "grpo" and base:
-                for key in ("auc", "final"):
-                    d = paired_difference({s: c[key] for s, c in runs.items() if c[key] is not None},
-                                          {s: c[key] for s, c in base.items() if c[key] is not None})
-                    row[f"delta_{key}"] = d
+                row.update(_deltas(runs, base))
             if arm in AUX:
                 for key in DIAG:
                     k = key.format(aux=AUX[arm])
