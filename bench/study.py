@@ -21,7 +21,9 @@ every held-out task's outcome (``csv/val_episodes``).
 Outputs: run folders ``<out>/<regime>/<phase>/<arm>/<setting>/seed<s>`` (``--out``, default ``outputs/study``;
 ``done`` marks a finished one; finished runs are reused, an unfinished one continues from its last epoch
 checkpoint with ``ckpt_path=auto``, so an interrupted study resumes where it stopped; SIGTERM/Ctrl-C to this
-launcher stops its running jobs and starts no new one), and in ``--results`` (default ``bench/results/study``):
+launcher stops its running jobs and starts no new one); a checkpoint-free copy of each finished run goes to
+``--records`` (default ``bench/results/study/runs``, committed), from which a fresh checkout restores it
+instead of rerunning it (:mod:`study_records`); and in ``--results`` (default ``bench/results/study``):
 ``study.md`` (the tables), ``study.json``, ``success_vs_episodes.png`` (mean and bootstrap 95% band per arm,
 one panel per regime) and ``mechanism.png`` (cosine of each auxiliary gradient with the PG gradient, per step).
 
@@ -36,7 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sample_efficiency import STOPPED, run_state, stop_on_sigterm, stopping, train_one  # bench/ is on sys.path as a script
+import study_records  # bench/ is on sys.path as a script
+from sample_efficiency import STOPPED, _finished, run_state, stop_on_sigterm, stopping, train_one
 from study_report import report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,18 +111,23 @@ SMOKE = ("trainer.max_epochs=2", "trainer.check_val_every_n_epoch=1", "data.task
 SMOKE_PANEL = ("data.val_tasks=4",)
 
 
-def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int) -> list[dict]:
-    """Runs (or reuses) the jobs; returns one result per job, in order, with its Job attached."""
+def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int, records: Path) -> list[dict]:
+    """Runs (or reuses) the jobs; returns one result per job, in order, with its Job attached. A finished
+    run is also kept in ``records`` (committed; :mod:`study_records`), and a job with a record of the same
+    overrides is restored from it instead of run, so the study resumes on a fresh checkout."""
     done: list[int] = []
 
     def one(job: Job) -> dict:
-        d = job.dir(out)
+        d, rec = job.dir(out), job.dir(records)
+        restored = not _finished(d) and study_records.restore(rec, d, job.overrides)
         r = train_one(job.arm, job.seed, d, list(job.overrides), threads, force=False, resume=True)
         if r["rc"] == 0 and not _complete(d, job.overrides):  # exit 0 without the last epoch (a SIGTERM'd run)
             (d / "done").unlink(missing_ok=True)
             r = {**r, "rc": -15}
+        if r["rc"] == 0 and not restored:  # also a reused run recorded before records existed
+            study_records.save(d, rec, job.overrides)
         done.append(1)
-        state = run_state(r)
+        state = "restored from its record" if restored and r["skipped"] else run_state(r)
         print(f"[{len(done)}/{len(jobs)}] {job.regime} {job.phase} {job.arm} {job.setting} seed {job.seed}: "
               f"{r['wall_s']:.0f} s ({state})", flush=True)
         return {**r, "job": job}
@@ -130,6 +138,14 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int) -> lis
         print("study stopped by a signal: rerun the same command to resume", file=sys.stderr, flush=True)
         sys.exit(STOPPED)
     return results
+
+
+def _existing(jobs: list[Job], out: Path, records: Path) -> list[dict]:
+    """``--report``: the jobs' finished runs as results (rc 1 where none), restoring records where needed."""
+    for j in jobs:
+        if not _finished(j.dir(out)):
+            study_records.restore(j.dir(records), j.dir(out), j.overrides)
+    return [{"dir": str(j.dir(out)), "rc": 0 if _finished(j.dir(out)) else 1, "job": j} for j in jobs]
 
 
 def _complete(run: Path, overrides: tuple[str, ...]) -> bool:
@@ -162,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--regimes", nargs="+", default=list(DEFAULT_REGIMES), choices=list(SPEC),
                    help="echo6/7/8 (the ~10M model) are not in the default: about 40 minutes a run here (bench/README.md)")
     p.add_argument("--out", type=Path, default=REPO / "outputs/study", help="run folders (checkpoints, logs; not committed)")
+    p.add_argument("--records", type=Path, default=None,
+                   help="committed copies of finished runs, restored on a fresh checkout (default: "
+                        "bench/results/study/runs, or --out/records with --smoke)")
     p.add_argument("--results", type=Path, default=None,
                    help="where study.md/.json and the plots go (default: bench/results/study, or --out with --smoke)")
     p.add_argument("--jobs", type=int, default=2, help="training subprocesses in parallel")
@@ -170,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="a miniature of the whole study (seconds per run; CI)")
     args = p.parse_args(argv)
     out = args.out.resolve()
+    records = (args.records or (out / "records" if args.smoke else REPO / "bench/results/study/runs")).resolve()
     stop_on_sigterm()
     seeds_test, seeds_tune = (TEST_SEEDS[:2], TUNE_SEEDS[:1]) if args.smoke else (TEST_SEEDS, TUNE_SEEDS)
     grid = {a: dict(list(g.items())[:2]) for a, g in GRID.items()} if args.smoke else GRID
@@ -183,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     def tune(arms: list[str], base: dict[str, tuple[str, ...]]) -> None:
         jobs = [Job(r, "tune", a, label, s, _overrides(SPEC[r], "tune", a, (*base.get(r, ()), *ov), args.smoke))
                 for r in tuned for a in arms if a in SPEC[r].arms for label, ov in grid[a].items() for s in seeds_tune]
-        done = [] if args.report else run_jobs(jobs, out, args.jobs, args.threads)
-        done = done or [{"dir": str(j.dir(out)), "rc": 0 if (j.dir(out) / "done").exists() else 1, "job": j} for j in jobs]
+        done = [] if args.report else run_jobs(jobs, out, args.jobs, args.threads, records)
+        done = done or _existing(jobs, out, records)
         results.extend(done)
         for r in tuned:
             for a in arms:
@@ -197,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     tests = [Job(r, "test", a, choice[(SPEC[r].tuned_in or r, a)][0], s,
                  _overrides(SPEC[r], "test", a, choice[(SPEC[r].tuned_in or r, a)][1], args.smoke))
              for r in regimes for a in SPEC[r].arms for s in seeds_test]
-    done = [] if args.report else run_jobs(tests, out, args.jobs, args.threads)
-    results.extend(done or [{"dir": str(j.dir(out)), "rc": 0 if (j.dir(out) / "done").exists() else 1, "job": j} for j in tests])
+    done = [] if args.report else run_jobs(tests, out, args.jobs, args.threads, records)
+    results.extend(done or _existing(tests, out, records))
     failed = [r for r in results if r["rc"] != 0]
     meta = {"regimes": {r: {"title": SPEC[r].title, "threshold": SPEC[r].threshold, "overrides": list(SPEC[r].overrides),
                             "tuned_in": SPEC[r].tuned_in,

@@ -1,0 +1,85 @@
+"""The study's committed run records (bench/study_records.py): a fresh checkout, which has no run folders,
+resumes the study from them instead of rerunning finished jobs; a record of other overrides is not reused."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import sample_efficiency  # noqa: E402
+import study  # noqa: E402
+import study_records  # noqa: E402
+
+FAKE = '''import json, sys
+from pathlib import Path
+run = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("hydra.run.dir=")))
+with (run.parents[5] / "calls.jsonl").open("a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+(run / "csv/val_episodes").mkdir(parents=True)
+(run / "csv/learning_curve.csv").write_text("epoch,episodes,val_success\\n1,8,0.5\\n")
+(run / "csv/learning_curve_train.csv").write_text("epoch,episodes\\n0,4\\n1,8\\n")
+(run / "csv/metrics.csv").write_text("step,grad/cos\\n0,0.1\\n")
+(run / "csv/val_episodes/episodes8.csv").write_text("task,success\\n0,1\\n")
+(run / "checkpoints").mkdir()
+(run / "checkpoints/last.ckpt").write_text("big, not recorded")
+'''
+
+
+def _jobs(lr: str = "1e-3") -> list[study.Job]:
+    ov = ("trainer.max_epochs=2", f"module.optimizer.lr={lr}")
+    return [study.Job("prior", "test", "grpo", "lr", s, ov) for s in (0, 1)]
+
+
+def _calls(root: Path) -> int:
+    f = root / "calls.jsonl"
+    return len(f.read_text().splitlines()) if f.exists() else 0
+
+
+def test_a_fresh_checkout_restores_finished_runs_instead_of_rerunning(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text(FAKE)
+    monkeypatch.setattr(sample_efficiency, "REPO", tmp_path)
+    out, records = tmp_path / "out", tmp_path / "records"
+    first = study.run_jobs(_jobs(), out, 2, 1, records)
+    assert [r["rc"] for r in first] == [0, 0] and _calls(tmp_path) == 2
+    rec = _jobs()[0].dir(records)
+    manifest = json.loads((rec / "record.json").read_text())
+    assert "csv/val_episodes/episodes8.csv" in manifest["files"] and "done" in manifest["files"]
+    assert not (rec / "checkpoints").exists()  # checkpoints stay out of the record
+
+    import shutil
+    shutil.rmtree(out)  # a new checkout: no run folders, only the committed records
+    again = study.run_jobs(_jobs(), out, 2, 1, records)
+    assert [r["rc"] for r in again] == [0, 0] and all(r["skipped"] for r in again)
+    assert _calls(tmp_path) == 2  # nothing ran again
+    run = _jobs()[1].dir(out)
+    assert (run / "csv/learning_curve.csv").read_text() == "epoch,episodes,val_success\n1,8,0.5\n"
+    assert (run / "restored_from").exists() and study._complete(run, _jobs()[1].overrides)
+
+
+def test_a_record_of_other_overrides_is_not_reused(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text(FAKE)
+    monkeypatch.setattr(sample_efficiency, "REPO", tmp_path)
+    out, records = tmp_path / "out", tmp_path / "records"
+    study.run_jobs(_jobs("1e-3"), out, 1, 1, records)
+    import shutil
+    shutil.rmtree(out)
+    changed = study.run_jobs(_jobs("3e-3"), out, 1, 1, records)  # the design changed: same folder, new overrides
+    assert all(not r["skipped"] for r in changed) and _calls(tmp_path) == 4
+    meta = json.loads((_jobs()[0].dir(records) / "record.json").read_text())
+    assert meta["overrides"][-1] == "module.optimizer.lr=3e-3"  # the new run replaced the record
+
+
+def test_an_unfinished_run_is_not_recorded_and_a_broken_record_is_ignored(tmp_path):
+    run, rec = tmp_path / "run", tmp_path / "rec"
+    (run / "csv").mkdir(parents=True)
+    try:
+        study_records.save(run, rec, ["a=1"])
+        raise AssertionError("an unfinished run was recorded")
+    except FileNotFoundError as e:
+        assert "done" in str(e)
+    (run / "done").write_text("{}")
+    (run / "csv/metrics.csv").write_text("x\n")
+    assert study_records.save(run, rec, ["a=1"]) == ["csv/metrics.csv", "done"]
+    (rec / "csv/metrics.csv").unlink()  # a record missing a file it lists
+    assert not study_records.restore(rec, tmp_path / "fresh", ["a=1"]) and not (tmp_path / "fresh").exists()
