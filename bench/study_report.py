@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from study_stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, separates
+from study_stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t, separates
 
 NAMES = {"grpo": "GRPO", "cope": "CoPE", "echo": "ECHO"}
 AUX = {"cope": "forecast", "echo": "echo"}  # the arm's auxiliary objective (its grad/* name)
@@ -103,10 +103,23 @@ def size_curves(d: Path, sizes: list[int]) -> dict[int, dict]:
 
 
 def _deltas(runs: dict, base: dict) -> dict:
-    """``delta_auc`` and ``delta_final``: the arm's runs minus GRPO's, paired by seed (see ``paired_difference``)."""
-    return {f"delta_{key}": paired_difference({s: c[key] for s, c in runs.items() if c[key] is not None},
-                                              {s: c[key] for s, c in base.items() if c[key] is not None})
-            for key in ("auc", "final")}
+    """``delta_auc`` and ``delta_final``: the arm's runs minus GRPO's, paired by seed (``paired_difference``, the
+    bootstrap), and ``delta_auc_t`` / ``delta_final_t``: the paired Student-t interval of the same differences."""
+    out = {}
+    for key in ("auc", "final"):
+        arm = {s: c[key] for s, c in runs.items() if c[key] is not None}
+        ref = {s: c[key] for s, c in base.items() if c[key] is not None}
+        out[f"delta_{key}"], out[f"delta_{key}_t"] = paired_difference(arm, ref), paired_t(arm, ref)
+    return out
+
+
+def _delta_cell(row: dict, key: str) -> str:
+    """``+0.031 [+0.010, +0.050] better (t: no)``: the bootstrap interval, its verdict, the t interval's verdict."""
+    d, t = row.get(key), row.get(key + "_t")
+    if not (d and d[3]):
+        return "–"
+    cell = f"{fmt_interval(*d[:3], '+.3f')} {separates(d[1], d[2])}"
+    return cell + (f" (t: {separates(t[1], t[2])})" if t and t[3] > 1 else "")
 
 
 def _by_size(arms: dict, sizes: list[int]) -> dict:
@@ -189,7 +202,9 @@ def _f(x: float | None, spec: str = ".3f") -> str:
 def markdown(summary: dict, meta: dict) -> str:
     lines = ["# Sample-efficiency study", "", f"Budget per run: `{' '.join(meta['budget'])}`; every run: "
              f"`{' '.join(meta['common'])}`. Panels: tuning `{' '.join(meta['panels']['tune'])}`, reported "
-             f"`{' '.join(meta['panels']['test'])}`. Intervals: bootstrap 95% over seeds; Δ = paired by seed vs GRPO.", ""]
+             f"`{' '.join(meta['panels']['test'])}`. Intervals: bootstrap 95% over seeds; Δ = paired by seed vs GRPO, "
+             "its verdict (better/worse: the interval excludes 0), then in brackets the verdict of the paired t 95% "
+             "interval of the same differences (the conservative check; 5 seeds make the bootstrap narrow).", ""]
     for regime, info in meta["regimes"].items():
         arms = summary["test"].get(regime, {})
         lines += [f"## {regime}: {info['title']}", "", f"Threshold {info['threshold']:g} held-out success; overrides "
@@ -199,10 +214,7 @@ def markdown(summary: dict, meta: dict) -> str:
                   "AUC | Δ AUC vs GRPO | Δ final vs GRPO | wall s/run |",
                   "|---|---|---:|---:|---|---|---|---|---|---|---:|"]
         for arm, row in arms.items():
-            deltas = []
-            for key in ("delta_auc", "delta_final"):
-                d = row.get(key)
-                deltas.append(f"{fmt_interval(*d[:3], '+.3f')} {separates(d[1], d[2])}" if d and d[3] else "–")
+            deltas = [_delta_cell(row, key) for key in ("delta_auc", "delta_final")]
             lines.append(" | ".join([
                 f"| {NAMES.get(arm, arm)}", f"`{row['setting']}`", str(len(row["seeds"])), _f(row["start"]),
                 fmt_interval(*row["episodes_to"], ".0f"), fmt_interval(*row["env_steps_to"], ".0f"),
@@ -223,8 +235,7 @@ def markdown(summary: dict, meta: dict) -> str:
                       "|---|---:|---|---:|---|---|---|---|"]
             for size, per_arm in sized.items():
                 for arm, row in per_arm.items():
-                    deltas = [f"{fmt_interval(*d[:3], '+.3f')} {separates(d[1], d[2])}" if (d := row.get(k)) and d[3] else "–"
-                              for k in ("delta_auc", "delta_final")]
+                    deltas = [_delta_cell(row, k) for k in ("delta_auc", "delta_final")]
                     lines.append(f"| {size}x{size} | {row['tasks']} | {NAMES.get(arm, arm)} | {row['n']} | "
                                  f"{fmt_interval(*row['final'])} | {fmt_interval(*row['auc'])} | {deltas[0]} | {deltas[1]} |")
         tune = summary["tuning"].get(meta["regimes"][regime]["tuned_in"] or regime, {})

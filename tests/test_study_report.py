@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from study_report import _by_size, maze_sizes, size_curves  # noqa: E402
+from study_report import _by_size, _delta_cell, maze_sizes, size_curves  # noqa: E402
 
 SIZES = [6, 7, 8]
 
@@ -51,6 +51,10 @@ def test_size_curves_and_paired_deltas(tmp_path):
     assert six_echo["n"] == 2 and six_echo["final"][0] == pytest.approx(0.75)  # (1.0 + 0.5) / 2
     mean, lo, hi, pairs = six_echo["delta_final"]
     assert pairs == 2 and mean == pytest.approx(((1.0 - 0.5) + (0.5 - 0.0)) / 2) and lo == pytest.approx(0.5)
+    t_mean, t_lo, t_hi, t_pairs = six_echo["delta_final_t"]  # differences 0.5, 0.5: sd 0, a zero-width t interval
+    assert t_pairs == 2 and t_mean == t_lo == t_hi == pytest.approx(0.5)
+    assert _delta_cell(six_echo, "delta_final") == "+0.500 [+0.500, +0.500] better (t: better)"
+    assert _delta_cell({}, "delta_auc") == "–"
     assert table[8]["grpo"]["final"][0] == 0.0 and table[8]["echo"]["delta_final"][0] == pytest.approx(0.25)
     assert 7 not in table
 

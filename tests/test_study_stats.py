@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from study_stats import INF, auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, separates  # noqa: E402
+from study_stats import INF, auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t, separates, t975  # noqa: E402
 
 
 def test_first_reaching_and_censoring():
@@ -59,3 +59,19 @@ def test_mean_band_on_the_common_grid():
     grid, mean, lo, hi = mean_band([([0, 10, 20], [0.0, 0.5, 1.0]), ([0, 10], [0.0, 1.0])])
     assert grid.tolist() == [0, 10] and mean.tolist() == [0.0, 0.75]
     assert lo[1] <= 0.75 <= hi[1] and lo[1] >= 0.5 and hi[1] <= 1.0
+
+
+def test_paired_t_interval_by_hand_and_its_quantiles():
+    # differences 0.2, 0.25, 0.22, 0.21 (the seeds both have): mean 0.22, sd 0.021602, t(3) = 3.182
+    d, lo, hi, n = paired_t({0: 0.5, 1: 0.6, 2: 0.55, 3: 0.52, 9: 1.0}, {0: 0.3, 1: 0.35, 2: 0.33, 3: 0.31, 4: 0.0})
+    half = 3.182 * float(np.std([0.2, 0.25, 0.22, 0.21], ddof=1)) / 2
+    assert n == 4 and d == pytest.approx(0.22) and (lo, hi) == (pytest.approx(0.22 - half), pytest.approx(0.22 + half))
+    # five differences with one against: the bootstrap excludes 0, the t interval does not (the weak case)
+    arm, base = {s: v for s, v in enumerate([0.10, 0.12, 0.08, 0.11, -0.05])}, {s: 0.0 for s in range(5)}
+    boot, t = paired_difference(arm, base), paired_t(arm, base)
+    assert separates(boot[1], boot[2]) == "better" and separates(t[1], t[2]) == "no"
+    assert math.isnan(paired_t({0: 1.0}, {0: 0.5})[1]) and paired_t({}, {})[3] == 0
+    assert t975(4) == 2.776 and math.isnan(t975(0))
+    stats = pytest.importorskip("scipy.stats")
+    for df in (*range(1, 31), 31, 40, 100, 1000):
+        assert t975(df) == pytest.approx(float(stats.t.ppf(0.975, df)), abs=6e-4)
