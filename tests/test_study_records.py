@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import sample_efficiency  # noqa: E402
 import study  # noqa: E402
@@ -83,3 +85,15 @@ def test_an_unfinished_run_is_not_recorded_and_a_broken_record_is_ignored(tmp_pa
     assert study_records.save(run, rec, ["a=1"]) == ["csv/metrics.csv", "done"]
     (rec / "csv/metrics.csv").unlink()  # a record missing a file it lists
     assert not study_records.restore(rec, tmp_path / "fresh", ["a=1"]) and not (tmp_path / "fresh").exists()
+
+
+def test_the_default_records_folder_is_committed_not_ignored():
+    import shutil
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    probe = "bench/results/study/runs/prior/test/grpo/lr3e-3/seed0/csv/metrics.csv"
+    r = subprocess.run(["git", "check-ignore", "-q", probe], cwd=repo)
+    assert r.returncode == 1, f"{probe} is git-ignored: the study's records would not be committed"
