@@ -48,7 +48,9 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
     if aux:
         # steps where either gradient is 0 (no group with a reward spread: no PG gradient; no forecast
         # target) log a cosine of 0 by convention: they are no measurement of the angle, so they are left out
-        measured = [r for r in metrics if (r.get("grad/pg_norm") or 0) > 0 and (r.get(f"grad/{aux}_norm") or 0) > 0]
+        every = grad_every(d)
+        measured = [r for r in metrics if (r.get("grad/pg_norm") or 0) > 0 and (r.get(f"grad/{aux}_norm") or 0) > 0
+                    and (every is None or r.get("step") is None or int(r["step"]) % every == 0)]
         out["grad/measured_steps"] = len(measured)
         for key in DIAG:
             k = key.format(aux=aux)
@@ -61,6 +63,21 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
     done = d / "done"
     out["wall_s"] = json.loads(done.read_text())["wall_s"] if done.exists() else None
     return out
+
+
+def grad_every(d: Path) -> int | None:
+    """The run's ``callbacks.grad_stats.every_n_steps`` from its resolved config (None without one).
+
+    The gradient diagnostics are measured on the steps that are multiples of it. Runs made before the callback
+    logged to the loggers directly (2026-12-02) also repeat each measurement on the following steps of its
+    epoch (Lightning re-reports a hook's logged value); only the measured steps' rows are read."""
+    cfg = d / ".hydra/config.yaml"
+    if not cfg.exists():
+        return None
+    import yaml  # noqa: PLC0415 - a dependency of hydra
+
+    every = ((yaml.safe_load(cfg.read_text()) or {}).get("callbacks") or {}).get("grad_stats", {}).get("every_n_steps")
+    return int(every) if every else None
 
 
 def maze_sizes(indices: list[int], sizes: list[int]) -> dict[int, int]:

@@ -2,7 +2,8 @@
 
 Every ``every_n_steps`` optimizer steps, before the step (``on_train_batch_start``: the parameters are those the
 step's gradient is taken at), one more forward of the policy and one ``torch.autograd.grad`` per active objective
-give each objective's gradient (:func:`cope.grad_stats.objective_gradients`); logged on that step:
+give each objective's gradient (:func:`cope.grad_stats.objective_gradients`); logged on that step only
+(the loggers' rows of the other steps have no ``grad/*`` value):
 ``grad/<name>_norm`` (its contribution, weight x gradient), ``grad/cos_<name>_<reference>``,
 ``grad/ratio_<name>_<reference>`` and ``grad/total_norm`` (:func:`cope.grad_stats.gradient_metrics`).
 
@@ -74,7 +75,17 @@ class GradientStats(Callback):
         if metrics:
             names = sorted(metrics)
             values = self._mean_over_ranks(trainer, torch.stack([metrics[k].detach().float() for k in names]))  # (K,)
-            pl_module.log_dict(dict(zip(names, values)), on_step=True, on_epoch=False, batch_size=int(batch["input_ids"].shape[0]))
+            self._log(trainer, dict(zip(names, values.tolist())))
+
+    @staticmethod
+    def _log(trainer, metrics: dict[str, float]) -> None:
+        """Straight to the loggers, for this step only (rank zero; the values are already rank means).
+
+        Not ``pl_module.log``: Lightning keeps a value logged from a hook until the epoch's reset and reports it
+        again with every later step's metrics, so a measurement taken on 1 step in 4 read as 4 measurements."""
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     @staticmethod
     def _forward(pl_module, batch: Mapping) -> ForwardOut:

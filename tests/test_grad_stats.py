@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.loggers import Logger
 
 sys.path.insert(0, str(Path(__file__).parent / "forecasting"))
 from forecast_fixtures import CFG, CHAT, PAD, make_episode  # noqa: E402
@@ -118,7 +119,24 @@ class Watch(Callback):
         self.seen.append((grads, torch.get_rng_state(), pl_module.training, pl_module.model.training))
 
 
-def _fit(objectives, callbacks, steps: int = 2, budget: int | None = None, dropout: float = 0.0, lr: float = 0.5):
+class Capture(Logger):
+    """Every ``log_metrics`` call a logger gets: (step, metrics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int | None, dict]] = []
+
+    name, version = "capture", 0
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
+def _fit(objectives, callbacks, steps: int = 2, budget: int | None = None, dropout: float = 0.0, lr: float = 0.5,
+         loggers: tuple = ()):
     """``steps`` optimizer steps (SGD) on the same scored minibatch.
 
     Returns (adapter weights, module, the logged dicts with grad/* keys, the CPU RNG state after the fit)."""
@@ -128,14 +146,13 @@ def _fit(objectives, callbacks, steps: int = 2, budget: int | None = None, dropo
     module = AgentRLModule(policy, objectives, optimizer=functools.partial(torch.optim.SGD, lr=lr), max_tokens_per_microbatch=budget)
     mb = _minibatch()
     module.score_minibatches([mb])
-    logged: list[dict] = []
-    log_dict = module.log_dict
-    module.log_dict = lambda d, **kw: (logged.append({k: float(v) for k, v in d.items()}), log_dict(d, **kw))[1]
+    capture = Capture()
     trainer = pl.Trainer(
         max_epochs=1,
         accelerator="cpu",
         devices=1,
-        logger=False,
+        logger=[capture, *loggers],
+        log_every_n_steps=1,
         callbacks=callbacks,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -144,7 +161,7 @@ def _fit(objectives, callbacks, steps: int = 2, budget: int | None = None, dropo
     torch.manual_seed(123)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([mb] * steps, batch_size=None))
     adapter = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
-    return adapter, module, [d for d in logged if any(k.startswith("grad/") for k in d)], torch.get_rng_state()
+    return adapter, module, [d for _, d in capture.rows if any(k.startswith("grad/") for k in d)], torch.get_rng_state()
 
 
 def _cope():
@@ -170,6 +187,22 @@ def test_callback_logs_and_leaves_the_training_result_identical(budget):
         assert torch.equal(rng0, rng1) and mode0 == mode1 and mode0[0]
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(g0, g1))
     assert module.objectives[1].scale == 1.0  # normalize=none: observe_gradients changes nothing
+
+
+def test_sampled_steps_are_logged_on_those_steps_only(tmp_path):
+    """every_n_steps=2 over 4 steps in one epoch: grad/* on steps 0 and 2 in metrics.csv, no value on 1 and 3
+    (logged through Lightning's self.log, the step-0 value came back on step 1 and step 2's on step 3)."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    _, _, logged, _ = _fit(_cope(), [GradientStats(every_n_steps=2)], steps=4, lr=0.05,
+                           loggers=(CSVLogger(tmp_path, name="", version=""),))
+    assert len(logged) == 2
+    with (tmp_path / "metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    got = sorted({int(r["step"]) for r in rows if r.get("grad/cos_forecast_pg")})
+    assert got == [0, 2], [(r["step"], r.get("grad/cos_forecast_pg")) for r in rows]
 
 
 def test_micro_batches_measure_the_first_micro_batch():

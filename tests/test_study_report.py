@@ -61,3 +61,20 @@ def test_size_curves_and_paired_deltas(tmp_path):
 
 def test_a_run_without_files_has_no_sizes(tmp_path):
     assert size_curves(tmp_path, SIZES) == {}
+
+
+def test_gradient_diagnostics_read_only_the_measured_steps(tmp_path):
+    """every_n_steps=4: the rows of steps 1-3 (an older run's repeats of step 0's value) are not measurements."""
+    from study_report import run_curve
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra/config.yaml").write_text("callbacks:\n  grad_stats:\n    every_n_steps: 4\n")
+    (tmp_path / "csv").mkdir()
+    rows = ["step,grad/pg_norm,grad/echo_norm,grad/cos_echo_pg,grad/ratio_echo_pg"]
+    rows += [f"{s},1.0,0.5,{0.2 if s < 4 else -0.4},0.5" for s in range(8)]  # measured at 0 and 4, held between
+    (tmp_path / "csv/metrics.csv").write_text("\n".join(rows) + "\n")
+    c = run_curve(tmp_path, aux="echo")
+    assert c["grad/measured_steps"] == 2 and [s for s, _ in c["grad/cos_echo_pg"]] == [0, 4]
+    assert c["grad/cos_echo_pg/mean"] == pytest.approx(-0.1)
+    (tmp_path / ".hydra/config.yaml").unlink()  # no config: every row counts
+    assert run_curve(tmp_path, aux="echo")["grad/measured_steps"] == 8
