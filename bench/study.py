@@ -27,7 +27,7 @@ instead of rerunning it (:mod:`study_records`); and in ``--results`` (default ``
 ``study.md`` (the tables), ``study.json``, ``success_vs_episodes.png`` (mean and bootstrap 95% band per arm,
 one panel per regime) and ``mechanism.png`` (cosine of each auxiliary gradient with the PG gradient, per step).
 
-Usage: ``python bench/study.py --jobs 2`` (about 3.7 hours on 2 cores); ``--report`` only rebuilds the
+Usage: ``python bench/study.py --jobs 2`` (about 2 hours on 2 idle cores); ``--report`` only rebuilds the
 tables and plots from finished runs; ``--smoke`` runs a minutes-long miniature (CI: tests/test_study.py).
 """
 from __future__ import annotations

@@ -60,9 +60,21 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
     for k in PROBES:
         vals = [r[k] for r in metrics if r.get(k) is not None]
         out[k + "/last"] = vals[-1] if vals else None
+    out["invalid_rate"] = invalid_rate(d)
     done = d / "done"
     out["wall_s"] = json.loads(done.read_text())["wall_s"] if done.exists() else None
     return out
+
+
+def invalid_rate(d: Path) -> float | None:
+    """Invalid actions per step over the held-out tasks at the run's last validation (its newest per-task file)."""
+    files = [p for p in (d / "csv/val_episodes").glob("episodes*.csv") if p.stem.removeprefix("episodes").isdigit()]
+    if not files:
+        return None
+    with max(files, key=lambda p: int(p.stem.removeprefix("episodes"))).open() as f:
+        rows = list(csv.DictReader(f))
+    steps = sum(float(r["steps"]) for r in rows)
+    return sum(float(r["invalid"]) for r in rows) / steps if steps else None
 
 
 def grad_every(d: Path) -> int | None:
@@ -206,6 +218,9 @@ def summarize(results: list[dict], meta: dict) -> dict:
                 row["grad/measured_steps"] = _mean([c.get("grad/measured_steps") for c in cs])
             for k in PROBES:
                 row[k] = _mean([c.get(k + "/last") for c in cs])
+            rates = [c["invalid_rate"] for c in cs if c.get("invalid_rate") is not None]
+            row["invalid_rate"] = _mean(rates)
+            row["collapsed"] = sum(r >= 0.99 for r in rates)  # seeds whose held-out actions are all invalid
     for arms in table.values():
         for row in arms.values():
             row.pop("size_runs", None)  # summarized in by_size
@@ -237,14 +252,16 @@ def markdown(summary: dict, meta: dict) -> str:
                 fmt_interval(*row["episodes_to"], ".0f"), fmt_interval(*row["env_steps_to"], ".0f"),
                 fmt_interval(*row["final"]), fmt_interval(*row["auc"]), *deltas, _f(row["wall_s"], ".0f")]) + " |")
         lines += ["", "Mechanism (means over the steps where both gradients are non-zero, then over seeds; "
-                  "probes: the last validation's held-out episodes):", "",
-                  "| arm | cos(aux grad, pg grad) | aux / pg grad norm | steps measured | probe forecast action acc | probe obs NLL |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "probes and invalid actions: the last validation's held-out episodes, mean over seeds):", "",
+                  "| arm | cos(aux grad, pg grad) | aux / pg grad norm | steps measured | probe forecast action acc | probe obs NLL "
+                  "| held-out invalid actions / step | seeds with every held-out action invalid |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for arm, row in arms.items():
             aux = AUX.get(arm)
             lines.append(f"| {NAMES.get(arm, arm)} | {_f(row.get(f'grad/cos_{aux}_pg'))} | {_f(row.get(f'grad/ratio_{aux}_pg'))} | "
                          f"{_f(row.get('grad/measured_steps'), '.0f')} | "
-                         f"{_f(row.get('probe/forecast_action_acc'))} | {_f(row.get('probe/obs_nll'))} |")
+                         f"{_f(row.get('probe/forecast_action_acc'))} | {_f(row.get('probe/obs_nll'))} | "
+                         f"{_f(row.get('invalid_rate'))} | {row.get('collapsed', 0)} of {len(row['seeds'])} |")
         sized = summary.get("by_size", {}).get(regime)
         if sized:
             lines += ["", "Per maze size (the reported panel's tasks of that size; runs with per-task files):", "",

@@ -78,3 +78,16 @@ def test_gradient_diagnostics_read_only_the_measured_steps(tmp_path):
     assert c["grad/cos_echo_pg/mean"] == pytest.approx(-0.1)
     (tmp_path / ".hydra/config.yaml").unlink()  # no config: every row counts
     assert run_curve(tmp_path, aux="echo")["grad/measured_steps"] == 8
+
+
+def test_invalid_rate_is_read_from_the_last_validation(tmp_path):
+    from study_report import invalid_rate
+
+    assert invalid_rate(tmp_path) is None
+    d = tmp_path / "csv/val_episodes"
+    d.mkdir(parents=True)
+    head = "split,index,success,score,reward,steps,invalid,end_reason\n"
+    (d / "episodes0.csv").write_text(head + "test,0,0,0,0,20,0,max_steps\n")
+    (d / "episodes1024.csv").write_text(head + "test,0,0,0,0,20,20,max_steps\ntest,1,1,1,1,5,0,done\n")
+    (d / "episodes256.csv").write_text(head + "test,0,0,0,0,20,1,max_steps\n")
+    assert invalid_rate(tmp_path) == pytest.approx(20 / 25)  # the newest file by episodes, not by name
