@@ -22,6 +22,7 @@ from pathlib import Path
 from study_stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t, separates
 
 NAMES = {"grpo": "GRPO", "cope": "CoPE", "echo": "ECHO"}
+COLORS = {"grpo": "C0", "cope": "C1", "echo": "C2"}  # the same colour for an arm in every panel
 AUX = {"cope": "forecast", "echo": "echo"}  # the arm's auxiliary objective (its grad/* name)
 DIAG = ("grad/cos_{aux}_pg", "grad/ratio_{aux}_pg")
 PROBES = ("probe/forecast_action_acc", "probe/obs_nll")
@@ -312,7 +313,7 @@ def _draw_success(ax, arms: dict, info: dict) -> None:
         if not curves:
             continue
         grid, mean, lo, hi = mean_band(curves)
-        (line,) = ax.plot(grid, mean, "o-", ms=2.5, label=f"{NAMES.get(arm, arm)} (n={len(curves)})")
+        (line,) = ax.plot(grid, mean, "o-", ms=2.5, color=COLORS.get(arm), label=f"{NAMES.get(arm, arm)} (n={len(curves)})")
         ax.fill_between(grid, lo, hi, color=line.get_color(), alpha=0.18, lw=0)
     ax.axhline(info["threshold"], color="gray", ls="--", lw=0.8)
     ax.set(xlabel="episodes", ylabel="held-out success", ylim=(-0.02, 1.02))
@@ -330,7 +331,8 @@ def _draw_mechanism(ax, arms: dict, info: dict) -> None:
                 per_step.setdefault(step, []).append(v)
         if per_step:
             xs = sorted(per_step)
-            ax.plot(xs, [sum(per_step[x]) / len(per_step[x]) for x in xs], lw=1, label=f"cos({aux}, pg), {NAMES[arm]}")
+            ax.plot(xs, [sum(per_step[x]) / len(per_step[x]) for x in xs], lw=1, color=COLORS.get(arm),
+                    label=f"cos({aux}, pg), {NAMES[arm]}")
     ax.axhline(0.0, color="gray", lw=0.8)
     ax.set(xlabel="optimizer step", ylabel="gradient cosine (mean over seeds)", ylim=(-1.02, 1.02))
 
