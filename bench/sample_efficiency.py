@@ -44,7 +44,8 @@ NAMES = {"grpo": "GRPO", "empg": "EMPG", "echo": "ECHO", "cope": "CoPE", "cope_e
 INF = float("inf")
 
 
-def _finished(run: Path) -> bool:
+def finished(run: Path) -> bool:
+    """Whether a run folder holds a finished run (its `done` marker and its learning curve)."""
     return (run / "done").exists() and (run / "csv/learning_curve.csv").exists()
 
 
@@ -90,7 +91,7 @@ def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, 
 
     ``resume``: an unfinished run with a checkpoint continues from it (``ckpt_path=auto``: the same epochs,
     task stream and curve as an uninterrupted run) instead of restarting; ``wall_s`` sums its attempts."""
-    if _finished(run) and not force:
+    if finished(run) and not force:
         return {"algo": algo, "seed": seed, "dir": str(run), "rc": 0, "skipped": True,
                 "wall_s": json.loads((run / "done").read_text())["wall_s"]}
     if _STOPPING.is_set():  # the launcher is stopping: do not start another run

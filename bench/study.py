@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import study_records  # bench/ is on sys.path as a script
-from sample_efficiency import STOPPED, _finished, run_state, stop_on_sigterm, stopping, train_one
+from sample_efficiency import STOPPED, finished, run_state, stop_on_sigterm, stopping, train_one
 from study_report import report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,7 +119,7 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int, record
 
     def one(job: Job) -> dict:
         d, rec = job.dir(out), job.dir(records)
-        restored = not _finished(d) and study_records.restore(rec, d, job.overrides)
+        restored = not finished(d) and study_records.restore(rec, d, job.overrides)
         r = train_one(job.arm, job.seed, d, list(job.overrides), threads, force=False, resume=True)
         if r["rc"] == 0 and not _complete(d, job.overrides):  # exit 0 without the last epoch (a SIGTERM'd run)
             (d / "done").unlink(missing_ok=True)
@@ -143,9 +143,9 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int, record
 def _existing(jobs: list[Job], out: Path, records: Path) -> list[dict]:
     """``--report``: the jobs' finished runs as results (rc 1 where none), restoring records where needed."""
     for j in jobs:
-        if not _finished(j.dir(out)):
+        if not finished(j.dir(out)):
             study_records.restore(j.dir(records), j.dir(out), j.overrides)
-    return [{"dir": str(j.dir(out)), "rc": 0 if _finished(j.dir(out)) else 1, "job": j} for j in jobs]
+    return [{"dir": str(j.dir(out)), "rc": 0 if finished(j.dir(out)) else 1, "job": j} for j in jobs]
 
 
 def _complete(run: Path, overrides: tuple[str, ...]) -> bool:
