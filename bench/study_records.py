@@ -46,9 +46,8 @@ def restore(record: Path, run: Path, overrides: tuple[str, ...] | list[str]) -> 
     if not manifest.exists():
         return False
     meta = json.loads(manifest.read_text())
-    if meta["overrides"] != list(overrides) or not all((record / n).is_file() for n in meta["files"]):
-        return False
-    if "done" not in meta["files"]:
+    if meta["overrides"] != list(overrides) or "done" not in meta["files"] \
+            or not all((record / n).is_file() for n in meta["files"]):
         return False
     shutil.rmtree(run, ignore_errors=True)  # an unfinished attempt of the same job: the record supersedes it
     for name in meta["files"]:
