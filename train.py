@@ -2,7 +2,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from cope.run import train
+from cope.run.train import train
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

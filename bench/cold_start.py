@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def first_turn(policy, task, env) -> tuple[list[int], object]:
-    """The context of the first action, laid out as the rollout engine lays it out (cope.rollout.run_episodes)."""
+    """The context of the first action, laid out as the rollout engine lays it out (cope.rollout.loop.run_episodes)."""
     chat, tok = policy.chat, policy.tokenizer
 
     def enc(text: str) -> list[int]:
@@ -44,7 +44,7 @@ def first_turn(policy, task, env) -> tuple[list[int], object]:
 def measure(policy, samples: int, temperature: float, max_tokens: int, seed: int) -> dict:
     from cope.envs.base import Task
     from cope.envs.maze import MazeEnv, parse_action, project_action
-    from cope.generation import CachedSamplingActor
+    from cope.rollout.hf_actor import CachedSamplingActor
 
     env = MazeEnv(action_parsing="project")  # the training config's mazes (sizes 6-8, 20 moves)
     tasks = [Task("maze", "train", i) for i in range(samples)]
@@ -84,7 +84,7 @@ def main() -> None:
 
     from peft import LoraConfig
 
-    from cope.gguf import gguf_policy
+    from cope.models.gguf import gguf_policy
 
     t0 = time.perf_counter()
     lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")

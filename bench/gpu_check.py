@@ -2,7 +2,7 @@
 
 What it builds: a randomly initialised Qwen2ForCausalLM of Qwen2.5-7B's shape (:data:`QWEN25_7B`, written
 here: no weights, no tokenizer, no download), constructed directly in bf16 on the GPU, with the project's
-7B preset applied the way ``cope.policy.load_pretrained`` applies it (``conf/model/qwen2.5-7b.yaml``: the
+7B preset applied the way ``cope.models.policy.load_pretrained`` applies it (``conf/model/qwen2.5-7b.yaml``: the
 LoRA config, r=32 / alpha 64 on all 7 projections, via peft; gradient checkpointing; sdpa). Settings the
 step reads come from the project's configs too: AdamW lr / weight decay, the gradient clip and the
 sampling temperature (``conf/config.yaml``), PolicyGradient's arguments (``conf/algo/grpo.yaml``), CoPE's
@@ -10,16 +10,16 @@ K, weight, normalization, masking and layout (``conf/algo/cope.yaml``).
 
 What it runs, through the project's own code: synthetic episodes (``cope.episode.Episode`` with a ChatML
 scaffold of Qwen2.5's ids and random content ids; half of each group of 8 successful, 10% invalid steps),
-``cope.batch.collate``, GRPO advantages (``cope.advantages.group_advantages``), the module's scoring pass
+``cope.train.batch.collate``, GRPO advantages (``cope.train.advantages.group_advantages``), the module's scoring pass
 (``AgentRLModule.score_minibatches``), then optimizer steps written as ``AgentRLModule.training_step``
 writes them: zero grads, ``module._backward`` (micro-batches under ``module.max_tokens_per_microbatch``;
 ``manual_backward`` patched to plain ``.backward()``, as tests/test_microbatch.py does, since no Trainer
-runs), ``cope.objectives.combine`` for the logged loss, gradient-norm clipping
+runs), ``cope.train.objectives.combine`` for the logged loss, gradient-norm clipping
 (``torch.nn.utils.clip_grad_norm_``: what Lightning's ``clip_gradients`` does in bf16-true), AdamW over the
 LoRA parameters (``module.configure_optimizers``). Two objectives: GRPO (``cope.algos.grpo.PolicyGradient``)
 and CoPE (+ ``cope.algos.cope.loss.ForecastLoss`` on forecast targets from
 ``cope.algos.cope.targets.build_chunks`` laid out by ``pack_forecasts``). Then HF generation with
-``cope.generation.CachedSamplingActor`` (KV cache, nucleus sampling at T=1) at batch 64.
+``cope.rollout.hf_actor.CachedSamplingActor`` (KV cache, nucleus sampling at T=1) at batch 64.
 
 Sizes on the GPU (default), chosen to finish in well under 8 minutes on one H200:
     * 16 episodes (2 GRPO groups of 8) of 7.6k to 8.2k tokens (125k tokens per minibatch), 26 to 30 steps
@@ -164,12 +164,12 @@ def project_settings() -> dict:
 # -- the policy --------------------------------------------------------------------------------------
 def build_policy(shape: dict, device, settings: dict, chat):
     """A random model of ``shape`` in the preset's dtype on ``device``, frozen, gradient checkpointing and
-    LoRA added as ``cope.policy.load_pretrained`` does after ``from_pretrained``."""
+    LoRA added as ``cope.models.policy.load_pretrained`` does after ``from_pretrained``."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from cope.policy import DTYPES, Policy
+    from cope.models.policy import DTYPES, Policy
 
     config = Qwen2Config(**shape)
     with torch.device(device):  # allocated and initialised there: no fp32 or host copy of 7B weights
@@ -237,7 +237,7 @@ def make_episode(chat, words, sizes: Sizes, rng: random.Random, index: int, grou
 def make_episodes(chat, words, sizes: Sizes, seed: int = 0) -> list:
     import torch
 
-    from cope.advantages import group_advantages
+    from cope.train.advantages import group_advantages
 
     rng = random.Random(seed)
     eps = [make_episode(chat, words, sizes, rng, i, i // sizes.group_size, success=i % 2 == 0) for i in range(sizes.episodes)]
@@ -279,8 +279,8 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
     import torch
 
     from cope.algos.cope.targets import LAYOUTS, build_chunks
-    from cope.batch import collate, row_lengths
-    from cope.module import AgentRLModule
+    from cope.train.batch import collate, row_lengths
+    from cope.train.module import AgentRLModule
 
     chat = policy.chat
     mb = collate(episodes, pad)
@@ -343,7 +343,7 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
 def run_generation(policy, pad: int, sizes: Sizes, device, words, temperature: float) -> dict:
     import torch
 
-    from cope.generation import CachedSamplingActor
+    from cope.rollout.hf_actor import CachedSamplingActor
 
     chat = policy.chat
     rng = random.Random(1)
@@ -351,7 +351,7 @@ def run_generation(policy, pad: int, sizes: Sizes, device, words, temperature: f
     prompts = [[*chat.system_open, *[rng.randrange(*words) for _ in range(body // 2)], *chat.turn_end, *chat.newline, *chat.user_open,
                 *[rng.randrange(*words) for _ in range(body - body // 2)], *chat.close_turn()] for _ in range(sizes.gen_batch)]
     policy.model.eval()
-    model, note = policy.model, None  # cope.generation handles the cache keyword of older transformers
+    model, note = policy.model, None  # cope.rollout.hf_actor handles the cache keyword of older transformers
     CachedSamplingActor(model, pad, chat.stop_ids, max_new_tokens=4, temperature=temperature, seed=0)(prompts)  # warm-up
     actor = CachedSamplingActor(model, pad, chat.stop_ids, max_new_tokens=sizes.gen_new, temperature=temperature, seed=0)
     times, new = [], []

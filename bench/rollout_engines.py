@@ -41,10 +41,10 @@ def bench_env(env: str, args) -> dict:
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from cope.engine import EnvRuntime, HFEngine, Sampling
     from cope.envs.base import Task
-    from cope.run import instantiate_plain
-    from cope.vllm.engine import VLLMEngine
+    from cope.rollout.engine import EnvRuntime, HFEngine, Sampling
+    from cope.rollout.vllm.engine import VLLMEngine
+    from cope.run.train import instantiate_plain
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3", job_name="bench"):
         cfg = compose(config_name="config", overrides=[f"env={env}", "paths.output_dir=/tmp/cope-bench",

@@ -42,7 +42,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from cope.envs.base import Task
-    from cope.run import instantiate_plain
+    from cope.run.train import instantiate_plain
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3", job_name="bench"):
         cfg = compose(config_name="config", overrides=["debug=fast", f"env={args.env}", "paths.output_dir=/tmp/cope-bench",

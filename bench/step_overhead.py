@@ -1,6 +1,6 @@
 """Seconds per optimizer step of GRPO, CoPE (packed / plain), ECHO and CoPE+ECHO on identical rollouts.
 
-What it measures: the cost of one full training step (forward, ``cope.objectives.combine``, backward,
+What it measures: the cost of one full training step (forward, ``cope.train.objectives.combine``, backward,
 gradient clipping as the trainer config does it, AdamW step, zero_grad) for each algorithm, on
 minibatches built from ONE stored batch of on-policy episodes. Rollout collection and the scoring
 pass are outside the timer; so is the host-to-device copy (the batches are moved once up front).
@@ -111,8 +111,8 @@ class StepMeter:
 
 def collect(dm, policy, n: int, min_success: int, max_batches: int, seed: int):
     """``n`` episodes from the current policy, with at least ``min_success`` successes if possible."""
-    from cope.advantages import group_advantages
     from cope.envs.base import Task
+    from cope.train.advantages import group_advantages
 
     rng, succ, fail, G = random.Random(seed), [], [], dm.group_size
     for b in range(max_batches):
@@ -141,7 +141,7 @@ def collect(dm, policy, n: int, min_success: int, max_batches: int, seed: int):
 def minibatches(eps, size: int, layout: str | None, K: int, chat, pad_id: int) -> tuple[list[dict], int]:
     """collate + the variant's collate transform, per minibatch; returns (minibatches, forecast chunks)."""
     from cope.algos.cope.targets import LAYOUTS, build_chunks
-    from cope.batch import collate
+    from cope.train.batch import collate
 
     out, n_chunks = [], 0
     for s in range(0, len(eps), size):
@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from cope.module import AgentRLModule
-    from cope.objectives import combine
-    from cope.run import instantiate_plain
+    from cope.run.train import instantiate_plain
+    from cope.train.module import AgentRLModule
+    from cope.train.objectives import combine
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)

@@ -7,7 +7,7 @@ the same model on the same padded batch:
 * ``raw``: ``model(...).logits`` + ``F.cross_entropy`` on the action tokens weighted by the advantage
   (what a plain PyTorch policy-gradient step costs; no PPO ratio, no metrics);
 * ``trainer``: the project's step as ``training_step`` runs it (``AgentRLModule._backward``: log-probs
-  from :mod:`cope.logprobs`, ``PolicyGradient`` with its clipped ratio and metrics);
+  from :mod:`cope.train.logprobs`, ``PolicyGradient`` with its clipped ratio and metrics);
 * ``before``: the path this project used until 2026-12-01 (full logits, a per-row fp32 log-softmax and
   an entropy over the whole vocabulary at every position, then the same objective).
 
@@ -36,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_overhead import StepMeter  # noqa: E402
 
 from cope.algos.grpo import PolicyGradient  # noqa: E402
-from cope.module import AgentRLModule, token_logprobs  # noqa: E402
-from cope.objectives import ForwardOut, combine  # noqa: E402
-from cope.policy import Policy  # noqa: E402
+from cope.models.policy import Policy  # noqa: E402
+from cope.train.logprobs import token_logprobs  # noqa: E402
+from cope.train.module import AgentRLModule  # noqa: E402
+from cope.train.objectives import ForwardOut, combine  # noqa: E402
 
 
 def build(vocab: int, hidden: int, layers: int, seed: int = 0) -> Policy:

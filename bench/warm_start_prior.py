@@ -2,7 +2,7 @@
 
 ``model.warm_start_policy=expert`` behaviour-clones walks that take the env's ``expert_action()`` (the
 maze's shortest-path move) with probability ``model.warm_start_expert_prob`` per turn, else a random
-admissible move (src/cope/warm_start.py): a "competent prior" for sample-efficiency runs, in place of
+admissible move (src/cope/models/warm_start.py): a "competent prior" for sample-efficiency runs, in place of
 the default random-walk clone (a cold start). Cloning a per-turn mixture does not give a policy that
 follows the expert a fraction ``p`` of the time: greedy decoding takes the mixture's argmax, the
 expert's move wherever the clone fits well, so the starting success has to be measured.
@@ -12,7 +12,7 @@ For each entry of ``--probs`` (a number: ``warm_start_policy=expert`` with that 
 ``--cache-dir``, keyed like training: a study with the same overrides reuses it) with the run config's
 model and env (``conf/config.yaml``: ``model=tiny``, ``env=maze``, plus ``--overrides``), then runs
 ``--tasks`` held-out test tasks (indices 0..N-1; the validation panel is the first 64) through the
-DataModule's own rollout engine (cope.engine.HFEngine, cope.rollout.run_episodes):
+DataModule's own rollout engine (cope.rollout.engine.HFEngine, cope.rollout.loop.run_episodes):
 
 * ``greedy``: success at temperature 0, as validation runs it (``val/success``);
 * ``sampled``: success at temperature 1 (seed ``--seed``), as training rollouts sample.

@@ -32,7 +32,7 @@ def export_adapter(policy, path: Path, info: dict | None = None) -> Path:
     """Writes ``policy.model`` (peft) and ``policy.tokenizer`` to ``path`` plus ``cope_export.json``.
 
     Args:
-        policy: a :class:`cope.policy.Policy` (``model`` a ``PeftModel``, ``tokenizer``, ``source``).
+        policy: a :class:`cope.models.policy.Policy` (``model`` a ``PeftModel``, ``tokenizer``, ``source``).
         path: target folder (created).
         info: extra JSON-serializable fields for ``cope_export.json``.
 

@@ -9,7 +9,7 @@ its last epoch left no checkpoint at all. This subclass keeps exactly one file a
   every callback's state), and
 * at the end of fit when the last epoch was not on that grid (so a finished run can be extended).
 
-The write itself is atomic (the trainer's ``plugins`` carry :class:`cope.checkpoint_io.AtomicCheckpointIO`):
+The write itself is atomic (the trainer's ``plugins`` carry :class:`cope.run.checkpoint_io.AtomicCheckpointIO`):
 a kill during a write leaves the previous file intact. Resume with ``ckpt_path=last`` (the file must
 exist) or ``ckpt_path=auto`` (resume if it exists, else start fresh).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from cope.checkpoint_io import LAST
+from cope.run.checkpoint_io import LAST
 
 
 class EpochCheckpoint(ModelCheckpoint):

@@ -17,10 +17,10 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.algos.cope.targets import build_chunks, plain_forecasts
-from cope.batch import collate
 from cope.episode import Role
-from cope.module import token_logprobs
 from cope.records import val_record
+from cope.train.batch import collate
+from cope.train.logprobs import token_logprobs
 
 
 class HeldOutProbes(Callback):

@@ -18,9 +18,9 @@ from pathlib import Path
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import WandbLogger
 
-from cope.checkpoint_io import atomic_write_bytes
 from cope.episode import Episode, Role
 from cope.records import train_record
+from cope.run.checkpoint_io import atomic_write_bytes
 
 COLUMNS = ["epoch", "task", "episode", "step", "action", "valid", "reward", "observation"]
 _FEEDBACK_ROLES = (int(Role.OBSERVATION), int(Role.HARNESS))

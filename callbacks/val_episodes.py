@@ -21,8 +21,8 @@ from pathlib import Path
 from lightning.pytorch import Callback
 
 from cope import records
-from cope.checkpoint_io import atomic_write_bytes
 from cope.episode import Episode
+from cope.run.checkpoint_io import atomic_write_bytes
 
 COLUMNS = ["split", "index", "success", "score", "reward", "steps", "invalid", "end_reason"]
 

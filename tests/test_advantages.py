@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from cope.advantages import ADVANTAGE_MODES, group_advantages
+from cope.train.advantages import ADVANTAGE_MODES, group_advantages
 
 # group 0: rewards [1, 0, 0]      -> mean 1/3, population std sqrt(2)/3
 # group 1: rewards [1, 1]         -> zero signal

@@ -1,4 +1,4 @@
-"""cope.build_cache.build_once: one build across concurrent processes, nothing half-built left behind."""
+"""cope.models.build_cache.build_once: one build across concurrent processes, nothing half-built left behind."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cope.build_cache import build_once
+from cope.models.build_cache import build_once
 
 
 def _slow_build(out: str, log: str) -> None:

@@ -17,8 +17,8 @@ from tiny_fixtures import Scripted, maze_tasks, tiny_base, tiny_tokenizer
 
 from cope.chat import ChatFormat
 from cope.envs.maze import MazeEnv
-from cope.generation import CachedSamplingActor
-from cope.rollout import run_episodes
+from cope.rollout.hf_actor import CachedSamplingActor
+from cope.rollout.loop import run_episodes
 
 QWEN_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen2.5_chat_template.jinja").read_text()
 MAX_CONTEXT, MAX_ACTION = 2048, 12

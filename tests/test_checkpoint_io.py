@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cope.checkpoint_io import (
+from cope.run.checkpoint_io import (
     AtomicCheckpointIO,
     CheckpointReadError,
     CheckpointWriteError,
     estimate_output_bytes,
     read_checkpoint,
 )
-from cope.run import resolve_ckpt_path
+from cope.run.train import resolve_ckpt_path
 
 
 def _ckpt(v: float) -> dict:
@@ -46,7 +46,7 @@ def test_sigkill_during_write_keeps_previous_checkpoint(tmp_path):
     before = target.read_bytes()
     script = textwrap.dedent(f"""
         import os, time, torch
-        from cope.checkpoint_io import AtomicCheckpointIO
+        from cope.run.checkpoint_io import AtomicCheckpointIO
         real = os.fsync
         def slow(fd):
             real(fd); print("writing", flush=True); time.sleep(60)

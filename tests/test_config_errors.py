@@ -2,7 +2,7 @@
 
 Each case runs with a fresh, empty COPE_CACHE: no `tiny/` folder may appear in it (building the tiny model
 is the first expensive step, and it comes after every config check). Key/option/path errors go through
-`python train.py ...`; bad values through `cope.run.train` in-process (same code path after composition)."""
+`python train.py ...`; bad values through `cope.run.train.train` in-process (same code path after composition)."""
 from __future__ import annotations
 
 import logging
@@ -75,7 +75,7 @@ def test_missing_model_path(train_script, tmp_path):
     assert "model.path" in proc.stderr and "/nonexistent/dir" in proc.stderr, report
 
 
-# -- the typed check of the composed config (cope.config_check), issue 9 item 7 -------------------------------
+# -- the typed check of the composed config (cope.run.config_check), issue 9 item 7 -------------------------------
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
@@ -143,7 +143,7 @@ def test_bad_range_names_key(run_train, tmp_path, monkeypatch, override, key, va
 
 def test_max_context_beyond_pretrained_positions(tmp_path, monkeypatch):
     """A pretrained model's limit is read from <model.path>/config.json, without loading the model."""
-    from cope.run import train
+    from cope.run.train import train
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -172,11 +172,11 @@ def test_entry_point_names_key(train_script, tmp_path):
     (["env._target_=nope.Env"], "env._target_ = 'nope.Env': cannot be imported"),
     (["validate_before_fit=maybe"], "validate_before_fit = 'maybe': expected bool"),
     (["seed=abc"], "seed = 'abc'"),  # reported once: data.seed and forecast seeds interpolate it
-    (["+data.env_runtime.wokers=2"], "data.env_runtime.wokers: not an argument of cope.engine.EnvRuntime"),
-    (["+data.engine.bogus=1"], "data.engine.bogus: not an argument of cope.engine.HFEngine"),  # the rollout group
+    (["+data.env_runtime.wokers=2"], "data.env_runtime.wokers: not an argument of cope.rollout.engine.EnvRuntime"),
+    (["+data.engine.bogus=1"], "data.engine.bogus: not an argument of cope.rollout.engine.HFEngine"),  # the rollout group
 ])
 def test_check_names_key_in_every_block(compose, tmp_path, overrides, problem):
-    from cope.config_check import ConfigError, check_config
+    from cope.run.config_check import ConfigError, check_config
 
     with pytest.raises(ConfigError) as err:
         check_config(compose(overrides, tmp_path))
@@ -185,7 +185,7 @@ def test_check_names_key_in_every_block(compose, tmp_path, overrides, problem):
 
 
 def test_check_reports_every_problem_at_once(compose, tmp_path):
-    from cope.config_check import ConfigError, check_config
+    from cope.run.config_check import ConfigError, check_config
 
     with pytest.raises(ConfigError) as err:
         check_config(compose(["data.group_size=abc", "trainer.max_epochs=two", "data.progress=maybe"], tmp_path))
@@ -197,11 +197,11 @@ def test_check_reports_every_problem_at_once(compose, tmp_path):
     (["algo.objectives.pg.weight=0"], "every algo.objectives.*.weight is 0: training changes nothing"),
 ])
 def test_noop_settings_warn(compose, tmp_path, caplog, overrides, warning):
-    from cope.config_check import check_config
+    from cope.run.config_check import check_config
 
-    with caplog.at_level(logging.WARNING, logger="cope.config_check"):
+    with caplog.at_level(logging.WARNING, logger="cope.run.config_check"):
         check_config(compose(overrides, tmp_path))
-    got = [r.getMessage() for r in caplog.records if r.name == "cope.config_check"]
+    got = [r.getMessage() for r in caplog.records if r.name == "cope.run.config_check"]
     assert len(got) == 1 and warning in got[0], got
 
 
@@ -227,16 +227,16 @@ SHIPPED = (
 @pytest.mark.long
 @pytest.mark.parametrize("overrides", SHIPPED, ids=lambda o: " ".join(o) or "defaults")
 def test_shipped_configs_validate(tmp_path, caplog, overrides):
-    from cope.config_check import check_config
+    from cope.run.config_check import check_config
 
-    with caplog.at_level(logging.WARNING, logger="cope.config_check"):
+    with caplog.at_level(logging.WARNING, logger="cope.run.config_check"):
         check_config(_compose_plain(overrides, tmp_path))
-    assert not [r for r in caplog.records if r.name == "cope.config_check"], caplog.text
+    assert not [r for r in caplog.records if r.name == "cope.run.config_check"], caplog.text
 
 
 @pytest.mark.parametrize("name", _options("experiment"))
 def test_preset_on_tiny_model_is_refused(tmp_path, name):
-    from cope.config_check import ConfigError, check_config
+    from cope.run.config_check import ConfigError, check_config
 
     with pytest.raises(ConfigError, match=r"data.max_context = \d+: exceeds the model's 2048 positions"):
         check_config(_compose_plain([f"experiment={name}"], tmp_path))

@@ -1,4 +1,4 @@
-"""`cope.generation`: the cross-turn KV-cached actor matches plain full-context greedy decoding,
+"""`cope.rollout.hf_actor`: the cross-turn KV-cached actor matches plain full-context greedy decoding,
 also while rows drop out; `sample_next` keeps only the nucleus and is argmax at temperature 0."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from tiny_fixtures import maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 
 from cope.envs.maze import MazeEnv
-from cope.generation import CachedSamplingActor, cache_kwarg, sample_next
-from cope.rollout import run_episodes
+from cope.rollout.hf_actor import CachedSamplingActor, cache_kwarg, sample_next
+from cope.rollout.loop import run_episodes
 
 MAX_ACTION = 6
 MAX_CONTEXT = 1024

@@ -1,4 +1,4 @@
-"""`cope.gguf`: the conversion cache is keyed by the GGUF file's content and written atomically, and a missing
+"""`cope.models.gguf`: the conversion cache is keyed by the GGUF file's content and written atomically, and a missing
 package names what to install. The real conversion (SmolLM2) is exercised by tests/test_smollm2.py."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cope import gguf
+from cope.models import gguf
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def test_cache_keyed_by_content(tmp_path, fake_convert):
     assert gguf.convert_gguf(b, tmp_path / "cache") == out_a and len(fake_convert) == 1  # same bytes: converted once
     b.write_bytes(b"two")
     assert gguf.convert_gguf(b, tmp_path / "cache") != out_a and len(fake_convert) == 2
-    folders = sorted(p.name for p in (tmp_path / "cache").iterdir() if p.suffix != ".lock")  # cope.build_cache's locks
+    folders = sorted(p.name for p in (tmp_path / "cache").iterdir() if p.suffix != ".lock")  # cope.models.build_cache's locks
     assert folders == sorted([out_a.name, gguf.convert_gguf(b, tmp_path / "cache").name])
     assert (out_a / "cope_gguf.json").is_file()
 

@@ -98,8 +98,8 @@ def test_4bit_qlora_loads_on_cuda_and_trains(tmp_path):
     a cached rollout forward and a bf16 training step run, and only the adapter changes."""
     import bitsandbytes as bnb
 
-    from cope.generation import CachedSamplingActor
-    from cope.policy import load_pretrained
+    from cope.models.policy import load_pretrained
+    from cope.rollout.hf_actor import CachedSamplingActor
 
     policy = load_pretrained(str(save_tiny(tmp_path / "base")), lora=lora_config(), dtype="bf16", quantization="4bit")
     model = policy.model.eval()

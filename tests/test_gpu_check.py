@@ -106,7 +106,7 @@ def gpu_check():
 def test_the_gpu_shape_is_qwen25_7b(gpu_check):
     """The GPU run's model built on the meta device (no memory): Qwen2.5-7B's published parameter count,
     an untied head on the fused log-prob path, and the 7B preset's LoRA on every projection."""
-    from cope.logprobs import frozen_linear_head
+    from cope.train.logprobs import frozen_linear_head
 
     chat, _, _ = gpu_check.scaffold(gpu_check.QWEN25_7B["vocab_size"])
     settings = gpu_check.project_settings()

@@ -1,10 +1,12 @@
-"""Per-objective gradient diagnostics (`cope.grad_stats`, the `GradientStats` callback) and CoPE's
-`normalize=gradnorm` that they feed.
+"""Per-objective gradient diagnostics (`cope.train.grad_stats`, the `GradientStats` callback) and CoPE's
+`normalize=gradnorm`, fed by CoPE's `LossBalance` callback with the same measurement.
 
-The pure functions are checked on hand-made linear objectives with known gradients; the callback inside
+The pure functions are checked on hand-made linear objectives with known gradients; the callbacks inside
 small real Lightning fits of the LightningModule (a random two-layer Qwen2 with LoRA, a fixed CoPE
-minibatch): it logs, leaves the training result bit-identical (no .grad, RNG or mode change, even with
-LoRA dropout on), uses the first micro-batch, and holds the forecast term's gradient at the target ratio."""
+minibatch): GradientStats logs, leaves the training result bit-identical (no .grad, RNG or mode change, even
+with LoRA dropout on), feeds no scale and uses the first micro-batch; LossBalance holds the forecast term's
+gradient at the target ratio from the step after a measurement on, in either callback order. Through the
+entry point: gradnorm needs no diagnostics, and turning them on or off leaves the trained adapter as it was."""
 
 from __future__ import annotations
 
@@ -25,12 +27,12 @@ from cope.algos.cope.loss import ForecastLoss  # noqa: E402
 from cope.algos.cope.loss_balance import LossBalance  # noqa: E402
 from cope.algos.cope.targets import build_chunks, pack_forecasts  # noqa: E402
 from cope.algos.grpo import PolicyGradient  # noqa: E402
-from cope.batch import collate  # noqa: E402
 from cope.callbacks.grad_stats import GradientStats  # noqa: E402
-from cope.grad_stats import ObjectiveGradient, gradient_metrics, objective_gradients  # noqa: E402
-from cope.module import AgentRLModule  # noqa: E402
-from cope.objectives import ForwardOut, Objective  # noqa: E402
-from cope.policy import Policy  # noqa: E402
+from cope.models.policy import Policy  # noqa: E402
+from cope.train.batch import collate  # noqa: E402
+from cope.train.grad_stats import ObjectiveGradient, gradient_metrics, objective_gradients  # noqa: E402
+from cope.train.module import AgentRLModule  # noqa: E402
+from cope.train.objectives import ForwardOut, Objective  # noqa: E402
 
 
 # -- the pure functions -------------------------------------------------------------------------------
@@ -164,16 +166,18 @@ def _fit(objectives, callbacks, steps: int = 2, budget: int | None = None, dropo
     return adapter, module, [d for _, d in capture.rows if any(k.startswith("grad/") for k in d)], torch.get_rng_state()
 
 
-def _cope():
-    return [PolicyGradient(), ForecastLoss(weight=0.3)]
+def _cope(normalize: str = "none", **kw):
+    return [PolicyGradient(), ForecastLoss(weight=0.3, normalize=normalize, **kw)]
 
 
 @pytest.mark.parametrize("budget", [None, 40], ids=["whole", "micro"])
 def test_callback_logs_and_leaves_the_training_result_identical(budget):
-    off, _, logged_off, rng_off = _fit(_cope(), [], budget=budget, dropout=0.1)  # LoRA dropout: the step draws RNG
+    # gradnorm with no LossBalance: its scale stays 1 (the loss is normalize=none's) unless GradientStats fed it
+    off, _, logged_off, rng_off = _fit(_cope("gradnorm"), [], budget=budget, dropout=0.1)  # LoRA dropout: the step draws RNG
     watch_a, watch_b = Watch(), Watch()
     # Watch before and after GradientStats in the list: what the callback changes between them
-    on, module, logged, rng_on = _fit(_cope(), [watch_a, GradientStats(every_n_steps=1), watch_b], budget=budget, dropout=0.1)
+    on, module, logged, rng_on = _fit(_cope("gradnorm"), [watch_a, GradientStats(every_n_steps=1), watch_b], budget=budget,
+                                      dropout=0.1)
     assert logged_off == [] and len(logged) == 2  # one measurement per step
     for key in ("grad/pg_norm", "grad/forecast_norm", "grad/cos_forecast_pg", "grad/ratio_forecast_pg", "grad/total_norm"):
         assert all(key in d for d in logged), (key, logged[0])
@@ -186,7 +190,7 @@ def test_callback_logs_and_leaves_the_training_result_identical(budget):
     for (g0, rng0, *mode0), (g1, rng1, *mode1) in zip(watch_a.seen, watch_b.seen):
         assert torch.equal(rng0, rng1) and mode0 == mode1 and mode0[0]
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(g0, g1))
-    assert module.objectives[1].scale == 1.0  # normalize=none: observe_gradients changes nothing
+    assert module.objectives[1].scale == 1.0 and module.objectives[1].adaptive.ema_pg is None  # it measures, feeds nothing
 
 
 def test_sampled_steps_are_logged_on_those_steps_only(tmp_path):
@@ -227,7 +231,7 @@ def test_micro_batches_measure_the_first_micro_batch():
 
 def test_off_does_no_work():
     cb = GradientStats()
-    assert not cb.measures_gradients
+    assert not hasattr(cb, "measures_gradients")  # nothing depends on it being on
     cb.on_train_batch_start(None, None, {}, 0)  # no trainer or module is touched
     with pytest.raises(ValueError, match="callbacks.grad_stats.every_n_steps"):
         GradientStats(every_n_steps=-1)
@@ -261,44 +265,60 @@ def test_gradnorm_scale_follows_the_fed_gradient_norms():
         ForecastLoss(normalize="gradnrom")
 
 
-def test_loss_balance_leaves_gradnorm_alone_and_requires_the_measuring_callback():
-    fc = ForecastLoss(normalize="gradnorm")
-    module = SimpleNamespace(objectives=[PolicyGradient(), fc], log=lambda *a, **k: pytest.fail("LossBalance logged"))
-    for callbacks in ([], [GradientStats(every_n_steps=0)]):
-        with pytest.raises(
-            ValueError,
-            match=r"callbacks\.grad_stats\.every_n_steps.*cope\.normalize=gradnorm|cope\.normalize=gradnorm.*"
-            r"callbacks\.grad_stats\.every_n_steps",
-        ):
-            LossBalance().setup(SimpleNamespace(callbacks=callbacks, world_size=1), module, "fit")
-    cb = LossBalance()
-    trainer = SimpleNamespace(callbacks=[GradientStats(every_n_steps=4)], world_size=1)
+def test_loss_balance_measures_gradnorm_before_the_step_and_feeds_it_at_its_end(monkeypatch):
+    """Measured on steps 0, 2 (every 2nd), fed at the step's end: the scale of a step is fixed before it starts."""
+    import cope.algos.cope.loss_balance as loss_balance
+
+    with pytest.raises(ValueError, match=r"algo\.callbacks\.loss_balance\.gradnorm_every_n_steps"):
+        LossBalance(gradnorm_every_n_steps=0)
+    fc = ForecastLoss(weight=0.3, normalize="gradnorm", adaptive_target=0.5, adaptive_beta=0.0)
+    module = SimpleNamespace(objectives=[PolicyGradient(weight=0.5), fc], log=lambda *a, **k: pytest.fail("LossBalance logged"))
+    measured = []
+
+    def measure(trainer, pl_module, batch, objectives):  # the forecast loss is raw x scale: so is its gradient
+        measured.append((trainer.global_step, [o.name for o in objectives]))
+        fc_grad = torch.tensor([0.0, 8.0]) * fc.scale
+        return {"pg": ObjectiveGradient(0.5, torch.tensor([3.0, 4.0])), "forecast": ObjectiveGradient(0.3, fc_grad)}
+
+    monkeypatch.setattr(loss_balance, "measure_gradients", measure)
+    trainer = SimpleNamespace(global_step=0, world_size=1)
+    cb = LossBalance(gradnorm_every_n_steps=2)
     cb.setup(trainer, module, "fit")
-    cb.on_train_batch_end(trainer, module, {"loss/pg": 2.0, "forecast/raw": 8.0}, {}, 0)
-    assert fc.scale == 1.0 and fc.adaptive.ema_pg is None
+    scales = []
+    for step in range(4):
+        trainer.global_step = step
+        cb.on_train_batch_start(trainer, module, {}, step)
+        scales.append(fc.scale)  # what the step's loss carries
+        cb.on_train_batch_end(trainer, module, {"loss/pg": 2.0, "forecast/raw": 1.0}, {}, step)  # loss values: not gradnorm's
+    assert measured == [(0, ["pg", "forecast"]), (2, ["pg", "forecast"])]
+    # |0.5 x (3, 4)| = 2.5 against the raw |(0, 8)| = 8 (the scaled gradient over the scale), from the next step on
+    assert scales[0] == 1.0 and scales[1:] == pytest.approx([0.5 * 2.5 / 8.0] * 3)
+    ranks = SimpleNamespace(global_step=0, world_size=2, strategy=SimpleNamespace(
+        reduce=lambda v, reduce_op: measured.append(reduce_op) or torch.tensor([4.0, 4.0])))  # the ranks' mean of both norms
+    cb.on_train_batch_start(ranks, module, {}, 0)
+    cb.on_train_batch_end(ranks, module, {}, {}, 0)
+    assert measured[-1] == "mean" and fc.scale == pytest.approx(0.5 * 4.0 / 4.0)
+    off = SimpleNamespace(objectives=[PolicyGradient(), ForecastLoss(weight=0.0, normalize="gradnorm")])
+    cb.setup(trainer, off, "fit")
+    cb.on_train_batch_start(trainer, off, {}, 0)  # the forecast term is off: nothing to measure
+    assert len(measured) == 4
+    with pytest.raises(ValueError, match=r"algo\.callbacks\.loss_balance\.reference 'kl'"):
+        LossBalance(reference="kl").setup(trainer, module, "fit")
 
 
-def test_config_check_requires_grad_stats_for_gradnorm(compose, tmp_path):
-    from cope.config_check import ConfigError, check_config
-
-    with pytest.raises(ConfigError) as err:
-        check_config(compose(["algo=cope", "cope.normalize=gradnorm"], tmp_path))
-    assert len(err.value.problems) == 1 and err.value.problems[0].startswith("callbacks.grad_stats.every_n_steps = 0: must be >= 1")
-    assert "cope.normalize=gradnorm" in err.value.problems[0]
-    check_config(compose(["algo=cope", "cope.normalize=gradnorm", "callbacks.grad_stats.every_n_steps=2"], tmp_path))
-
-
-@pytest.mark.parametrize("beta, lr, rel", [(0.9, 0.01, 0.2), (0.0, 0.2, 1e-4)], ids=["ema", "last-measurement"])
+@pytest.mark.parametrize("beta, lr, rel", [(0.9, 0.01, 0.2), (0.0, 0.0, 1e-5)], ids=["ema", "last-measurement"])
 def test_gradnorm_holds_the_forecast_gradient_at_the_ratio(beta, lr, rel):
-    """Constant minibatch, SGD steps: the forecast contribution follows weight x ratio x |grad pg| as the callback
-    measures it on every step (the new scale applies to the measured step: exact with beta 0), and, for small
+    """Constant minibatch, SGD steps, LossBalance measuring before every step: from the second step on (a measurement
+    moves the scale from the next step), the forecast contribution follows weight x ratio x |grad pg| as GradientStats
+    measures it (exact with beta 0 and lr 0: the next step has the measured step's parameters), and, for small
     steps, as measured afresh at the final parameters."""
     weight, ratio = 0.3, 0.5
-    objectives = [PolicyGradient(), ForecastLoss(weight=weight, normalize="gradnorm", adaptive_target=ratio, adaptive_beta=beta)]
-    _, module, logged, _ = _fit(objectives, [GradientStats(every_n_steps=1)], steps=4, lr=lr)
+    _, module, logged, _ = _fit(_cope("gradnorm", adaptive_target=ratio, adaptive_beta=beta),
+                                [GradientStats(every_n_steps=1), LossBalance()], steps=4, lr=lr)
     fc = module.objectives[1]
     assert len(logged) == 4 and fc.scale != 1.0
-    for d in logged:
+    assert logged[0]["grad/ratio_forecast_pg"] != pytest.approx(weight * ratio, rel=0.2)  # step 0: scale 1, nothing fed yet
+    for d in logged[1:]:
         assert d["grad/ratio_forecast_pg"] == pytest.approx(weight * ratio, rel=rel), d
         assert d["grad/forecast_norm"] == pytest.approx(weight * ratio * d["grad/pg_norm"], rel=rel), d
     if beta > 0:
@@ -309,24 +329,101 @@ def test_gradnorm_holds_the_forecast_gradient_at_the_ratio(beta, lr, rel):
         assert metrics["grad/ratio_forecast_pg"].item() == pytest.approx(weight * ratio, rel=rel)
 
 
+def test_the_step_scale_does_not_depend_on_the_callback_order():
+    """LossBalance feeds at a step's end, GradientStats only measures: either order logs the same gradients and
+    scales and trains the same adapter (LoRA dropout on: the step draws RNG); LossBalance's measurement leaves
+    the step as it was (no .grad, RNG or mode change between the Watches around it)."""
+
+    def run(callbacks):
+        scales = Capture()
+        adapter, module, logged, rng = _fit(_cope("gradnorm"), callbacks, steps=3, lr=0.2, dropout=0.1, loggers=(scales,))
+        return adapter, logged, rng, [d["forecast/scale"] for _, d in scales.rows if "forecast/scale" in d]
+
+    watch_a, watch_b = Watch(), Watch()
+    first, logged, rng, scales = run([watch_a, LossBalance(), watch_b, GradientStats(every_n_steps=1)])
+    then, logged_then, rng_then, scales_then = run([GradientStats(every_n_steps=1), LossBalance()])
+    assert len(scales) == 3 and scales[0] == 1.0 and len({*scales}) == 3  # moved after steps 0 and 1
+    assert scales_then == scales and logged_then == logged and len(logged) == 3 and torch.equal(rng_then, rng)
+    for n, w in first.items():
+        assert torch.equal(then[n], w), n
+    assert len(watch_a.seen) == len(watch_b.seen) == 3
+    for (g0, rng0, *mode0), (g1, rng1, *mode1) in zip(watch_a.seen, watch_b.seen):
+        assert torch.equal(rng0, rng1) and mode0 == mode1 and mode0[0]
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+# -- through the entry point: debug=fast, CoPE gradnorm, diagnostics off or on ----------------------------
+# A maze a 150-step warm start solves now and then (5x5, goal 1+ step away): a reward spread, so a policy
+# gradient; every episode a forecast source. One optimizer step per epoch, two epochs: step 1 has step 0's scale.
+GRADNORM_RUN = [
+    "algo=cope",
+    "cope.normalize=gradnorm",
+    "cope.min_score=-1",
+    "cope.mask_invalid=false",
+    "model.warm_start_steps=150",
+    "env.sizes=[5]",
+    "env.min_distance=1",
+    "trainer.max_epochs=2",
+    "validate_before_fit=false",
+]
+
+
+@pytest.fixture(scope="module")
+def gradnorm_run(run_train, read_metrics, tmp_path_factory):
+    """``gradnorm_run(n)``: (adapter tensors, metrics.csv columns) of the run with ``callbacks.grad_stats.every_n_steps=n``
+    (each run once per module)."""
+    from safetensors.torch import load_file
+
+    runs = {}
+
+    def get(every_n_steps: int):
+        if every_n_steps not in runs:
+            out = tmp_path_factory.mktemp(f"gradnorm_stats{every_n_steps}")
+            run_train([*GRADNORM_RUN, f"callbacks.grad_stats.every_n_steps={every_n_steps}"], out)
+            runs[every_n_steps] = (load_file(str(out / "csv" / "adapter" / "adapter_model.safetensors")),
+                                   read_metrics(out / "csv" / "metrics.csv"))
+        return runs[every_n_steps]
+
+    return get
+
+
 @pytest.mark.long
-def test_cope_gradnorm_run_logs_gradient_metrics(run_train, read_metrics, tmp_path):
-    """Through the entry point: algo=cope with gradnorm, every episode a forecast source (debug=fast's cold start
-    never succeeds), the gradient metrics on every step, and the scale moved off 1 only by a non-zero PG gradient."""
-    overrides = [
-        "algo=cope",
-        "cope.normalize=gradnorm",
-        "callbacks.grad_stats.every_n_steps=1",
-        "cope.min_score=-1",
-        "cope.mask_invalid=false",
-        "trainer.max_epochs=2",
-        "validate_before_fit=false",
-    ]
-    run_train(overrides, tmp_path)
-    cols = read_metrics(tmp_path / "csv" / "metrics.csv")
+def test_gradnorm_needs_no_diagnostics(compose, gradnorm_run, tmp_path):
+    """cope.normalize=gradnorm with callbacks.grad_stats off: the config check passes and the scale moves off 1
+    (1 on step 0, before any measurement; step 0's measurement on step 1)."""
+    from cope.run.config_check import check_config
+
+    check_config(compose([*GRADNORM_RUN, "callbacks.grad_stats.every_n_steps=0"], tmp_path))
+    _, cols = gradnorm_run(0)
+    assert not any(k.startswith("grad/") for k in cols)
+    assert cols["rollout/zero_signal_groups"][0] < 1.0, "no reward spread on step 0: no policy gradient to balance against"
+    scale = cols["forecast/scale"]
+    assert len(scale) == 2 and scale[0] == 1.0 and scale[1] != 1.0, scale
+
+
+@pytest.mark.long
+def test_diagnostics_on_or_off_train_the_same_adapter(gradnorm_run):
+    """Same seed, grad_stats every_n_steps 0 vs 1: bit-identical adapters and logged values (all but grad/*,
+    timings, and the step column, which the grad/* rows add to)."""
+    adapter_off, off = gradnorm_run(0)
+    adapter_on, on = gradnorm_run(1)
+    assert adapter_on.keys() == adapter_off.keys()
+    for k, w in adapter_off.items():
+        assert torch.equal(adapter_on[k], w), k
+    same = {k: v for k, v in on.items() if not k.startswith(("grad/", "perf/")) and k != "step"}
+    assert same == {k: v for k, v in off.items() if not k.startswith("perf/") and k != "step"}
+    assert len(same["forecast/scale"]) == 2 and same["forecast/scale"][1] != 1.0
+
+
+@pytest.mark.long
+def test_cope_gradnorm_run_logs_gradient_metrics(gradnorm_run):
+    """Through the entry point with the diagnostics on: the gradient metrics on every step, and step 1's scale is
+    the one step 0's measurement gives (the diagnostics take the same measurement: ratio x w_pg |grad L_pg| over
+    the raw |grad L_forecast|, which is grad/forecast_norm / weight at scale 1)."""
+    _, cols = gradnorm_run(1)
     for key in ("grad/pg_norm", "grad/forecast_norm", "grad/cos_forecast_pg", "grad/ratio_forecast_pg", "grad/total_norm"):
         assert len(cols.get(key, [])) == 2, (key, sorted(cols))
-    if all(v == 0 for v in cols["grad/pg_norm"]):  # debug=fast's cold start: no reward spread, so no PG gradient,
-        assert cols["forecast/scale"] == [1.0, 1.0]  # which is no measurement: the scale is not collapsed to its floor
-    else:
-        assert all(s != 1.0 for s in cols["forecast/scale"]), cols["forecast/scale"]
+    pg, fc = cols["grad/pg_norm"][0], cols["grad/forecast_norm"][0]
+    assert pg > 0 and fc > 0
+    weight, ratio = 0.1, 0.5  # cope.weight, cope.adaptive_ratio (conf/algo/cope.yaml)
+    assert cols["forecast/scale"] == pytest.approx([1.0, ratio * pg / (fc / weight)], rel=1e-4)

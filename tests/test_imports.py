@@ -39,7 +39,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 
 def test_walk_found_the_package():
-    for must in ("cope", "cope.run", "cope.algos.cope.loss", "cope.algos.empg.callback", "cope.envs.maze"):
+    for must in ("cope", "cope.run.train", "cope.algos.cope.loss", "cope.algos.empg.callback", "cope.envs.maze"):
         assert must in MODULES, MODULES
 
 

@@ -18,11 +18,11 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from cope.algos.grpo import PolicyGradient
 from cope.chat import CHATML_TEMPLATE, ChatFormat
-from cope.datamodule import RolloutDataModule
-from cope.engine import Sampling
 from cope.envs.base import EnvReset, EnvStep, Task
-from cope.module import AgentRLModule
-from cope.policy import Policy
+from cope.models.policy import Policy
+from cope.rollout.engine import Sampling
+from cope.train.datamodule import RolloutDataModule
+from cope.train.module import AgentRLModule
 
 WORDS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[UNK]", "north", "south", "east", "west", "user", "assistant",
          "system", "\n"]

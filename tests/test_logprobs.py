@@ -1,4 +1,4 @@
-"""`cope.logprobs`: chunked log-probs from hidden states equal the full-logits log-softmax, in value and
+"""`cope.train.logprobs`: chunked log-probs from hidden states equal the full-logits log-softmax, in value and
 gradient, with the sampling temperature on action tokens only and entropy where asked."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from cope.logprobs import causal_lm_logprobs, frozen_linear_head
+from cope.train.logprobs import causal_lm_logprobs, frozen_linear_head
 
 V = 97
 

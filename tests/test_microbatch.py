@@ -1,4 +1,4 @@
-"""`cope.module`: micro-batches under a token budget give the loss and the gradients of one forward over
+"""`cope.train.module`: micro-batches under a token budget give the loss and the gradients of one forward over
 the whole minibatch (to fp32 tolerance), for every objective and both CoPE layouts; the scoring pass
 under a budget gives the same scores."""
 from __future__ import annotations
@@ -19,9 +19,9 @@ from cope.algos.cope.loss import ForecastLoss  # noqa: E402
 from cope.algos.cope.targets import build_chunks, pack_forecasts, plain_forecasts  # noqa: E402
 from cope.algos.echo import ObservationLoss  # noqa: E402
 from cope.algos.grpo import KLPenalty, PolicyGradient  # noqa: E402
-from cope.batch import collate, row_lengths  # noqa: E402
-from cope.module import AgentRLModule  # noqa: E402
-from cope.policy import Policy  # noqa: E402
+from cope.models.policy import Policy  # noqa: E402
+from cope.train.batch import collate, row_lengths  # noqa: E402
+from cope.train.module import AgentRLModule  # noqa: E402
 
 OBJECTIVES = {
     "pg token-mean": lambda: [PolicyGradient()],

@@ -1,7 +1,7 @@
 """Every shipped model config runs end to end on a locally saved tiny model of its family.
 
 The Qwen2.5 presets give ``lora.target_modules`` as a YAML list; before configs were turned into plain
-containers on their way to library constructors (``cope.run.instantiate_plain``), peft held an OmegaConf
+containers on their way to library constructors (``cope.run.train.instantiate_plain``), peft held an OmegaConf
 ``ListConfig`` there and the adapter export at the end of the run could not serialize it (a 0-byte
 ``adapter_config.json``, exit 1). Here each preset trains one epoch through ``python train.py`` on a
 tiny Qwen2 saved with ``save_pretrained`` (same architecture family, no download), exports, and the
@@ -54,3 +54,17 @@ def test_preset_trains_exports_and_reloads(train_script, tmp_path, tiny_folder, 
         match = [lk for lk in loaded if lk.replace(".default", "").endswith(k.split("base_model.model.", 1)[-1])]
         assert match and torch.equal(loaded[match[0]], v), k
     assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.parametrize("model", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "model").glob("*.yaml")))
+def test_debug_fast_composes_with_every_model(compose, tmp_path, model):
+    """``debug=fast`` shrinks what applies to the chosen model and leaves the rest: it once set tiny-model keys
+    (``model.hidden_size``, ...) on every model, so ``model=smollm2-135m debug=fast`` was refused by the config check."""
+    from cope.run.config_check import check_config
+
+    cfg = compose([f"model={model}"], tmp_path)  # debug=fast comes first in `compose`
+    check_config(cfg)
+    assert cfg.data.tasks_per_epoch == 2 and cfg.trainer.max_epochs == 2  # the preset's run-size keys apply
+    assert ("hidden_size" in cfg.model) == (model == "tiny")  # the micro-model keys only where the model takes them
+    if model == "tiny":
+        assert cfg.model.hidden_size == 32

@@ -1,4 +1,4 @@
-"""`cope.module`: the scoring pass (old and reference log-probs), the first forward of an update
+"""`cope.train.module`: the scoring pass (old and reference log-probs), the first forward of an update
 (ratio exactly 1, KL exactly 0 with the zero-initialized adapter), log-prob alignment, and
 zero-weight objectives being skipped."""
 from __future__ import annotations
@@ -11,11 +11,12 @@ import torch
 from tiny_fixtures import maze_factory, maze_tasks, tiny_policy
 
 from cope.algos.grpo import KLPenalty, PolicyGradient
-from cope.batch import collate
-from cope.generation import CachedSamplingActor
-from cope.module import AgentRLModule, token_logprobs
-from cope.objectives import combine
-from cope.rollout import run_episodes
+from cope.rollout.hf_actor import CachedSamplingActor
+from cope.rollout.loop import run_episodes
+from cope.train.batch import collate
+from cope.train.logprobs import token_logprobs
+from cope.train.module import AgentRLModule
+from cope.train.objectives import combine
 
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
 

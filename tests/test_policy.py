@@ -1,4 +1,4 @@
-"""`cope.policy.load_pretrained` on a tiny model saved to disk: LoRA-only training with an exact
+"""`cope.models.policy.load_pretrained` on a tiny model saved to disk: LoRA-only training with an exact
 trainable count, a frozen bit-identical base, the adapter-disabled reference, errors, and 4-bit."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny_fixtures import lora_config, save_tiny, tiny_chat
 
-from cope.generation import CachedSamplingActor
-from cope.policy import load_pretrained
+from cope.models.policy import load_pretrained
+from cope.rollout.hf_actor import CachedSamplingActor
 
 R = 4
 IDS = torch.tensor([[1, 290, 201, 30, 31, 2, 201, 1, 295, 201, 268, 2], [1, 294, 201, 40, 41, 42, 2, 201, 1, 295, 201, 263]])
@@ -100,7 +100,7 @@ def test_bad_dtype_and_quantization_are_rejected(model_dir):
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes (extra 'quant') not installed")
 def test_4bit_rollout_then_train(model_dir):
     """QLoRA on CPU: an eval-mode rollout forward followed by a training step must not hit the
-    bitsandbytes bf16 repack trap (shared/notes/stack.md)."""
+    bitsandbytes bf16 repack trap (see cope.models.policy._disable_cpu_bf16_repack)."""
     import bitsandbytes as bnb
 
     policy = load_pretrained(str(model_dir), lora=lora_config(), dtype="bf16", quantization="4bit")

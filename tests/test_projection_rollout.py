@@ -9,8 +9,8 @@ from tiny_fixtures import Scripted, maze_tasks, tiny_chat, tiny_tokenizer
 
 from cope.envs.maze import MazeEnv
 from cope.envs.runtime.pool import EnvWorkerPool
-from cope.rollout import run_episodes
-from cope.rollout_metrics import episode_metrics
+from cope.rollout.loop import run_episodes
+from cope.rollout.metrics import episode_metrics
 
 PROSE = ["north", "The goal is south, I think", "To find the goal in a 7", "east"]  # strict, projected, malformed, strict
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cope.module import AgentRLModule
+from cope.train.module import AgentRLModule
 
 pytestmark = pytest.mark.long  # three training runs (module fixtures)
 

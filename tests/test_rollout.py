@@ -1,4 +1,4 @@
-"""The rollout engine (`cope.rollout.run_episodes`): token-in/token-out, role masks, validity,
+"""The rollout engine (`cope.rollout.loop.run_episodes`): token-in/token-out, role masks, validity,
 context overflow, env crashes and special-token injection, on a tiny in-process policy."""
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import pytest
 import torch
 from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 
-from cope.advantages import group_advantages
-from cope.batch import collate
 from cope.envs.base import Task
 from cope.envs.maze import HARNESS_INVALID, INSTRUCTIONS, SUCCESS_TEXT, MazeEnv
 from cope.episode import EndReason, Role
-from cope.generation import CachedSamplingActor
-from cope.rollout import run_episodes
-from cope.rollout_metrics import episode_metrics
+from cope.rollout.hf_actor import CachedSamplingActor
+from cope.rollout.loop import run_episodes
+from cope.rollout.metrics import episode_metrics
+from cope.train.advantages import group_advantages
+from cope.train.batch import collate
 
 MAX_CONTEXT = 1024
 MAX_ACTION = 6
@@ -160,7 +160,7 @@ def test_roles_and_validity_hand_checked(tok, chat):
     batch = collate([ep], tok.pad_token_id)
     roles = batch["roles"]
     assert torch.equal(batch["action_mask"], roles == int(Role.ACTION))
-    assert batch["step_valid"][0].tolist() == [True, False, False, True, True]
+    assert [s.valid for s in ep.steps] == [True, False, False, True, True]
     step_ids = batch["step_ids"][0].tolist()
     assert step_ids[: ep.prompt_len] == [-1] * ep.prompt_len
     for k, s in enumerate(ep.steps):

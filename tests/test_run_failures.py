@@ -33,11 +33,11 @@ def test_failed_export_names_folder_and_keeps_summary(run_train, tmp_path, monke
 
 @pytest.mark.long
 def test_low_disk_space_warns_with_estimate(run_train, tmp_path, monkeypatch, caplog):
-    import cope.checkpoint_io as cio
+    import cope.run.checkpoint_io as cio
 
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(cio.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 1000, 1000))
-    with caplog.at_level(logging.WARNING, logger="cope.checkpoint_io"):
+    with caplog.at_level(logging.WARNING, logger="cope.run.checkpoint_io"):
         run_train(["trainer.max_epochs=1", "validate_before_fit=false"], tmp_path)
     msgs = [r.getMessage() for r in caplog.records if "free under" in r.getMessage()]
     assert msgs and "MiB" in msgs[0] and str(tmp_path) in msgs[0], caplog.text

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import TRAIN_PY
 
-from cope.preemption import EXIT_SIGTERM, SigtermGuard
+from cope.run.preemption import EXIT_SIGTERM, SigtermGuard
 
 
 def _ckpt_epoch(path: Path) -> int | None:
@@ -66,7 +66,7 @@ def test_sigterm_mid_fit_exits_143_and_resumes(tmp_path):
 def test_sigterm_during_prefit_validation_does_not_start_training(compose, tmp_path, monkeypatch):
     import lightning.pytorch as pl
 
-    from cope.run import train
+    from cope.run.train import train
 
     validate = pl.Trainer.validate
 
@@ -110,7 +110,7 @@ def test_sigterm_during_a_rollout_stops_it_at_the_next_turn(compose, tmp_path, m
     import lightning.pytorch as pl
 
     from cope.envs.maze import MazeEnv
-    from cope.run import train
+    from cope.run.train import train
 
     step, fit = MazeEnv.step, pl.Trainer.fit
     calls = {"n": 0, "at_signal": None, "fitting": False}

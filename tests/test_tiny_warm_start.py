@@ -1,4 +1,4 @@
-"""The tiny model's format-only warm start (src/cope/tiny.py): which tasks its random walks visit, and
+"""The tiny model's format-only warm start (src/cope/models/tiny.py): which tasks its random walks visit, and
 envs without admissible actions (their example actions stand in)."""
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import pytest
 from tiny_fixtures import maze_factory, tiny_chat, tiny_tokenizer
 
 from cope.envs.maze import MazeEnv
-from cope.tiny import _random_walks, _WithExamples
+from cope.models.warm_start import WithExamples, random_walks
 
 
 def test_warm_start_tasks_limits_the_walked_tasks():
     tok, chat = tiny_tokenizer(), tiny_chat()
     envs = [maze_factory() for _ in range(8)]
-    eps = _random_walks(envs, tok, chat, seed=0, max_context=512, max_action_tokens=8, num_tasks=2)
+    eps = random_walks(envs, tok, chat, seed=0, max_context=512, max_action_tokens=8, num_tasks=2)
     assert len(eps) == 8 and {e.task.index for e in eps} <= {0, 1}
-    wide = _random_walks(envs, tok, chat, seed=0, max_context=512, max_action_tokens=8)
+    wide = random_walks(envs, tok, chat, seed=0, max_context=512, max_action_tokens=8)
     assert max(e.task.index for e in wide) > 1
 
 
@@ -39,7 +39,7 @@ def test_envs_without_admissible_actions_walk_their_example_actions():
     tok, chat = tiny_tokenizer(), tiny_chat()
     plain = [_Shell(sizes=[6], max_steps=4) for _ in range(2)]
     with pytest.raises(ValueError, match="example_actions"):
-        _random_walks(plain, tok, chat, seed=0, max_context=512, max_action_tokens=8)
-    eps = _random_walks([_WithExamples(e) for e in plain], tok, chat, seed=0, max_context=512, max_action_tokens=8)
+        random_walks(plain, tok, chat, seed=0, max_context=512, max_action_tokens=8)
+    eps = random_walks([WithExamples(e) for e in plain], tok, chat, seed=0, max_context=512, max_action_tokens=8)
     texts = {s.action_text for e in eps for s in e.steps}
     assert eps and texts <= {"north", "east"}

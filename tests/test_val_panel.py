@@ -5,8 +5,8 @@ import functools
 
 import pytest
 
-from cope.datamodule import RolloutDataModule
 from cope.envs.maze import MazeEnv
+from cope.train.datamodule import RolloutDataModule
 
 MAZE = functools.partial(MazeEnv, sizes=[5], max_steps=4, num_test_tasks=100)
 

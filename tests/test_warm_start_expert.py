@@ -1,5 +1,5 @@
 """The tiny model's expert warm start: the maze's expert_action, NoisyExpertActor, the model.warm_start_*
-checks, and the cache keys (src/cope/warm_start.py, src/cope/tiny.py)."""
+checks, and the cache keys (src/cope/models/warm_start.py, src/cope/models/tiny.py)."""
 from __future__ import annotations
 
 import functools
@@ -11,8 +11,8 @@ from tiny_fixtures import lora_config, maze_factory, tiny_chat, tiny_tokenizer
 
 from cope.envs.base import Task
 from cope.envs.maze import MazeEnv
-from cope.tiny import NoisyExpertActor, RandomWalkActor, tiny_policy
-from cope.warm_start import _random_walks, _WithExamples, check_warm_start
+from cope.models.tiny import tiny_policy
+from cope.models.warm_start import NoisyExpertActor, RandomWalkActor, WithExamples, check_warm_start, random_walks
 
 MICRO = dict(hidden_size=32, num_layers=1, num_heads=2, vocab_size=400, warm_start_steps=3, warm_start_batch=4,
              tokenizer_episodes=10, warm_start_walks=8)
@@ -82,14 +82,14 @@ def test_noisy_expert_actor_is_seeded_and_mixes():
 def test_expert_walks_reach_the_goal_by_shortest_paths():
     tok, chat = tiny_tokenizer(), tiny_chat()
     walkers = [maze_factory() for _ in range(8)]
-    eps = _random_walks(walkers, tok, chat, seed=0, max_context=512, max_action_tokens=8, policy="expert", expert_prob=1.0)
+    eps = random_walks(walkers, tok, chat, seed=0, max_context=512, max_action_tokens=8, policy="expert", expert_prob=1.0)
     probe = maze_factory()
     assert len(eps) == 8
     for e in eps:
         assert e.success and e.num_steps == probe.reset(e.task).info["distance"]
-    # prob 0 walks exactly as the random walker; wrapped envs (_WithExamples) reach the inner expert
-    rand = _random_walks(walkers, tok, chat, seed=3, max_context=512, max_action_tokens=8)
-    zero = _random_walks([_WithExamples(w) for w in walkers], tok, chat, seed=3, max_context=512, max_action_tokens=8,
+    # prob 0 walks exactly as the random walker; wrapped envs (WithExamples) reach the inner expert
+    rand = random_walks(walkers, tok, chat, seed=3, max_context=512, max_action_tokens=8)
+    zero = random_walks([WithExamples(w) for w in walkers], tok, chat, seed=3, max_context=512, max_action_tokens=8,
                          policy="expert", expert_prob=0.0)
     assert [e.tokens for e in zero] == [e.tokens for e in rand]
 
@@ -114,7 +114,7 @@ def test_bad_warm_start_settings_fail_before_any_work(tmp_path, kw, match):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("factory", [functools.partial(_Plain), _Plain, lambda: _WithExamples(MazeEnv())])
+@pytest.mark.parametrize("factory", [functools.partial(_Plain), _Plain, lambda: WithExamples(MazeEnv())])
 def test_expert_warm_start_needs_an_env_with_an_expert(tmp_path, factory):
     with pytest.raises(ValueError, match=r"model.warm_start_policy=expert needs an env with an expert_action\(\) method"):
         tiny_policy(lora_config(), factory, cache_dir=str(tmp_path), warm_start_policy="expert", **MICRO)
@@ -149,7 +149,7 @@ def test_expert_build_works_and_only_it_gets_a_new_cache_key(tmp_path):
 @pytest.mark.parametrize("override, expected", [
     ("model.warm_start_policy=bogus", "model.warm_start_policy must be one of ('random', 'expert'), got 'bogus'"),
     ("model.warm_start_expert_prob=2", "model.warm_start_expert_prob must be a number in [0, 1], got 2"),
-    ("model.warm_start_expert_prob=abc", "expected float"),  # the typed config check (cope.config_check)
+    ("model.warm_start_expert_prob=abc", "expected float"),  # the typed config check (cope.run.config_check)
 ])
 def test_bad_warm_start_config_fails_through_the_run_before_a_build(run_train, tmp_path, monkeypatch, override, expected):
     cache = tmp_path / "cache"

@@ -1,8 +1,8 @@
 """Tiny in-process builders shared by the rollout, generation, policy and module tests.
 
 Everything is built locally, with no network: a byte-level BPE tokenizer trained on maze text
-(:func:`cope.tiny.train_tokenizer`) and a randomly initialized one-layer Qwen2 wrapped in a LoRA
-adapter exactly as :func:`cope.policy.load_pretrained` does it (base frozen first). Test modules turn
+(:func:`cope.models.tiny.train_tokenizer`) and a randomly initialized one-layer Qwen2 wrapped in a LoRA
+adapter exactly as :func:`cope.models.policy.load_pretrained` does it (base frozen first). Test modules turn
 these into module-scoped fixtures; the tokenizer is cached per process since it never changes.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from cope.chat import ChatFormat
 from cope.envs.base import Task
 from cope.envs.maze import MazeEnv
-from cope.policy import Policy
+from cope.models.policy import Policy
 
 # The env every test here runs: 6x6 mazes, 8 moves per episode.
 maze_factory = functools.partial(MazeEnv, sizes=[6], max_steps=8)
@@ -24,7 +24,7 @@ maze_factory = functools.partial(MazeEnv, sizes=[6], max_steps=8)
 @functools.lru_cache(maxsize=1)
 def tiny_tokenizer():
     """Byte-level BPE with the ChatML special tokens (ids 0..2), trained on maze text (~0.5 s)."""
-    from cope.tiny import train_tokenizer
+    from cope.models.tiny import train_tokenizer
 
     return train_tokenizer(maze_factory, vocab_size=400, seed=0, episodes=30)
 

@@ -1,4 +1,4 @@
-"""The env-batch interface the rollout engine steps envs through, and its in-process implementation.
+"""The env-batch interface the rollout engine steps envs through (:class:`EnvBatch`), and its in-process implementation.
 
 ``reset(items)`` and ``submit(items) -> Pending`` (steps, collected later with ``Pending.results()``),
 where ``items`` are ``(slot, argument)`` pairs and each result is an ``EnvReset``/``EnvStep`` or the
@@ -8,9 +8,9 @@ them in worker processes. ``stats`` counts worker events (always 0 here; :data:`
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, runtime_checkable
 
-from cope.envs.base import Env, Task
+from cope.envs.base import Env, EnvReset, Task
 
 STATS = ("restarts", "timeouts", "crashes", "replays", "replay_failures", "close_failures")
 
@@ -31,6 +31,32 @@ class Pending:
         if self.left and self._pump is not None:
             self._pump(self)
         return self.values
+
+
+@runtime_checkable
+class EnvBatch(Protocol):
+    """What the rollout loop (:func:`cope.rollout.loop.run_episodes`) needs from the env instances of its slots.
+
+    Implemented by :class:`InProcessEnvs` (this process) and :class:`cope.envs.runtime.pool.EnvWorkerPool`
+    (worker processes). Slots are indices ``0..n-1``; the instance of a slot is made on first use and reused.
+    """
+
+    name: str  # the env's name (task ids, metrics)
+    max_steps: int  # its step budget
+    instructions: str  # its system prompt
+    stats: dict[str, int]  # cumulative runtime events, keys :data:`STATS`
+
+    def reset(self, items: list[tuple[int, Task]]) -> list[EnvReset | BaseException]:
+        """Starts an episode in each ``(slot, task)``; results in item order, an exception for a failed reset."""
+        ...
+
+    def submit(self, items: list[tuple[int, str]]) -> Pending:
+        """One action per ``(slot, action)``; ``Pending.results()``: ``EnvStep | BaseException`` in item order."""
+        ...
+
+    def close(self) -> None:
+        """Frees every instance (and worker process)."""
+        ...
 
 
 class InProcessEnvs:

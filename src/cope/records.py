@@ -10,27 +10,27 @@ episodes, metrics and counters and never write.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cope.episode import Episode
-from cope.rollout import RolloutStats
+
+if TYPE_CHECKING:  # the batch contract lives on the training side; records only carry it
+    from cope.train.batch import RolloutBatch
 
 
 @dataclass
 class EpochRecord:
     """One training epoch's experience.
 
-    epoch: the (0-based) epoch it was collected for; version: the policy version it was sampled
-    from (optimizer steps); episodes: in collection order (``groups[i]`` the group of episode i);
-    minibatches: the collated training batches (``indices`` name their episodes), filled with
-    old log-probs by the module before any update; metrics: ``rollout/*``, ``adv/*``, ``env/*``,
-    ``perf/*`` and ``counters/*`` of the epoch; counters: the cumulative counters after it."""
+    epoch: the (0-based) epoch it was collected for; episodes: in collection order (an episode's
+    ``group`` is its GRPO group); minibatches: the collated training batches (``episode_index`` names
+    their episodes), scored in place by the module before any update (see ``scored``); metrics:
+    ``rollout/*``, ``adv/*``, ``env/*``, ``perf/*`` and ``counters/*`` of the epoch; counters: the
+    cumulative counters after it."""
 
     epoch: int
-    version: int
     episodes: list[Episode]
-    groups: list[int]
-    minibatches: list[dict]
-    stats: RolloutStats
+    minibatches: list[RolloutBatch]
     metrics: dict[str, float]
     counters: dict[str, int]
     scored: bool = False  # set by the module once the minibatches carry old log-probs

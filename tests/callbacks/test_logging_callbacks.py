@@ -16,7 +16,6 @@ from cope.callbacks.trajectory_table import COLUMNS, TrajectoryTable, pick_episo
 from cope.envs.base import Task
 from cope.episode import Episode, Role, Step
 from cope.records import EpochRecord, ValidationRecord
-from cope.rollout import RolloutStats
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 WORDS = ("system rules user assistant you see a wall moved north south go look warning unknown command "
@@ -62,8 +61,7 @@ def make_episode(tok, turns, success, index=0):
 def epoch_record(episodes, counters=None, epoch=0) -> EpochRecord:
     """The record RolloutDataModule publishes for an epoch (no minibatches: the callbacks do not read them)."""
     counters = dict(counters or {})
-    return EpochRecord(epoch=epoch, version=0, episodes=list(episodes), groups=list(range(len(episodes))),
-                       minibatches=[], stats=RolloutStats(episodes=len(episodes)), metrics={}, counters=counters)
+    return EpochRecord(epoch=epoch, episodes=list(episodes), minibatches=[], metrics={}, counters=counters)
 
 
 def fake_trainer(tmp_path, **kw):

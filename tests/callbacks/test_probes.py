@@ -1,4 +1,4 @@
-"""HeldOutProbes.probe on a tiny policy and real maze episodes (cope.rollout.run_episodes with a
+"""HeldOutProbes.probe on a tiny policy and real maze episodes (cope.rollout.loop.run_episodes with a
 scripted actor that follows MazeEnv.shortest_path): chunk count, accuracy ranges, obs NLL against an
 independent per-episode forward, cold start, train/eval mode restored, and a perfect forecaster."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_chat, tiny_po
 from cope.algos.cope.targets import build_chunks
 from cope.callbacks.probes import HeldOutProbes
 from cope.episode import Role
-from cope.rollout import run_episodes
+from cope.rollout.loop import run_episodes
 
 MAX_CONTEXT, MAX_ACTION, K = 1024, 6, 3
 KEYS = ("probe/forecast_chunks", "probe/obs_nll", "probe/forecast_token_acc", "probe/forecast_action_acc")

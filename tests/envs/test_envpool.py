@@ -127,7 +127,7 @@ def test_engine_accounts_for_a_crashed_episode():
     group-mates finish all their steps."""
     from tiny_fixtures import Scripted, tiny_chat, tiny_tokenizer
 
-    from cope.rollout import run_episodes
+    from cope.rollout.loop import run_episodes
 
     tok, chat = tiny_tokenizer(), tiny_chat()
     ids = lambda a: [*tok.encode(a, add_special_tokens=False), chat.stop_id]  # noqa: E731
@@ -197,8 +197,8 @@ def test_max_instances_bounds_live_episodes_and_instances():
     8 episodes runs with 3 env instances; an explicit data.env_runtime.max_live_episodes wins."""
     from tiny_fixtures import tiny_policy
 
-    from cope.datamodule import RolloutDataModule
-    from cope.engine import EnvRuntime, Sampling
+    from cope.rollout.engine import EnvRuntime, Sampling
+    from cope.train.datamodule import RolloutDataModule
 
     heavy = functools.partial(_HeavyMaze, sizes=[6], max_steps=4)
     assert RolloutDataModule(env=heavy, env_runtime=EnvRuntime(max_live_episodes=5), progress=False).engine.runtime.max_live_episodes == 5

@@ -28,7 +28,7 @@ def _rounds(pool, rounds: int, on_round=None) -> tuple[list, list]:
     episodes in-process; returns (episodes, reference episodes) and checks each round's accounting."""
     from tiny_fixtures import Scripted, tiny_chat, tiny_tokenizer
 
-    from cope.rollout import run_episodes
+    from cope.rollout.loop import run_episodes
 
     tok, chat = tiny_tokenizer(), tiny_chat()
     rng = random.Random(0)

@@ -12,9 +12,9 @@ from cope.algos.cope.forecast_targets import ForecastTargets
 from cope.algos.cope.loss import AdaptiveScale, ForecastLoss, forecast_nll
 from cope.algos.cope.loss_balance import LossBalance
 from cope.algos.cope.targets import build_chunks, pack_forecasts, plain_forecasts
-from cope.batch import SEGMENT_KEYS, collate, segment_attention
 from cope.episode import Role
-from cope.objectives import ForwardOut
+from cope.train.batch import SEGMENT_KEYS, collate, segment_attention
+from cope.train.objectives import ForwardOut
 
 
 def episodes(chat=CHAT):
@@ -80,7 +80,7 @@ def test_packed_and_plain_give_the_same_loss_and_gradients(attn, normalize, chat
         extra[: base["input_ids"].shape[0], : base["input_ids"].shape[1]] = False
         assert (b["roles"][extra] == Role.PAD).all() and not b["action_mask"][extra].any() and (b["advantages"][extra] == 0).all()
         assert (b["forecast_chunk"][b["forecast_mask"]] >= 0).all()
-    assert plain["success"][2:].all() and (plain["episode_index"][2:] == -1).all() and not plain["step_valid"][2:].any()
+    assert (plain["episode_index"][2:] == -1).all() and not plain["aborted"][2:].any()
 
     with torch.no_grad():
         ref = reference_loss(model, eps, chunks, normalize)

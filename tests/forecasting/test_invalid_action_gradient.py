@@ -12,8 +12,8 @@ from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E
 
 from cope.algos.cope.loss import forecast_nll
 from cope.algos.cope.targets import build_chunks, pack_forecasts
-from cope.batch import collate, segment_attention
-from cope.module import token_logprobs
+from cope.train.batch import collate, segment_attention
+from cope.train.logprobs import token_logprobs
 
 K, BAD = 3, 1  # step 1 is the invalid action
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cope.algos.grpo import KLPenalty, PolicyGradient, clipped_pg_loss, kl_k3
-from cope.objectives import ForwardOut, combine
+from cope.train.objectives import ForwardOut, combine
 
 # Tokens (ratio r, advantage A), clip 0.2 both sides, per-token loss -min(rA, clip(r)A):
 #   a: r=1.5, A=+1 -> min(1.5, 1.2)   = 1.2  -> -1.2  clipped

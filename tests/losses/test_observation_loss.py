@@ -4,7 +4,7 @@ import torch
 
 from cope.algos.echo import ObservationLoss, observation_nll
 from cope.episode import Role
-from cope.objectives import ForwardOut, combine
+from cope.train.objectives import ForwardOut, combine
 
 P, A, O, H, X = int(Role.PROMPT), int(Role.ACTION), int(Role.OBSERVATION), int(Role.HARNESS), int(Role.PAD)
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from vllm_fixtures import build_policy, lora_b, maze6
 
-from cope.batch import collate
-from cope.engine import EnvRuntime, HFEngine, Sampling
 from cope.envs.base import Task
 from cope.episode import Role
-from cope.module import sampler_gap, token_logprobs
-from cope.vllm.server import VLLMError, free_port
+from cope.rollout.engine import EnvRuntime, HFEngine, Sampling
+from cope.rollout.vllm.server import VLLMError, free_port
+from cope.train.batch import collate
+from cope.train.logprobs import sampler_gap, token_logprobs
 
 pytestmark = pytest.mark.long  # one server start (35-65 s) for the module
 
@@ -112,7 +112,7 @@ def test_sync_changes_samples_and_matches_hf_greedy(vllm_engine, served_policy):
 
 
 def test_attach_by_url(vllm_engine, served_policy, monkeypatch, tmp_path):
-    from cope.vllm.engine import VLLMEngine
+    from cope.rollout.vllm.engine import VLLMEngine
 
     monkeypatch.setenv("RANK", "1")  # a second trainer rank: its own adapter name and folder
     att = VLLMEngine(maze6, EnvRuntime(), max_context=1024, url=vllm_engine.server.url, workdir=str(tmp_path))
@@ -132,7 +132,7 @@ def _one_line(e: pytest.ExceptionInfo) -> str:
 
 
 def test_unreachable_url_is_a_one_line_error(served_policy, tmp_path):
-    from cope.vllm.engine import VLLMEngine
+    from cope.rollout.vllm.engine import VLLMEngine
 
     url = f"http://127.0.0.1:{free_port()}"
     eng = VLLMEngine(maze6, EnvRuntime(), max_context=1024, url=url, workdir=str(tmp_path), startup_timeout_s=2)
@@ -143,8 +143,8 @@ def test_unreachable_url_is_a_one_line_error(served_policy, tmp_path):
 
 @pytest.mark.parametrize("case", ["tokenizer", "weights", "adapter", "context"])
 def test_mismatch_is_a_one_line_error_before_training(case, vllm_engine, served_policy, cope_cache, monkeypatch, tmp_path):
-    from cope.policy import load_pretrained
-    from cope.vllm.engine import VLLMEngine
+    from cope.models.policy import load_pretrained
+    from cope.rollout.vllm.engine import VLLMEngine
 
     monkeypatch.setenv("RANK", "2")
     max_context = 1024

@@ -12,8 +12,8 @@ import time
 import pytest
 from vllm_fixtures import SERVER_KW, maze6
 
-from cope.engine import EnvRuntime, Sampling
 from cope.envs.base import Task
+from cope.rollout.engine import EnvRuntime, Sampling
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ GROUPS = [i // 2 for i in range(8)]
 
 @pytest.fixture(scope="module")
 def waves_engine(vllm_python, served_policy, tmp_path_factory):
-    from cope.vllm.engine import VLLMEngine
+    from cope.rollout.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(maze6, EnvRuntime(max_live_episodes=4), max_context=1024, python=vllm_python,
                      workdir=str(tmp_path_factory.mktemp("vllm-faults")), **SERVER_KW)
@@ -60,7 +60,7 @@ def test_server_killed_mid_rollout_is_restarted_and_counted(waves_engine, monkey
 
 
 def test_restarts_are_bounded(waves_engine, monkeypatch):
-    from cope.vllm.server import VLLMError
+    from cope.rollout.vllm.server import VLLMError
 
     eng = waves_engine
     monkeypatch.setattr(eng, "max_restarts", eng.server.restarts)  # no restart left

@@ -1,4 +1,4 @@
-"""The server guard (src/cope/vllm/guard.py) ends the server's whole process group however its parent ends.
+"""The server guard (src/cope/rollout/vllm/guard.py) ends the server's whole process group however its parent ends.
 
 A stand-in server (a shell with a forked child, both sleeping) is enough: the guard knows nothing about
 vLLM. No vLLM venv needed, so these run everywhere, in seconds."""
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from cope.vllm.server import GUARD
+from cope.rollout.vllm.server import GUARD
 
 FAKE_SERVER = ["sh", "-c", "sleep 300 & sleep 300"]  # a leader and a forked child in one group
 

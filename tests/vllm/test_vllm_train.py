@@ -57,7 +57,7 @@ def test_trains_end_to_end_against_its_own_server(managed_run, read_metrics):
 
 
 def test_attaches_to_a_running_server_by_url(managed_run, vllm_python, train_script, tmp_path, read_metrics):
-    from cope.vllm.server import ManagedServer
+    from cope.rollout.vllm.server import ManagedServer
 
     base = json.loads((managed_run[1] / "csv" / "adapter" / "cope_export.json").read_text())["base_model"]
     server = ManagedServer(base, python=vllm_python, max_model_len=2048, max_lora_rank=16, log_path=tmp_path / "server.log",

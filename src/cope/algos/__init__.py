@@ -8,5 +8,5 @@
 * :mod:`cope.algos.empg`: EMPG entropy-modulated advantages (arXiv 2509.09265): the math and its callback.
 
 Losses are pure functions (tensors in, ``(loss, metrics)`` out); objectives wrap them with a name and a
-weight (:mod:`cope.objectives`); ``conf/algo/*.yaml`` decides which are on.
+weight (:mod:`cope.train.objectives`); ``conf/algo/*.yaml`` decides which are on.
 """

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from cope.episode import Role
-from cope.objectives import ForwardOut, Metrics, Objective
+from cope.train.objectives import ForwardOut, Metrics, Objective
 
 
 def observation_nll(logprobs: torch.Tensor, roles: torch.Tensor, valid_rows: torch.Tensor) -> tuple[torch.Tensor, Metrics]:

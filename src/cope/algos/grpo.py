@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from cope.objectives import ForwardOut, Metrics, Objective
+from cope.train.objectives import ForwardOut, Metrics, Objective
 
 
 def _token_mean(per_tok: torch.Tensor, mask: torch.Tensor, norm_len: int) -> torch.Tensor:
@@ -141,7 +141,7 @@ class PolicyGradient(Objective):
         clip_high: upper clip, ratio <= 1 + clip_high; >= 0.
         agg: loss aggregation, a key of :data:`AGGREGATIONS`.
         norm_len: constant length for ``seq-mean-token-sum-norm``; > 0.
-        schedule, final_weight, schedule_steps: see :class:`cope.objectives.Objective`.
+        schedule, final_weight, schedule_steps: see :class:`cope.train.objectives.Objective`.
     """
 
     name = "pg"
@@ -192,7 +192,7 @@ class KLPenalty(Objective):
 
     Args:
         weight: multiplier in the total loss (0 by default: the KL is logged, not optimized).
-        schedule, final_weight, schedule_steps: see :class:`cope.objectives.Objective`.
+        schedule, final_weight, schedule_steps: see :class:`cope.train.objectives.Objective`.
     """
 
     name = "kl"

@@ -6,6 +6,7 @@
 * :mod:`~cope.algos.cope.loss`: the forecast objective and its adaptive scale (the only owner of that state,
   checkpointed with the objective);
 * :mod:`~cope.algos.cope.forecast_targets`: the callback that adds the targets to every minibatch;
-* :mod:`~cope.algos.cope.loss_balance`: the callback that reports each step's loss magnitudes to the adaptive scale
-  (``normalize=gradnorm`` is fed gradient norms by ``cope.callbacks.grad_stats`` instead).
+* :mod:`~cope.algos.cope.loss_balance`: the callback that feeds the adaptive scale each step's magnitudes: loss values
+  (``normalize=adaptive``) or gradient norms it measures itself (``normalize=gradnorm``); the new scale applies from
+  the next step.
 """

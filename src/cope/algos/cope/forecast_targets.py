@@ -73,7 +73,7 @@ class ForecastTargets(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         dm = trainer.datamodule
         if dm is None or not hasattr(dm, "add_collate_transform"):
-            raise TypeError("ForecastTargets needs a datamodule with add_collate_transform (cope.datamodule.RolloutDataModule)")
+            raise TypeError("ForecastTargets needs a datamodule with add_collate_transform (cope.train.datamodule.RolloutDataModule)")
         self._chat, self._pad_id = pl_module.policy.chat, pl_module.policy.pad_id
         if dm is self._datamodule:
             return  # already registered (setup runs once per stage)

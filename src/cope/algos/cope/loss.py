@@ -16,13 +16,16 @@ Where we are specific (the paper's exact normalization is not known to us):
       - ``adaptive``: loss values, ``scale * |L_forecast| ~= ratio * |L_pg|`` (fed after every step by
         the ``LossBalance`` callback). Cheap, but a PPO/GRPO loss *value* is only a rough proxy of its
         gradient's size (it hovers near 0 on-policy), hence the clamp.
-      - ``gradnorm``: gradient norms, ``scale * |grad L_forecast| ~= ratio * |grad (w_pg L_pg)|`` (fed on
-        the steps the ``GradientStats`` callback samples, ``callbacks.grad_stats.every_n_steps``; the
-        scale holds in between. It measures both gradients: one extra forward and one backward per
-        objective). The forecast term's contribution to the update is then ``weight * ratio * |grad
-        (w_pg L_pg)|``; with ``weight`` 1 its gradient norm is held at ``ratio`` times the policy
-        gradient's, what ``adaptive`` only approximates through loss values (in the spirit of GradNorm,
-        Chen et al. 2018, with a fixed target ratio instead of learned task weights).
+      - ``gradnorm``: gradient norms, ``scale * |grad L_forecast| ~= ratio * |grad (w_pg L_pg)|`` (measured
+        by the same ``LossBalance`` callback before every ``gradnorm_every_n_steps``-th step, one extra
+        forward and one backward per objective, and fed at that step's end; the scale holds in between).
+        The forecast term's contribution to the update is then ``weight * ratio * |grad (w_pg L_pg)|``;
+        with ``weight`` 1 its gradient norm is held at ``ratio`` times the policy gradient's, what
+        ``adaptive`` only approximates through loss values (in the spirit of GradNorm, Chen et al. 2018,
+        with a fixed target ratio instead of learned task weights).
+
+      Either way a new measurement moves the scale from the next step on: a step's scale is fixed
+      before the step.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import math
 
 import torch
 
-from cope.objectives import ForwardOut, Metrics, Objective
+from cope.train.objectives import ForwardOut, Metrics, Objective
 
 NORMALIZE = ("none", "per_step")  # the chunk math of forecast_nll
 # ForecastLoss.normalize: the chunk math, or `none`'s with a scale held at a ratio of the policy-gradient term,
@@ -83,7 +86,7 @@ class AdaptiveScale:
     """EMA bookkeeping for ``scale * m_forecast ~= target_ratio * EMA(m_pg)``.
 
     ``m`` is a magnitude of each term: ``|loss|`` (``normalize=adaptive``) or a gradient norm
-    (``normalize=gradnorm``); the math is the same, only what is fed (and by whom) differs. Both
+    (``normalize=gradnorm``); the math is the same, only what is fed differs. Both
     magnitudes are EMAs (initialized at their first value, so no warm-up bias); a forecast magnitude
     of ~0 (a step without targets, e.g. cold start) is not a measurement and is skipped. Before the
     first forecast measurement the scale is 1.
@@ -145,16 +148,15 @@ class ForecastLoss(Objective):
         weight: lambda, the multiplier in the total loss.
         normalize: ``none`` or ``per_step`` (see :func:`forecast_nll`); or ``none``'s per-chunk mean
             times a scale held at ``adaptive_target`` (default 0.5) times the policy-gradient term:
-            ``adaptive`` balances loss values (``scale * |L_forecast| ~= ratio * |L_pg|``; needs the
-            ``LossBalance`` callback), ``gradnorm`` gradient norms (``scale * |grad L_forecast| ~=
-            ratio * |grad (w_pg L_pg)|``, so the term's contribution to the update has norm ``weight *
-            ratio * |grad (w_pg L_pg)|``; needs the ``GradientStats`` callback with ``every_n_steps >= 1``,
-            which ``LossBalance`` checks at setup).
+            ``adaptive`` balances loss values (``scale * |L_forecast| ~= ratio * |L_pg|``), ``gradnorm``
+            gradient norms (``scale * |grad L_forecast| ~= ratio * |grad (w_pg L_pg)|``, so the term's
+            contribution to the update has norm ``weight * ratio * |grad (w_pg L_pg)|``); both are fed by
+            the ``LossBalance`` callback (``algo.callbacks.loss_balance``, part of ``algo=cope``).
         adaptive_target: the ratio of the balanced modes; the objective owns an :class:`AdaptiveScale`
             with it (the only copy of that state; checkpointed through :meth:`state_dict`, per mode).
             Ignored by ``none`` / ``per_step``.
         adaptive_beta: EMA decay of the scale.
-        schedule, final_weight, schedule_steps: see :class:`cope.objectives.Objective`.
+        schedule, final_weight, schedule_steps: see :class:`cope.train.objectives.Objective`.
     """
 
     name = "forecast"

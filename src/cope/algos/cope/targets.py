@@ -13,7 +13,7 @@ Where we are specific (the paper's full text was not available to us):
     * The a_t part of the chunk from h_t is the transcript's own a_t (same prefix, same ids): the
       packed layout reuses those transcript positions and only appends the rest of the chunk.
 
-Layouts (both return a new batch dict, see ``cope.batch`` for the keys, and add ``forecast_mask``
+Layouts (both return a new batch dict, see ``cope.train.batch`` for the keys, and add ``forecast_mask``
 (N, T) bool, ``forecast_chunk`` (N, T) long (index into ``chunks``, -1 elsewhere),
 ``forecast_actions`` (C,) long, and set ``aux_row`` (N,) bool on rows that are not transcripts; both ignore chunks whose episode
 has no row in the batch, so they give the same loss):
@@ -36,7 +36,7 @@ ANCHORS = ("all", "sample")
 # Fill values of the known per-token keys on positions a layout adds (other (N, T) keys get 0).
 _TOKEN_FILL = {"attention_mask": 0, "position_ids": 0, "roles": int(Role.PAD), "step_ids": -1, "action_mask": False, "advantages": 0.0}
 # Fill values of the known per-row keys on the plain layout's extra rows (other (N, ...) keys get 0).
-_ROW_FILL = {"rewards": 0.0, "success": True, "group": -1, "aborted": False, "num_steps": 0, "episode_index": -1, "step_valid": False}
+_ROW_FILL = {"aborted": False, "episode_index": -1}
 
 
 @dataclass
@@ -199,7 +199,7 @@ def _widen(batch: dict, N: int, T: int, T_new: int, pad_id: int) -> dict:
 
 def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
     """Append each chunk after its episode's transcript in the same row, with segment attention
-    (``attn_context_end``, ``attn_segment_start``: see :func:`cope.batch.segment_attention`).
+    (``attn_context_end``, ``attn_segment_start``: see :func:`cope.train.batch.segment_attention`).
 
     The chunk's a_t is scored at its transcript positions; the appended segment (joiner, a_{t+1},
     ...) anchors at ``steps[t].action_end``: it attends to transcript positions < action_end and
@@ -241,7 +241,7 @@ def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastCh
     for r, col, tg, cid in marks:
         fmask[r, col], fchunk[r, col] = tg, cid
     if segs:
-        # segment attention, O(N * T) (cope.batch.segment_attention builds the (T, T) mask per forward):
+        # segment attention, O(N * T) (cope.train.batch.segment_attention builds the (T, T) mask per forward):
         # query i sees keys j < context_end[i] and segment_start[i] <= j <= i. Transcript: (0, 0), causal;
         # padding: (0, i), itself only; a segment: (anchor context, its first column).
         col = torch.arange(T_new)

@@ -30,7 +30,7 @@ class EMPGAdvantages(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if not self._registered:
             if not hasattr(pl_module, "add_scored_transform"):
-                raise TypeError("EMPGAdvantages needs a module with add_scored_transform (cope.module.AgentRLModule)")
+                raise TypeError("EMPGAdvantages needs a module with add_scored_transform (cope.train.module.AgentRLModule)")
             pl_module.add_scored_transform(self.transform)
             self._registered = True
 

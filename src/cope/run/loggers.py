@@ -24,7 +24,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
-from cope.checkpoint_io import atomic_write_bytes
+from cope.run.checkpoint_io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Constructor signatures as a schema: typed parameters of a callable and whether a config value fits one.
 
-Used by :mod:`cope.config_check`. Annotation forms this does not read make no claim (they pass).
+Used by :mod:`cope.run.config_check`. Annotation forms this does not read make no claim (they pass).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Connect-time checks that a vLLM server samples from the trainer's model, each failing in one line.
 
-Run by :meth:`cope.vllm.engine.VLLMEngine.connect`, before any rollout or training step:
+Run by :meth:`cope.rollout.vllm.engine.VLLMEngine.connect`, before any rollout or training step:
 
 1. the server serves a base model (``/v1/models``) whose context fits ``data.max_context``;
 2. it tokenizes the chat scaffold and a probe text exactly as the trainer's tokenizer does (``/tokenize``);
@@ -9,8 +9,8 @@ Run by :meth:`cope.vllm.engine.VLLMEngine.connect`, before any rollout or traini
 """
 from __future__ import annotations
 
-from cope.vllm.client import Client, RequestError, ServerError, prompt_logprobs
-from cope.vllm.server import VLLMError
+from cope.rollout.vllm.client import Client, RequestError, ServerError, prompt_logprobs
+from cope.rollout.vllm.server import VLLMError
 
 PROBE = ("You are an agent in a text world. Reply with exactly one action.\n"
          "You see a door to the north and a key on the floor. Closer: north, east.")

@@ -55,7 +55,8 @@ def _quant_config(quantization: str | None, compute_dtype: torch.dtype):
 
 def _disable_cpu_bf16_repack(model) -> int:
     """bitsandbytes 0.50 on CPUs with avx512_bf16 repacks 4-bit weights at the first eval forward,
-    after which every training step fails (see shared/notes/stack.md). Rollout-then-train is exactly
+    after which every training step fails ("a view of a leaf Variable that requires grad is being used in
+    an in-place operation"; measured on this project's CPU machines). Rollout-then-train is exactly
     that pattern, so switch the repack off on every 4-bit linear layer. Returns how many were patched."""
     import bitsandbytes as bnb
 

@@ -1,7 +1,7 @@
 """``VLLMEngine``: rollouts sampled by a vLLM server, behind the same seam as the in-process engine.
 
-Only generation moves out of the process: the env runtime, :func:`cope.rollout.run_episodes` (overflow
-policy, aborts, Episode records) and everything downstream stay as with :class:`cope.engine.HFEngine`.
+Only generation moves out of the process: the env runtime, :func:`cope.rollout.loop.run_episodes` (overflow
+policy, aborts, Episode records) and everything downstream stay as with :class:`cope.rollout.engine.HFEngine`.
 The actor sends one ``/v1/completions`` request per live episode, all at once, with the transcript's ids
 as the prompt, the chat scaffold's end-of-turn id as ``stop_token_ids`` and ``logprobs=1``; the ids the
 server returns go into the transcript verbatim, their log-probs into ``Step.sampler_logprobs`` (the
@@ -29,20 +29,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import tempfile
 import time
 import weakref
 from pathlib import Path
 from typing import Any, Callable
 
-from cope.engine import EnvRuntime, HFEngine, Sampling
 from cope.envs.base import Env, Task
 from cope.episode import Episode
-from cope.rollout import RolloutStats, Sampled, run_episodes
-from cope.vllm.checks import check_server
-from cope.vllm.client import Client, Completion, ServerError
-from cope.vllm.server import AttachedServer, ManagedServer, VLLMError
+from cope.rollout.engine import EnvRuntime, HFEngine, Sampling
+from cope.rollout.loop import RolloutStats, Sampled, run_episodes
+from cope.rollout.vllm.checks import check_server
+from cope.rollout.vllm.client import Client, Completion, ServerError
+from cope.rollout.vllm.server import AttachedServer, ManagedServer, VLLMError
 
 log = logging.getLogger(__name__)
 DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
@@ -54,7 +53,7 @@ def request_seed(*parts: Any) -> int:
 
 
 class ServerActor:
-    """The :class:`cope.rollout.Actor` of one wave: every context's next action from the server at once."""
+    """The :class:`cope.rollout.loop.Actor` of one wave: every context's next action from the server at once."""
 
     def __init__(self, complete: Callable[[list[dict]], list], model: str, stop_ids: list[int], sampling: Sampling,
                  seed: int | None):
@@ -87,14 +86,14 @@ class VLLMEngine:
     """Rollouts from a vLLM OpenAI-compatible server (see the module doc).
 
     Args:
-        env, runtime, max_context, instructions: as for :class:`cope.engine.HFEngine` (passed by the DataModule).
+        env, runtime, max_context, instructions: as for :class:`cope.rollout.engine.HFEngine` (passed by the DataModule).
         url: attach to this running server (``http://host:port``); None starts one (managed).
         model: the served name of the base model on an attached server (None: the one it serves).
         python: interpreter of the vLLM venv (None: ``$COPE_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python``).
         workdir: run-local folder for the adapter and the server log (None: a temp folder).
         dtype: server weights (None: the trainer's base dtype; fp32 keeps the log-prob gap ~1e-6).
         kv_cache_gb, gpu_memory_utilization, threads, max_loras, prefix_caching, server_args, server_env:
-            managed-server settings (:class:`cope.vllm.server.ManagedServer`).
+            managed-server settings (:class:`cope.rollout.vllm.server.ManagedServer`).
         startup_timeout_s: deadline of a server start (or of an attached server's first answer).
         request_timeout_s: deadline of one completion request.
         reconnect_timeout_s: how long an attached server that stopped answering is waited for.
@@ -126,10 +125,10 @@ class VLLMEngine:
         self.startup_timeout_s, self.request_timeout_s, self.max_restarts = startup_timeout_s, request_timeout_s, max_restarts
         self.reconnect_timeout_s = reconnect_timeout_s
         self.seeded, self.check_tolerance = seeded, check_tolerance
-        rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="cope-vllm-"))
-        self.adapter_dir = (self.workdir / f"adapter-rank{rank}").resolve()  # ranks share an attached server
-        self.lora_name = f"cope-rank{rank}"
+        self.rank = 0
+        self.adapter_dir = (self.workdir / "adapter-rank0").resolve()
+        self.lora_name = "cope-rank0"
         self.policy = None
         self.server: ManagedServer | AttachedServer | None = None
         self.client: Client | None = None
@@ -139,9 +138,13 @@ class VLLMEngine:
         self.failed_requests = 0
 
     # -- wiring ---------------------------------------------------------------------------------
-    def connect(self, policy: Any) -> None:
-        """Start or attach to the server, check it against the policy and load the adapter (one-line errors)."""
-        self.policy = policy
+    def connect(self, policy: Any, rank: int = 0) -> None:
+        """Start or attach to the server, check it against the policy and load the adapter (one-line errors).
+        ``rank``: the trainer's global rank; ranks that share an attached server load their adapters under
+        their own names and folders."""
+        self.policy, self.rank = policy, int(rank)
+        self.adapter_dir = (self.workdir / f"adapter-rank{self.rank}").resolve()
+        self.lora_name = f"cope-rank{self.rank}"
         peft_cfg = getattr(policy.model, "peft_config", {}).get("default")
         if peft_cfg is None:
             raise VLLMError("the vLLM engine needs a peft LoRA policy (policy.model.peft_config['default'])")

@@ -2,9 +2,9 @@
 
 ``train_dataloader`` (reloaded every epoch: the trainer config sets
 ``reload_dataloaders_every_n_epochs=1``) samples ``tasks_per_epoch`` tasks, asks the rollout engine
-(:mod:`cope.engine`) for ``group_size`` episodes per task, turns rewards into group-relative
-advantages, cuts the episodes into minibatches, lets registered collate transforms add targets
-(CoPE) and publishes the epoch as one :class:`~cope.records.EpochRecord` (``train_record``). It
+(:mod:`cope.rollout.engine`) for ``group_size`` episodes per task, hands them to
+:mod:`cope.train.experience` (advantages, minibatches, the registered collate transforms such as
+CoPE's targets) and publishes the epoch as one :class:`~cope.records.EpochRecord` (``train_record``). It
 never touches the LightningModule: the module scores the record's minibatches at the start of the
 epoch (old/reference log-probs, then its scored transforms). Validation: the module calls
 :meth:`RolloutDataModule.evaluate` per chunk of the fixed held-out panel; the episodes are gathered
@@ -27,17 +27,16 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DataLoader
 
-from cope.advantages import group_advantages
-from cope.batch import collate
-from cope.engine import EnvRuntime, HFEngine, RolloutEngine, Sampling
-from cope.envs.base import Env, Task
+from cope.envs.base import Env, Task, env_facts
 from cope.episode import Episode
 from cope.records import EpochRecord, ValidationRecord
-from cope.rollout_metrics import episode_metrics
+from cope.rollout.engine import EnvRuntime, HFEngine, RolloutEngine, Sampling
+from cope.rollout.metrics import episode_metrics
+from cope.train.advantages import group_advantages
+from cope.train.experience import CollateTransform, assign_advantages, cut_minibatches, train_tokens
 
 log = logging.getLogger(__name__)
 COUNTERS = ("episodes", "env_steps", "generated_tokens", "train_tokens")
-CollateTransform = Callable[[dict, list[Episode]], dict]
 
 
 def _identity(x):
@@ -63,15 +62,15 @@ class RolloutDataModule(pl.LightningDataModule):
         progress: show a progress bar while collecting rollouts.
 
     Handed to the rollout engine (typed records, each read by the class that uses it):
-        sampling: :class:`cope.engine.Sampling` of training rollouts (``data.sampling.*``: temperature,
+        sampling: :class:`cope.rollout.engine.Sampling` of training rollouts (``data.sampling.*``: temperature,
             top_p, max_action_tokens); validation is greedy with the same action cap.
-        env_runtime: :class:`cope.engine.EnvRuntime` (``data.env_runtime.*``: where env instances live,
+        env_runtime: :class:`cope.rollout.engine.EnvRuntime` (``data.env_runtime.*``: where env instances live,
             deadlines, waves, overlap). ``max_live_episodes=None`` takes the env's ``max_instances``
             when it declares one.
-        max_context: context budget in tokens; see the overflow policy in :mod:`cope.rollout`.
+        max_context: context budget in tokens; see the overflow policy in :mod:`cope.rollout.loop`.
         instructions: system prompt replacing the env's own (its rules and action format); None keeps it.
         engine: factory of the rollout engine (``data.engine``, the ``rollout`` config group), called with
-            ``env``, ``runtime``, ``max_context`` and ``instructions`` (None: :class:`cope.engine.HFEngine`).
+            ``env``, ``runtime``, ``max_context`` and ``instructions`` (None: :class:`cope.rollout.engine.HFEngine`).
     """
 
     def __init__(
@@ -113,14 +112,12 @@ class RolloutDataModule(pl.LightningDataModule):
         self.sampling = sampling or Sampling()
         self.val_sampling = Sampling(temperature=0.0, top_p=1.0, max_action_tokens=self.sampling.max_action_tokens)
         runtime = env_runtime or EnvRuntime()
-        probe = env()
-        self.env_name = probe.name
-        self.num_train_tasks, self.num_test_tasks = probe.num_tasks("train"), probe.num_tasks("test")
-        if runtime.max_live_episodes is None and getattr(probe, "max_instances", None):
-            runtime = dataclasses.replace(runtime, max_live_episodes=int(probe.max_instances))  # memory-heavy env: waves
+        facts = env_facts(env)  # one instance built and closed, no episode and no engine started
+        self.env_name, self.num_train_tasks, self.num_test_tasks = facts.name, facts.train_tasks, facts.test_tasks
+        if runtime.max_live_episodes is None and facts.max_instances:
+            runtime = dataclasses.replace(runtime, max_live_episodes=facts.max_instances)  # memory-heavy env: waves
             log.info("%s: at most %d live episodes at once (the env's max_instances; "
-                     "data.env_runtime.max_live_episodes overrides)", probe.name, runtime.max_live_episodes)
-        probe.close()
+                     "data.env_runtime.max_live_episodes overrides)", facts.name, runtime.max_live_episodes)
         if val_offset and val_offset + val_tasks > self.num_test_tasks:
             raise ValueError(f"data.val_offset + data.val_tasks = {val_offset + val_tasks} exceeds the "
                              f"{self.num_test_tasks} test tasks of env {self.env_name!r}")
@@ -137,10 +134,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self._env_stats_seen = self.engine.env_stats()
 
     # -- wiring ---------------------------------------------------------------------------------
-    def connect(self, policy: Any) -> None:
-        """Bind the policy: its tokenizer and chat scaffold (collation, CoPE targets) and the engine's sampler."""
+    def connect(self, policy: Any, rank: int = 0) -> None:
+        """Bind the policy: its tokenizer and chat scaffold (collation, CoPE targets) and the engine's sampler;
+        ``rank`` is the trainer's global rank (``trainer.global_rank``, known once the Trainer exists)."""
         self.tokenizer, self.chat, self.pad_id = policy.tokenizer, policy.chat, int(policy.tokenizer.pad_token_id)
-        self.engine.connect(policy)
+        self.engine.connect(policy, rank=rank)
 
     def add_collate_transform(self, fn: CollateTransform) -> None:
         """``fn(minibatch, episodes) -> minibatch`` runs on every minibatch before scoring (e.g. CoPE targets)."""
@@ -179,7 +177,7 @@ class RolloutDataModule(pl.LightningDataModule):
     def _turn_done(self, finished: int, bar) -> None:
         """Called by the engine after every turn: the progress bar, and the stop after a SIGTERM. A rollout
         at 7B can take minutes, longer than a scheduler's grace period, so the run does not wait for it:
-        the epoch is left unfinished (resume runs it again from its start, see :mod:`cope.preemption`)."""
+        the epoch is left unfinished (resume runs it again from its start, see :mod:`cope.run.preemption`)."""
         if bar is not None:
             bar.update(finished)
         if getattr(self.trainer, "received_sigterm", False):
@@ -206,35 +204,22 @@ class RolloutDataModule(pl.LightningDataModule):
         version = (id(self.trainer), self.trainer.global_step)
         if self._served is not None and self._served[0] == version:
             return self._served[1]
-        self.train_record = self.collect_epoch(self.trainer.current_epoch, self.trainer.global_step)
+        self.train_record = self.collect_epoch(self.trainer.current_epoch)
         served = [mb for _ in range(self.ppo_epochs) for mb in self.train_record.minibatches]
         loader = DataLoader(served, batch_size=None, shuffle=False, collate_fn=_identity)
         self._served = (version, loader)
         return loader
 
-    def collect_epoch(self, epoch: int = 0, version: int = 0) -> EpochRecord:
+    def collect_epoch(self, epoch: int = 0) -> EpochRecord:
         """Rollouts, advantages and minibatches of one epoch (not yet scored); updates the counters."""
         t0 = time.perf_counter()
         tasks, groups = self._sample_tasks()
         eps, stats = self._rollout(tasks, groups, self.sampling, "rollouts")
         t_roll = time.perf_counter() - t0
-        adv, adv_metrics = group_advantages(
-            torch.tensor([e.reward for e in eps]), torch.tensor(groups), mode=self.advantage_mode,
-            valid=torch.tensor([not e.aborted for e in eps]),
-        )
-        for e, a in zip(eps, adv.tolist()):
-            e.advantage = a
-        order = list(range(len(eps)))
-        self._rng.shuffle(order)
-        minibatches = []
-        for s in range(0, len(order), self.minibatch_size):
-            idx = order[s: s + self.minibatch_size]
-            mb = collate([eps[i] for i in idx], self.pad_id, indices=idx)
-            for fn in self._collate_transforms:
-                mb = fn(mb, eps)
-            minibatches.append(mb)
-        train_tokens = sum(int(mb["input_ids"].ne(self.pad_id).sum()) for mb in minibatches) * self.ppo_epochs
-        inc = self._reduce_sum([len(eps), stats.env_steps, stats.generated_tokens, train_tokens])
+        adv_metrics = assign_advantages(eps, groups, self.advantage_mode)
+        minibatches = cut_minibatches(eps, self.minibatch_size, self.pad_id, self._rng, self._collate_transforms)
+        tokens = train_tokens(minibatches, self.pad_id, self.ppo_epochs)
+        inc = self._reduce_sum([len(eps), stats.env_steps, stats.generated_tokens, tokens])
         for k, v in zip(COUNTERS, inc):
             self.counters[k] += int(v)
         m = episode_metrics(eps, prefix="rollout")
@@ -250,8 +235,7 @@ class RolloutDataModule(pl.LightningDataModule):
             "perf/adapter_sync_seconds": stats.sync_seconds,
         })
         m.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
-        return EpochRecord(epoch=epoch, version=version, episodes=eps, groups=groups, minibatches=minibatches,
-                           stats=stats, metrics=m, counters=dict(self.counters),
+        return EpochRecord(epoch=epoch, episodes=eps, minibatches=minibatches, metrics=m, counters=dict(self.counters),
                            sampler_logprobs=bool(getattr(self.engine, "reports_logprobs", False)))
 
     def _env_stats_delta(self) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""Who acts in the tiny model's warm-start walks (src/cope/tiny.py): the demonstrations it clones.
+"""Who acts in the tiny model's warm-start walks (src/cope/models/tiny.py): the demonstrations it clones.
 
 Two regimes, picked by ``model.warm_start_policy``:
 
@@ -13,7 +13,7 @@ Two regimes, picked by ``model.warm_start_policy``:
   the clone is from a perfect fit. bench/warm_start_prior.py measures it (bench/results/warm_start_prior.json).
 
 Actions come back as token ids ending with the stop id, as the rollout engine expects from an actor
-(:class:`cope.rollout.Actor`); the walks run through :func:`cope.rollout.run_episodes` like training rollouts.
+(:class:`cope.rollout.loop.Actor`); the walks run through :func:`cope.rollout.loop.run_episodes` like training rollouts.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import random
 from typing import Callable
 
 from cope.envs.base import Env, Task
-from cope.rollout import run_episodes
+from cope.rollout.loop import run_episodes
 
 WARM_START_POLICIES = ("random", "expert")
 
@@ -82,7 +82,7 @@ class NoisyExpertActor(RandomWalkActor):
         return super()._pick(adm, key)
 
 
-class _WithExamples:
+class WithExamples:
     """Wraps an env whose steps report no admissible actions (a shell, tool calls) so that its
     ``example_actions()`` stand in for them during the format-only warm start."""
 
@@ -142,19 +142,19 @@ def walk_actor(policy: str, tokenizer, stop_id: int, seed: int, envs: list[Env],
     return RandomWalkActor(tokenizer, stop_id, seed)
 
 
-def _walked_tasks(env: Env, limit: int | None) -> int:
+def walked_tasks(env: Env, limit: int | None) -> int:
     """How many train tasks (indices 0..n-1) the warm start walks: all, or the first ``limit``."""
     return min(env.num_tasks("train"), limit or env.num_tasks("train"))
 
 
-def _random_walks(envs: list[Env], tokenizer, chat, seed: int, max_context: int, max_action_tokens: int,
+def random_walks(envs: list[Env], tokenizer, chat, seed: int, max_context: int, max_action_tokens: int,
                   num_tasks: int | None = None, policy: str = "random", expert_prob: float = 0.5):
     """One walk per env instance (instances are reused across calls: JVM-backed envs start once); the
     walker is ``policy``'s actor (random: uniformly random admissible actions)."""
     rng = random.Random(seed)
     n = len(envs)
-    tasks = [Task(envs[0].name, "train", rng.randrange(_walked_tasks(envs[0], num_tasks))) for _ in range(n)]
-    raw = [e.env if isinstance(e, _WithExamples) else e for e in envs]
+    tasks = [Task(envs[0].name, "train", rng.randrange(walked_tasks(envs[0], num_tasks))) for _ in range(n)]
+    raw = [e.env if isinstance(e, WithExamples) else e for e in envs]
     actor = walk_actor(policy, tokenizer, chat.stop_id, seed, raw, expert_prob)
     episodes, _ = run_episodes(envs, tasks, list(range(n)), actor, tokenizer, chat, max_context, max_action_tokens)
     return [e for e in episodes if not e.aborted]

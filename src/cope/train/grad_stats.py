@@ -1,11 +1,18 @@
 """Per-objective gradient diagnostics: how large each objective's share of the update is, and how it aligns.
 
-The training loss is a weighted sum of objectives (:func:`cope.objectives.combine`); its gradient is the same
+The training loss is a weighted sum of objectives (:func:`cope.train.objectives.combine`); its gradient is the same
 weighted sum of the objectives' gradients. These pure functions take that sum apart: one gradient per
 objective (:func:`objective_gradients`, flattened over the trainable parameters) and the metrics that compare
 them (:func:`gradient_metrics`). Gradient-balancing schemes (GradNorm, Chen et al. 2018, arXiv 1711.02257)
-read the same quantities; here they also feed CoPE's ``normalize=gradnorm`` (the ``GradientStats`` callback
-does the forward and the feeding; nothing here touches a trainer or a module).
+read the same quantities.
+
+Two callbacks take these gradients before a step, at the parameters the step's gradient is taken at: the
+diagnostics ``GradientStats`` (``cope.callbacks.grad_stats``: logs ``grad/*``) and CoPE's ``LossBalance``
+(:mod:`cope.algos.cope.loss_balance`: feeds ``normalize=gradnorm``'s scale). Their one shared measurement is
+:func:`measure_gradients` (the module's forward live on the first micro-batch's rows,
+:func:`first_microbatch_forward`, then :func:`objective_gradients`) and :func:`mean_over_ranks`; it leaves the
+step as it was (no ``.grad`` written, the RNG state forked, the train/eval mode untouched), so neither callback
+changes what the other, or the step, sees. The other functions are pure (no trainer, no module).
 
 Conventions:
     * each objective's gradient is that of its loss as the objective returns it (scaled by the objective's
@@ -18,11 +25,11 @@ Conventions:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from cope.objectives import ForwardOut, Objective
+from cope.train.objectives import ForwardOut, Objective
 
 
 class ObjectiveGradient(NamedTuple):
@@ -39,7 +46,7 @@ def objective_gradients(
 
     Args:
         objectives: the module's objectives; those whose ``weight_at(step)`` is 0 are skipped (off, as in
-            :func:`~cope.objectives.combine`).
+            :func:`~cope.train.objectives.combine`).
         out: a forward output whose ``logprobs`` are live (attached to the graph of ``params``).
         batch: the minibatch the objectives read.
         step: the optimizer step (for scheduled weights).
@@ -108,3 +115,42 @@ def gradient_metrics(
         total = sum(g.weight * g.grad for g in grads.values())  # (P,)
         metrics["grad/total_norm"] = total.norm()
     return metrics, raw_norms
+
+
+def first_microbatch_forward(pl_module: Any, batch: Mapping[str, torch.Tensor]) -> ForwardOut:
+    """The module's forward, live on the first micro-batch's rows only, as its own backward splices them.
+
+    Without micro-batches (``module.max_tokens_per_microbatch`` unset, or the minibatch fits) that is the whole
+    forward. Otherwise the rows of the first micro-batch are live and the others are held at ``old_logprobs``
+    (entropy 0), so a gradient of it is that micro-batch's share of the step's gradient: every objective's
+    share alike, which keeps norms comparable and cosines meaningful at a fraction of the cost."""
+    rows, n = pl_module.micro_batches(batch)[0]
+    if rows is None:
+        return pl_module(batch)
+    live_lp, live_ent = pl_module.logprobs(batch, rows, n)  # (R, n) each
+    lp = batch["old_logprobs"].to(pl_module.device, torch.float32).clone()  # (N, T), constant elsewhere
+    ent = torch.zeros_like(lp)  # (N, T)
+    lp[rows, :n], ent[rows, :n] = live_lp, live_ent
+    return ForwardOut(lp, ent, batch.get("ref_logprobs") if pl_module.needs_ref else None)
+
+
+def measure_gradients(
+    trainer: Any, pl_module: Any, batch: Mapping[str, torch.Tensor], objectives: Sequence[Objective]
+) -> dict[str, ObjectiveGradient]:
+    """:func:`objective_gradients` of ``objectives`` at the module's current parameters, on
+    :func:`first_microbatch_forward`, for a callback's ``on_train_batch_start``: with gradients enabled, in the
+    precision plugin's ``train_step_context()`` (the step's autocast) and with the RNG forked (dropout, if any,
+    draws the same masks in the step). No ``.grad`` is written and the train/eval mode is not touched."""
+    dev = pl_module.device
+    fork = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork), torch.enable_grad(), trainer.precision_plugin.train_step_context():
+        out = first_microbatch_forward(pl_module, batch)
+        return objective_gradients(objectives, out, batch, trainer.global_step, pl_module.policy.trainable_parameters())
+
+
+def mean_over_ranks(trainer: Any, values: torch.Tensor) -> torch.Tensor:
+    """``values`` averaged over the DDP ranks (``trainer.strategy.reduce``; a collective: every rank calls it);
+    as they are with one process."""
+    if getattr(trainer, "world_size", 1) > 1:
+        return trainer.strategy.reduce(values, reduce_op="mean")
+    return values

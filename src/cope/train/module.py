@@ -1,9 +1,9 @@
 """The LightningModule: the training *system* around an injected policy (Lightning's "systems vs models").
 
 It holds no rollout logic (the DataModule does) and no loss math (the objectives do). The forward
-pass gives every objective the per-token log-probs and entropy (:mod:`cope.logprobs`: chunked over
+pass gives every objective the per-token log-probs and entropy (:mod:`cope.train.logprobs`: chunked over
 the vocabulary, action tokens at the sampling temperature); the objectives are summed in
-:func:`cope.objectives.combine`. The KL reference is the same model with its adapter disabled.
+:func:`cope.train.objectives.combine`. The KL reference is the same model with its adapter disabled.
 
 One optimizer step per minibatch, written out here (Lightning's manual optimization): zero the
 gradients, forward + backward over micro-batches of at most ``max_tokens_per_microbatch`` tokens
@@ -25,56 +25,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from cope.batch import SEGMENT_KEYS, row_lengths, segment_attention
-from cope.logprobs import causal_lm_logprobs
-from cope.objectives import ForwardOut, Objective, combine
-from cope.policy import Policy
+from cope.models.policy import Policy
+from cope.train.batch import SEGMENT_KEYS, row_lengths, segment_attention
+from cope.train.logprobs import causal_lm_logprobs, sampler_gap
+from cope.train.objectives import ForwardOut, Objective, combine
 
 ScoredTransform = Callable[[list[dict], list], None]
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log p(ids[t] | ids[<t]) and predictive entropy, aligned at t (0 at t=0).
-
-    Computed one row at a time in fp32 to bound the (T, V) working set on large vocabularies."""
-    N, T, _ = logits.shape
-    lps, ents = [], []
-    for i in range(N):
-        logp = logits[i, :-1].float().log_softmax(-1)  # (T-1, V)
-        lps.append(logp.gather(-1, input_ids[i, 1:, None]).squeeze(-1))  # (T-1,)
-        if with_entropy:
-            with torch.no_grad():
-                ents.append(-(logp.exp() * logp).sum(-1))  # (T-1,)
-    zero = logits.new_zeros((N, 1), dtype=torch.float32)
-    lp = torch.cat([zero, torch.stack(lps)], dim=1)  # (N, T)
-    ent = torch.cat([zero, torch.stack(ents)], dim=1) if with_entropy else torch.zeros_like(lp)
-    return lp, ent
-
-
-def sampler_gap(minibatches: list[dict], episodes: list) -> dict[str, float]:
-    """How far the trainer's old log-probs are from the sampler's own, over the action tokens of every
-    step whose sampler reported them (``Step.sampler_logprobs``: a server engine such as vLLM).
-
-    ``rollout/logprob_gap``: mean |old - sampler| per token; ``rollout/logprob_gap_max``: the largest.
-    Same weights on both sides, so this is numerics only (kernels, dtype): ~1e-6 in fp32, up to ~0.2 in
-    bf16. Empty when no step carries sampler log-probs (the in-process engine samples from the scored model)."""
-    diffs = []
-    for mb in minibatches:
-        if "old_logprobs" not in mb:
-            continue
-        for row, ei in enumerate(mb["episode_index"].tolist()):
-            ep = episodes[ei]
-            if bool(mb["aux_row"][row]) or ep.aborted:
-                continue
-            for s in ep.steps:
-                lps, a0, a1 = s.sampler_logprobs, s.action_start, s.action_end
-                if lps is None or len(lps) != a1 - a0 or mb["input_ids"][row, a0:a1].tolist() != ep.tokens[a0:a1]:
-                    continue  # a transform moved this row's tokens: no aligned comparison
-                diffs.append(mb["old_logprobs"][row, a0:a1].double() - torch.tensor(lps, dtype=torch.float64))  # (a1-a0,)
-    if not diffs:
-        return {}
-    gap = torch.cat(diffs).abs()
-    return {"rollout/logprob_gap": gap.mean().item(), "rollout/logprob_gap_max": gap.max().item()}
 
 
 class AgentRLModule(pl.LightningModule):
@@ -150,7 +106,7 @@ class AgentRLModule(pl.LightningModule):
     def logprobs(self, batch: dict, rows: torch.Tensor | None = None, length: int | None = None,
                  entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token (log-probs, entropy) of ``batch`` rows ``rows`` (all: None), first ``length`` columns;
-        action tokens at the sampling temperature, entropy at action tokens only (see :mod:`cope.logprobs`)."""
+        action tokens at the sampling temperature, entropy at action tokens only (see :mod:`cope.train.logprobs`)."""
         keys = ("input_ids", "position_ids", "action_mask", "attention_mask", *(k for k in SEGMENT_KEYS if k in batch))
         part = {k: batch[k] if rows is None else batch[k][rows] for k in keys}  # only this micro-batch's rows
         if length is not None:
@@ -252,8 +208,7 @@ class AgentRLModule(pl.LightningModule):
         ref = batch.get("ref_logprobs") if self.needs_ref else None
         lp = batch["old_logprobs"].to(self.device, torch.float32).clone()  # constant stand-in for rows not live
         ent = torch.zeros_like(lp)
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        blocker = getattr(strategy, "block_backward_sync", None)
+        blocker = self._backward_sync_blocker()
         for j, (rows, n) in enumerate(parts):
             live_lp, live_ent = self.logprobs(batch, rows, n)
             full = lp.clone()
@@ -267,6 +222,15 @@ class AgentRLModule(pl.LightningModule):
         with torch.no_grad():  # the logged losses: every row's log-probs at once
             total, metrics = combine(self.objectives, out, batch, self.global_step)
         return out, total, metrics
+
+    def _backward_sync_blocker(self):
+        """DDP's ``block_backward_sync`` (gradients all-reduced once per step, at the last micro-batch); None
+        without a strategy that has one (one process, or the module driven without a trainer, as tests do)."""
+        try:
+            strategy = self.trainer.strategy
+        except RuntimeError:  # not attached to a Trainer
+            return None
+        return getattr(strategy, "block_backward_sync", None)
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         opt = self.optimizers()

@@ -4,7 +4,7 @@
 the engine-core processes it forks), prints its pid on one line, then waits. It ends the group, SIGTERM
 then SIGKILL after a grace period, when
 
-* its stdin reaches end-of-file: the parent closed the pipe (:meth:`cope.vllm.server.ManagedServer.stop`)
+* its stdin reaches end-of-file: the parent closed the pipe (:meth:`cope.rollout.vllm.server.ManagedServer.stop`)
   or the parent died, however (an exception, SIGTERM, SIGKILL, an OOM kill): the kernel closes the
   parent's end of the pipe in every case, so no server outlives its trainer;
 * it gets SIGTERM, SIGINT or SIGHUP itself (a Ctrl-C in the terminal reaches the trainer and this guard,

@@ -20,12 +20,10 @@ of truth and cover whatever ``_target_`` names. What types cannot say has one pl
 * value ranges third-party classes check late or with a bare assert, and those of classes built after the
   model (the LightningModule): :data:`RANGES`;
 * cross-field: ``data.max_context`` must fit the model's positions (``model.max_context`` of the tiny
-  model, else ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk); an
-  objective with ``normalize: gradnorm`` needs a ``GradientStats`` callback that measures
-  (``callbacks.grad_stats.every_n_steps >= 1``: it feeds that scale);
+  model, else ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk);
 * settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0).
 
-Arguments ``cope.run.train`` passes when it builds a block (:data:`PASSED_AT_BUILD`) are not config
+Arguments ``cope.run.train.train`` passes when it builds a block (:data:`PASSED_AT_BUILD`) are not config
 keys. Torch-free itself; importing the target classes is its only cost (no model build).
 """
 from __future__ import annotations
@@ -42,12 +40,12 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from cope.signatures import BUILT, UNSET, base_annotation, conforms, parameters, qualname, type_name
+from cope.run.signatures import BUILT, UNSET, base_annotation, conforms, parameters, qualname, type_name
 
 log = logging.getLogger(__name__)
 
 HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})
-# what cope.run.train passes when it instantiates a root block (not config keys)
+# what cope.run.train.train passes when it instantiates a root block (not config keys)
 PASSED_AT_BUILD = {"data": ("env",), "trainer": ("callbacks", "logger"), "module": ("policy", "objectives"),
                    "model": ("env_factory",)}
 # value rules types cannot express, for classes (and their subclasses) that check them late or with a bare
@@ -66,7 +64,7 @@ RANGES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "gradient_clip_val": (lambda v: False, "null (the module clips: module.gradient_clip_val)"),
     },
     # built after the policy (it wraps it): its own checks would come after the model load
-    "cope.module.AgentRLModule": {
+    "cope.train.module.AgentRLModule": {
         "max_tokens_per_microbatch": (lambda v: v >= 1, "null or >= 1"),
         "gradient_clip_val": (lambda v: v > 0, "null or > 0"),
         "temperature": (lambda v: v >= 0, ">= 0"),
@@ -81,7 +79,7 @@ class RunKeys:
 
     seed: int
     paths: dict[str, str]
-    ckpt_path: Optional[str] = None  # null, `last`, `auto` or a checkpoint file (meaning: cope.run)
+    ckpt_path: Optional[str] = None  # null, `last`, `auto` or a checkpoint file (meaning: cope.run.train)
     validate_before_fit: bool = True
 
 
@@ -140,7 +138,7 @@ class _Checker:
 
         ``open_keys``: keys ``fn`` does not name are walked, not rejected (the root schema)."""
         params, var_kw = parameters(fn)
-        where = "the root schema cope.config_check.RunKeys" if fn is RunKeys else qualname(fn)
+        where = "the root schema cope.run.config_check.RunKeys" if fn is RunKeys else qualname(fn)
         names = list(node.keys())
         if open_keys:  # the schema's own keys first: blocks interpolate them (${seed}), and a bad source is named once
             names.sort(key=lambda n: n not in params)
@@ -149,7 +147,7 @@ class _Checker:
                 continue
             full = f"{key}.{name}" if key else str(name)
             if name in PASSED_AT_BUILD.get(key, ()):
-                self.fail(full, f": set by cope.run.train when it builds `{key}`; not a config key")
+                self.fail(full, f": set by cope.run.train.train when it builds `{key}`; not a config key")
             elif name in params:
                 self.value(node, name, full, params[name].annotation, where)
             elif var_kw is not None:
@@ -210,27 +208,9 @@ class _Checker:
             if data.get("group_size") == 1:
                 self.warnings.append("data.group_size=1: one episode per group, so every group-relative advantage is 0 "
                                      "and the policy gradient is 0 (only auxiliary objectives train)")
-        named = {k: o for k, o in ((cfg.get("algo") or {}).get("objectives") or {}).items() if o is not None}
-        objectives = list(named.values())
-        for name, o in named.items():
-            if o.get("normalize") == "gradnorm" and not _measures_gradients(cfg):
-                n = (cfg.get("callbacks") or {}).get("grad_stats")
-                now = f" = {n.get('every_n_steps')!r}" if isinstance(n, DictConfig) else " (absent)"
-                self.fail("callbacks.grad_stats.every_n_steps", f"{now}: must be >= 1 with algo.objectives.{name}.normalize="
-                          "gradnorm (cope.normalize=gradnorm): the GradientStats callback measures the gradient norms "
-                          "that feed its scale")
+        objectives = [o for o in ((cfg.get("algo") or {}).get("objectives") or {}).values() if o is not None]
         if objectives and all(o.get("weight", 1.0) == 0 and o.get("final_weight", 0.0) == 0 for o in objectives):
             self.warnings.append("every algo.objectives.*.weight is 0: training changes nothing")
-
-
-GRADIENT_STATS = "cope.callbacks.grad_stats.GradientStats"
-
-
-def _measures_gradients(cfg: DictConfig) -> bool:
-    """Whether ``callbacks.*`` or ``algo.callbacks.*`` holds a :data:`GRADIENT_STATS` with ``every_n_steps >= 1``."""
-    blocks = [*((cfg.get("callbacks") or {}).values()), *(((cfg.get("algo") or {}).get("callbacks") or {}).values())]
-    return any(isinstance(b, DictConfig) and b.get("_target_") == GRADIENT_STATS and isinstance(b.get("every_n_steps"), int)
-               and b.get("every_n_steps") >= 1 for b in blocks)
 
 
 def model_positions(model: DictConfig) -> tuple[int, str] | None:

@@ -69,7 +69,7 @@ class CachedSamplingActor:
 
     def fork(self) -> "CachedSamplingActor":
         """A second actor over the same model with its own cache (for another part of the live
-        episodes, see ``chunks`` in :func:`cope.rollout.run_episodes`); its sampling seed is drawn
+        episodes, see ``chunks`` in :func:`cope.rollout.loop.run_episodes`); its sampling seed is drawn
         from this actor's generator, so a seeded rollout stays reproducible."""
         seed = None
         if self.generator is not None:

@@ -153,3 +153,47 @@ def _warn_fallback(model) -> None:
         _warned.add(id(model))
         log.warning("log-probs from the model's full logits (its output head is trained or post-processes logits): "
                     "memory grows with tokens x vocabulary")
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log p(ids[t] | ids[<t]) and predictive entropy, aligned at t (0 at t=0).
+
+    Computed one row at a time in fp32 to bound the (T, V) working set on large vocabularies."""
+    N, T, _ = logits.shape
+    lps, ents = [], []
+    for i in range(N):
+        logp = logits[i, :-1].float().log_softmax(-1)  # (T-1, V)
+        lps.append(logp.gather(-1, input_ids[i, 1:, None]).squeeze(-1))  # (T-1,)
+        if with_entropy:
+            with torch.no_grad():
+                ents.append(-(logp.exp() * logp).sum(-1))  # (T-1,)
+    zero = logits.new_zeros((N, 1), dtype=torch.float32)
+    lp = torch.cat([zero, torch.stack(lps)], dim=1)  # (N, T)
+    ent = torch.cat([zero, torch.stack(ents)], dim=1) if with_entropy else torch.zeros_like(lp)
+    return lp, ent
+
+
+def sampler_gap(minibatches: list[dict], episodes: list) -> dict[str, float]:
+    """How far the trainer's old log-probs are from the sampler's own, over the action tokens of every
+    step whose sampler reported them (``Step.sampler_logprobs``: a server engine such as vLLM).
+
+    ``rollout/logprob_gap``: mean |old - sampler| per token; ``rollout/logprob_gap_max``: the largest.
+    Same weights on both sides, so this is numerics only (kernels, dtype): ~1e-6 in fp32, up to ~0.2 in
+    bf16. Empty when no step carries sampler log-probs (the in-process engine samples from the scored model)."""
+    diffs = []
+    for mb in minibatches:
+        if "old_logprobs" not in mb:
+            continue
+        for row, ei in enumerate(mb["episode_index"].tolist()):
+            ep = episodes[ei]
+            if bool(mb["aux_row"][row]) or ep.aborted:
+                continue
+            for s in ep.steps:
+                lps, a0, a1 = s.sampler_logprobs, s.action_start, s.action_end
+                if lps is None or len(lps) != a1 - a0 or mb["input_ids"][row, a0:a1].tolist() != ep.tokens[a0:a1]:
+                    continue  # a transform moved this row's tokens: no aligned comparison
+                diffs.append(mb["old_logprobs"][row, a0:a1].double() - torch.tensor(lps, dtype=torch.float64))  # (a1-a0,)
+    if not diffs:
+        return {}
+    gap = torch.cat(diffs).abs()
+    return {"rollout/logprob_gap": gap.mean().item(), "rollout/logprob_gap_max": gap.max().item()}

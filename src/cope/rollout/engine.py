@@ -9,7 +9,7 @@ with the policy version = the optimizer step count). Engines:
   over the training model itself, so ``sync`` has nothing to do), env steps in this process or in
   env worker processes, episodes in waves of at most ``max_live_episodes``;
 * a vLLM server engine plugs in behind the same protocol (only generation differs; the env runtime,
-  :func:`cope.rollout.run_episodes` and the records stay).
+  :func:`cope.rollout.loop.run_episodes` and the records stay).
 
 Settings are small typed records, each given to the class that uses it: :class:`Sampling` (per
 call: training rollouts sample, validation is greedy) and :class:`EnvRuntime` (where env instances
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from cope.envs.base import Env, Task
-from cope.envs.runtime.batch import STATS, InProcessEnvs
+from cope.envs.runtime.batch import STATS, EnvBatch, InProcessEnvs
 from cope.envs.runtime.pool import EnvWorkerPool
 from cope.episode import Episode
-from cope.rollout import RolloutStats, run_episodes
+from cope.rollout.loop import RolloutStats, run_episodes
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,9 @@ class RolloutEngine(Protocol):
     """What the DataModule needs from a rollout engine. Optional class attribute ``reports_logprobs``
     (default False): every sampled action carries the sampler's own log-probs (``Step.sampler_logprobs``)."""
 
-    def connect(self, policy: Any) -> None:
-        """Bind the policy (model, tokenizer, chat scaffold) the episodes are sampled from."""
+    def connect(self, policy: Any, rank: int = 0) -> None:
+        """Bind the policy (model, tokenizer, chat scaffold) the episodes are sampled from; ``rank`` is the
+        trainer's global rank (a server engine names what it keeps on a shared server by it)."""
 
     def sync(self, version: int) -> None:
         """The trained weights are now at ``version`` (optimizer steps): make the next rollouts use them."""
@@ -106,7 +107,7 @@ class HFEngine:
     Args:
         env: factory of env instances (one per concurrent episode).
         runtime: where the env instances live.
-        max_context: context budget in tokens (see the overflow policy in :mod:`cope.rollout`).
+        max_context: context budget in tokens (see the overflow policy in :mod:`cope.rollout.loop`).
         instructions: system prompt replacing the env's own (None keeps it).
     """
 
@@ -115,10 +116,10 @@ class HFEngine:
             raise ValueError(f"data.max_context must be >= 1, got {max_context}")
         self.env_factory, self.runtime, self.max_context, self.instructions = env, runtime, max_context, instructions
         self.policy = None
-        self._envs: InProcessEnvs | EnvWorkerPool | None = None
+        self._envs: EnvBatch | None = None
         self._stats_before = dict.fromkeys(STATS, 0)  # of env batches closed earlier
 
-    def connect(self, policy: Any) -> None:
+    def connect(self, policy: Any, rank: int = 0) -> None:
         self.policy = policy
 
     def sync(self, version: int) -> None:
@@ -134,7 +135,7 @@ class HFEngine:
 
     def rollout(self, tasks: list[Task], groups: list[int], sampling: Sampling,
                 progress: Callable[[int], None] | None = None) -> tuple[list[Episode], RolloutStats]:
-        from cope.generation import CachedSamplingActor  # torch-side; the engine module itself stays light
+        from cope.rollout.hf_actor import CachedSamplingActor  # torch-side; the engine module itself stays light
 
         if self.policy is None:
             raise RuntimeError("HFEngine.connect(policy) must be called before rollout")

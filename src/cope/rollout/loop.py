@@ -1,7 +1,7 @@
 """Lock-step batched rollouts over many envs, token-in/token-out.
 
 All live episodes advance together: one batched call of the actor samples the next action of every
-episode (:class:`cope.generation.CachedSamplingActor`: a KV cache kept across turns, left padding of
+episode (:class:`cope.rollout.hf_actor.CachedSamplingActor`: a KV cache kept across turns, left padding of
 the new tokens, temperature/top-p, a per-action token cap, stop at the end-of-turn id), then each env
 steps on the decoded action text. The sampled ids go into the
 transcript verbatim; env text is tokenized on its own (special-token strings inside it are split,
@@ -26,8 +26,7 @@ from typing import Callable, Protocol
 
 from cope.chat import ChatFormat
 from cope.envs.base import Env, Task
-from cope.envs.runtime.batch import InProcessEnvs
-from cope.envs.runtime.pool import EnvWorkerPool
+from cope.envs.runtime.batch import EnvBatch, InProcessEnvs
 from cope.episode import EndReason, Episode, Role, Step
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 def run_episodes(
-    envs: "list[Env] | InProcessEnvs | EnvWorkerPool",
+    envs: list[Env] | EnvBatch,
     tasks: list[Task],
     groups: list[int],
     actor: Actor,
@@ -100,7 +99,7 @@ def run_episodes(
     prompt (None: the env's own rules and action format).
     """
     assert len(tasks) == len(groups)
-    batch = envs if hasattr(envs, "submit") else InProcessEnvs(envs=list(envs))  # too few instances: ValueError
+    batch = envs if isinstance(envs, EnvBatch) else InProcessEnvs(envs=list(envs))  # too few instances: ValueError
     if hasattr(actor, "reset"):
         actor.reset()
     actors = [actor] + [actor.fork() for _ in range(chunks - 1)]

@@ -13,9 +13,9 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from cope.checkpoint_io import LAST, check_checkpoint_file, check_free_space
-from cope.config_check import check_config
-from cope.preemption import SigtermGuard
+from cope.run.checkpoint_io import LAST, check_checkpoint_file, check_free_space
+from cope.run.config_check import check_config
+from cope.run.preemption import SigtermGuard
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     logger = instantiate_plain(cfg.logger) if cfg.get("logger") else False
     trainer = instantiate_plain(cfg.trainer, callbacks=callbacks, logger=logger)
     policy = instantiate_plain(cfg.model)(env_factory=env_factory)
-    datamodule.connect(policy)
+    datamodule.connect(policy, rank=trainer.global_rank)
     module = instantiate_plain(cfg.module, _partial_=True)(policy=policy, objectives=objectives)  # no config conversion of objects
     if trainer.is_global_zero:
         check_free_space(output_dir, policy)

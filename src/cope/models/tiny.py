@@ -10,12 +10,12 @@ LLM that can. The tiny path therefore gets a warm start, by default one that use
    only: the walk knows nothing about the goal). ``warm_start_policy="expert"`` clones *noisy
    goal-directed walks* instead: the env's ``expert_action()`` with probability
    ``warm_start_expert_prob``, else a random admissible action, a stand-in for a pretrained/SFT'd
-   model that is goal-directed but imperfect (:mod:`cope.warm_start`; the tokenizer's walks stay random).
+   model that is goal-directed but imperfect (:mod:`cope.models.warm_start`; the tokenizer's walks stay random).
    Transcripts come from the same rollout engine as training (token-in/token-out).
 
 The result is saved with ``save_pretrained`` to a cache folder keyed by a hash of everything that
 went into it, so it is built once; the policy is then loaded through the same
-:func:`cope.policy.load_pretrained` path as a real model (LoRA, 4-bit and all).
+:func:`cope.models.policy.load_pretrained` path as a real model (LoRA, 4-bit and all).
 """
 from __future__ import annotations
 
@@ -31,19 +31,12 @@ from typing import Any, Callable
 
 import torch
 
-from cope.batch import collate
-from cope.build_cache import build_once
 from cope.chat import CHATML_TEMPLATE, ChatFormat
 from cope.envs.base import Env, Task
-from cope.policy import Policy, load_pretrained
-from cope.warm_start import (  # noqa: F401 - RandomWalkActor, NoisyExpertActor: re-exported
-    NoisyExpertActor,
-    RandomWalkActor,
-    _random_walks,
-    _walked_tasks,
-    _WithExamples,
-    check_warm_start,
-)
+from cope.models.build_cache import build_once
+from cope.models.policy import Policy, load_pretrained
+from cope.models.warm_start import WithExamples, check_warm_start, random_walks, walked_tasks
+from cope.train.batch import collate
 
 log = logging.getLogger(__name__)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -62,12 +55,12 @@ def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    env = _WithExamples(env_factory())
+    env = WithExamples(env_factory())
     rng = random.Random(seed)
     texts = [env.instructions] + ["system\n", "user\n", "assistant\n"] * 200
     seen: list[str] = []
     for _ in range(episodes):
-        r = env.reset(Task(env.name, "train", rng.randrange(_walked_tasks(env, num_tasks))))
+        r = env.reset(Task(env.name, "train", rng.randrange(walked_tasks(env, num_tasks))))
         texts.append(r.observation)
         for _k in range(env.max_steps):
             if not r.admissible_actions:
@@ -137,15 +130,15 @@ def build_tiny_base(
     opt = torch.optim.AdamW(model.parameters(), lr=warm_start_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / warm_start_steps))
     t0, pool = time.perf_counter(), []
-    walkers = [_WithExamples(env_factory())]
+    walkers = [WithExamples(env_factory())]
     walks = min(warm_start_walks, getattr(walkers[0].env, "max_instances", None) or warm_start_walks)
-    walkers += [_WithExamples(env_factory()) for _ in range(walks - 1)]
+    walkers += [WithExamples(env_factory()) for _ in range(walks - 1)]
     model.train()
     for step in range(warm_start_steps):
         for attempt in range(3):
             if pool:
                 break
-            pool = _random_walks(walkers, tokenizer, chat, seed + step + 7919 * attempt, max_context, max_action_tokens,
+            pool = random_walks(walkers, tokenizer, chat, seed + step + 7919 * attempt, max_context, max_action_tokens,
                                  warm_start_tasks, warm_start_policy, warm_start_expert_prob)
         if not pool:
             raise RuntimeError("the tiny model's warm start got no episode from the env (every random walk aborted); "
@@ -165,7 +158,7 @@ def build_tiny_base(
             log.info("warm start %d/%d: action nll %.3f (%.0fs)", step + 1, warm_start_steps, loss.item(), time.perf_counter() - t0)
     for w in walkers:
         w.close()
-    model.save_pretrained(out_dir)  # a temporary folder of cope.build_cache, renamed into the cache when complete
+    model.save_pretrained(out_dir)  # a temporary folder of cope.models.build_cache, renamed into the cache when complete
     tokenizer.save_pretrained(out_dir)
 
 

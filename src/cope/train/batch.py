@@ -1,47 +1,70 @@
-"""Episodes -> padded training tensors (a "RolloutBatch", a plain dict of tensors).
-
-Keys (N sequences, T tokens; right padded):
-
-    input_ids      (N, T) long   exact transcript ids; pad id past the end
-    attention_mask (N, T) long   1 on real tokens (a transform may replace it by a 4D additive
-                                 float mask (N, 1, T, T); then position_ids must be honoured)
-    attn_context_end, attn_segment_start (N, T) long   optional segment attention (CoPE's packed
-                                 forecasts): query i attends keys j < context_end[i] and
-                                 segment_start[i] <= j <= i (see segment_attention)
-    position_ids   (N, T) long
-    roles          (N, T) long   cope.episode.Role values, PAD=-1
-    step_ids       (N, T) long   index of the step a token belongs to, -1 for the first prompt/pad
-    action_mask    (N, T) bool   policy-gradient targets: ACTION tokens of non-aborted episodes
-    advantages     (N, T) float  per-token advantage (episode advantage on action tokens, 0 elsewhere)
-    rewards        (N,)   float;  success (N,) bool;  group (N,) long;  aborted (N,) bool
-    step_valid     (N, S) bool   validity of each step (False past the episode's last step)
-    num_steps      (N,)   long
-    episode_index  (N,)   long   index into the epoch's episode list (for transforms)
-    aux_row        (N,)   bool   rows that are not episode transcripts (all False here; a collate
-                                 transform that appends rows, e.g. CoPE's plain forecast layout,
-                                 sets them True): transcript-level objectives (ECHO, EMPG) skip them
-
-Filled later by the module's scoring pass, before any update (same shapes as input_ids):
-    old_logprobs, old_entropy, and ref_logprobs when a KL term is on.
+"""Episodes -> padded training tensors: the batch contract (:class:`RolloutBatch`) and :func:`collate`.
 
 Log-prob convention: position t holds log p(input_ids[t] | input_ids[:t]); position 0 holds 0.
 """
 from __future__ import annotations
+
+from typing import TypedDict
 
 import torch
 
 from cope.episode import Episode, Role
 
 
-def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = None) -> dict[str, torch.Tensor]:
+class RolloutBatch(TypedDict, total=False):
+    """One minibatch of N sequences, T tokens, right padded (a dict at run time: transforms add keys).
+
+    Made by :func:`collate`:
+        input_ids (N, T) long: the exact transcript ids; pad id past the end.
+        attention_mask (N, T) long: 1 on real tokens. A transform may replace it by a 4D additive float
+            mask (N, 1, T, T); then ``position_ids`` must be honoured.
+        position_ids (N, T) long.
+        roles (N, T) long: :class:`cope.episode.Role` values, PAD = -1.
+        step_ids (N, T) long: the step a token belongs to, -1 for the first prompt and padding.
+        action_mask (N, T) bool: policy-gradient targets, the ACTION tokens of non-aborted episodes.
+        advantages (N, T) float: the episode's advantage on its action tokens, 0 elsewhere.
+        aborted (N,) bool: the episode was aborted (env error); ECHO leaves such rows out.
+        episode_index (N,) long: index into the epoch's episode list (-1: a row a transform appended).
+        aux_row (N,) bool: rows that are not episode transcripts (all False here; CoPE's plain forecast
+            layout appends such rows): transcript-level objectives (ECHO, EMPG) skip them.
+
+    Added by CoPE's forecast targets (:mod:`cope.algos.cope.targets`): ``forecast_mask``,
+    ``forecast_chunk``, ``forecast_actions``, and for the packed layout the segment attention
+    ``attn_context_end`` / ``attn_segment_start`` (N, T) long (query i attends keys j < context_end[i]
+    and segment_start[i] <= j <= i; see :func:`segment_attention`).
+
+    Filled by the module's scoring pass before any update (same shape as ``input_ids``):
+    ``old_logprobs``, ``old_entropy``, and ``ref_logprobs`` when a KL term is on. EMPG's scored
+    transform then rewrites ``advantages`` in place.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    roles: torch.Tensor
+    step_ids: torch.Tensor
+    action_mask: torch.Tensor
+    advantages: torch.Tensor
+    aborted: torch.Tensor
+    episode_index: torch.Tensor
+    aux_row: torch.Tensor
+    forecast_mask: torch.Tensor
+    forecast_chunk: torch.Tensor
+    forecast_actions: torch.Tensor
+    attn_context_end: torch.Tensor
+    attn_segment_start: torch.Tensor
+    old_logprobs: torch.Tensor
+    old_entropy: torch.Tensor
+    ref_logprobs: torch.Tensor
+
+
+def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = None) -> RolloutBatch:
     n = len(episodes)
     T = max(len(e.tokens) for e in episodes)
-    S = max(1, max(e.num_steps for e in episodes))
     input_ids = torch.full((n, T), pad_id, dtype=torch.long)
     attention = torch.zeros((n, T), dtype=torch.long)
     roles = torch.full((n, T), int(Role.PAD), dtype=torch.long)
     step_ids = torch.full((n, T), -1, dtype=torch.long)
-    step_valid = torch.zeros((n, S), dtype=torch.bool)
     advantages = torch.zeros((n, T))
     for i, e in enumerate(episodes):
         L = len(e.tokens)
@@ -49,14 +72,12 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
         attention[i, :L] = 1
         roles[i, :L] = torch.tensor(e.roles, dtype=torch.long)
         step_ids[i, :L] = torch.tensor(e.step_of_token(), dtype=torch.long)
-        for j, s in enumerate(e.steps):
-            step_valid[i, j] = s.valid
         advantages[i, :L] = e.advantage
     aborted = torch.tensor([e.aborted for e in episodes], dtype=torch.bool)
     action_mask = (roles == int(Role.ACTION)) & ~aborted[:, None]
     advantages = advantages * action_mask
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return {
+    return RolloutBatch(**{
         "input_ids": input_ids,
         "attention_mask": attention,
         "position_ids": position_ids,
@@ -64,18 +85,13 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
         "step_ids": step_ids,
         "action_mask": action_mask,
         "advantages": advantages,
-        "rewards": torch.tensor([e.reward for e in episodes], dtype=torch.float),
-        "success": torch.tensor([e.success for e in episodes], dtype=torch.bool),
-        "group": torch.tensor([e.group for e in episodes], dtype=torch.long),
         "aborted": aborted,
-        "step_valid": step_valid,
-        "num_steps": torch.tensor([e.num_steps for e in episodes], dtype=torch.long),
         "episode_index": torch.tensor(indices if indices is not None else list(range(n)), dtype=torch.long),
         "aux_row": torch.zeros(n, dtype=torch.bool),
-    }
+    })
 
 
-def row_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def row_lengths(batch: RolloutBatch) -> torch.Tensor:
     """(N,) real length of each row: one past its last attended token (2D ``attention_mask``, right
     padded, segments of segment attention included); the full width T when a transform replaced the
     mask by a 4D one."""

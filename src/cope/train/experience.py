@@ -1,0 +1,57 @@
+"""One epoch's episodes -> training experience: advantages, minibatches, collate transforms.
+
+Plain functions the DataModule calls after its rollouts (it owns the task stream and the RNG; these
+own nothing). The order is fixed and part of what makes a run reproducible:
+
+1. :func:`assign_advantages`: group-relative advantages from the episodes' rewards
+   (:func:`cope.train.advantages.group_advantages`; aborted episodes get 0 and leave their group's
+   statistics), written to ``Episode.advantage``;
+2. :func:`cut_minibatches`: the episodes shuffled with the caller's RNG, cut into minibatches of
+   ``minibatch_size``, each collated (:func:`cope.train.batch.collate`) and passed through the collate
+   transforms in registration order (CoPE's forecast targets; a transform may widen or extend a batch).
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+
+from cope.episode import Episode
+from cope.train.advantages import Metrics, group_advantages
+from cope.train.batch import RolloutBatch, collate
+
+CollateTransform = Callable[[RolloutBatch, list[Episode]], RolloutBatch]
+
+
+def assign_advantages(episodes: list[Episode], groups: Sequence[int], mode: str) -> Metrics:
+    """Sets ``Episode.advantage`` of every episode from its group's rewards; returns the ``adv/*`` and
+    ``rollout/zero_signal_groups`` metrics."""
+    adv, metrics = group_advantages(
+        torch.tensor([e.reward for e in episodes]), torch.tensor(list(groups)), mode=mode,
+        valid=torch.tensor([not e.aborted for e in episodes]),
+    )
+    for e, a in zip(episodes, adv.tolist()):
+        e.advantage = a
+    return metrics
+
+
+def cut_minibatches(episodes: list[Episode], minibatch_size: int, pad_id: int, rng: random.Random,
+                    transforms: Sequence[CollateTransform] = ()) -> list[RolloutBatch]:
+    """The episodes in an order drawn from ``rng`` (one shuffle), cut into collated minibatches of at most
+    ``minibatch_size`` episodes; every minibatch passes through ``transforms`` in order."""
+    order = list(range(len(episodes)))
+    rng.shuffle(order)
+    minibatches = []
+    for s in range(0, len(order), minibatch_size):
+        idx = order[s: s + minibatch_size]
+        mb = collate([episodes[i] for i in idx], pad_id, indices=idx)
+        for fn in transforms:
+            mb = fn(mb, episodes)
+        minibatches.append(mb)
+    return minibatches
+
+
+def train_tokens(minibatches: Sequence[RolloutBatch], pad_id: int, passes: int = 1) -> int:
+    """Tokens the epoch trains on: every non-pad token of every minibatch, times the passes over them."""
+    return sum(int(mb["input_ids"].ne(pad_id).sum()) for mb in minibatches) * passes
