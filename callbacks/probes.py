@@ -4,12 +4,25 @@
   forecasting the next K actions (CoPE's chunks, plain layout) on the *successful* held-out
   episodes of the validation run: token-level argmax accuracy, and the share of chunk actions whose
   every token is predicted exactly. ``probe/forecast_chunks`` says how many chunks were probed
-  (0 early on: the probe needs held-out successes).
+  (0 early on: the probe needs held-out successes); ``probe/forecast_tokens`` and
+  ``probe/forecast_actions`` are the two accuracies' denominators.
 * ``probe/obs_nll``: mean per-token negative log-likelihood of env-output tokens (role OBSERVATION)
-  on the held-out transcripts (ECHO's "does the policy compress the environment" probe).
+  on the held-out transcripts (ECHO's "does the policy compress the environment" probe), over
+  ``probe/obs_tokens`` tokens.
 
 The probes read the greedy validation episodes (``datamodule.val_record``), so they add no
 env steps; they cost one no-grad forward per probed sequence and never touch training.
+
+Memory: sequences are scored in the module's micro-batches (``module.max_tokens_per_microbatch``) by
+:func:`cope.train.logprobs.causal_lm_predictions` (output head in vocabulary-sized chunks of positions,
+untempered): no (N, T, V) logits, whatever the vocabulary.
+
+DDP: each rank probes its own share of the panel, so a rank may have no successful episode (no
+chunk) or no episode at all. Every rank still logs the same keys: the per-rank sums and counts are
+summed over ranks (``trainer.strategy.reduce``, one collective) and each mean is the pooled
+sum / count (0 when the pooled count is 0; the count says so). The pooled values are equal on every
+rank, so they are logged without ``sync_dist`` (a mean of per-rank means would weigh a rank with
+one episode like a rank with thirty).
 """
 from __future__ import annotations
 
@@ -20,14 +33,42 @@ from cope.algos.cope.targets import build_chunks, plain_forecasts
 from cope.episode import Role
 from cope.records import val_record
 from cope.train.batch import collate
-from cope.train.logprobs import token_logprobs
+from cope.train.logprobs import causal_lm_predictions
+
+# What a rank contributes; every logged value is one of these or a quotient of two of them.
+TALLY = ("obs_nll_sum", "obs_tokens", "token_hits", "forecast_tokens", "action_hits", "forecast_actions", "forecast_chunks")
+
+
+def probe_metrics(tally: dict[str, float]) -> dict[str, float]:
+    """The logged ``probe/*`` values of a tally (one rank's, or the sum over ranks): always the same keys."""
+    def mean(num: str, den: str) -> float:
+        return tally[num] / tally[den] if tally[den] else 0.0
+
+    return {
+        "probe/forecast_chunks": float(tally["forecast_chunks"]),
+        "probe/forecast_tokens": float(tally["forecast_tokens"]),
+        "probe/forecast_actions": float(tally["forecast_actions"]),
+        "probe/obs_tokens": float(tally["obs_tokens"]),
+        "probe/obs_nll": mean("obs_nll_sum", "obs_tokens"),
+        "probe/forecast_token_acc": mean("token_hits", "forecast_tokens"),
+        "probe/forecast_action_acc": mean("action_hits", "forecast_actions"),
+    }
+
+
+def pool(tally: dict[str, float], strategy, device: torch.device | str = "cpu") -> dict[str, float]:
+    """``tally`` summed over the ranks of ``strategy`` (a Lightning strategy; one all-reduce, in float64
+    so token counts and NLL sums stay exact). Every rank must call it, also with nothing probed."""
+    local = torch.tensor([float(tally[k]) for k in TALLY], dtype=torch.float64, device=device)  # (len(TALLY),)
+    total = strategy.reduce(local, reduce_op="sum")
+    return dict(zip(TALLY, total.tolist()))
 
 
 class HeldOutProbes(Callback):
     """Args:
         K: forecast chunk length probed.
         max_episodes: cap on held-out episodes used per probe (bounds the cost).
-        batch_size: sequences per forward.
+        batch_size: episodes collated together (their forecast chunks become extra rows); each batch is
+            scored in the module's micro-batches.
     """
 
     def __init__(self, K: int = 3, max_episodes: int = 32, batch_size: int = 16):
@@ -35,61 +76,69 @@ class HeldOutProbes(Callback):
             raise ValueError("HeldOutProbes: K, max_episodes and batch_size must be >= 1")
         self.K, self.max_episodes, self.batch_size = K, max_episodes, batch_size
 
+    @staticmethod
+    def _score(pl_module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, argmax predictions), both (N, T), of ``batch`` under ``pl_module.micro_batches``."""
+        N, T = batch["input_ids"].shape
+        lp = torch.zeros(N, T, device=batch["input_ids"].device)  # (N, T)
+        pred = torch.full((N, T), -1, dtype=torch.long, device=batch["input_ids"].device)  # (N, T)
+        for rows, n in pl_module.micro_batches(batch):
+            r = slice(None) if rows is None else rows
+            c = slice(None) if n is None else slice(0, n)  # right padding past the rows' longest is cut
+            part = [batch[k][r, c] for k in ("input_ids", "attention_mask", "position_ids")]
+            lp[r, c], pred[r, c] = causal_lm_predictions(pl_module.model, *part)
+        return lp, pred
+
     @torch.no_grad()
-    def probe(self, pl_module, episodes, chat, pad_id: int) -> dict[str, float]:
+    def tally(self, pl_module, episodes, chat, pad_id: int) -> dict[str, float]:
+        """This process's sums and counts (see ``TALLY``) over its held-out ``episodes``."""
+        out = dict.fromkeys(TALLY, 0.0)
         eps = [e for e in episodes if not e.aborted][: self.max_episodes]
         if not eps:
-            return {}
+            return out
         model = pl_module.model
         was = model.training
         model.eval()
-        correct = total = act_ok = act_n = 0
-        nll_sum, nll_n, n_chunks = 0.0, 0, 0
         try:
             for s in range(0, len(eps), self.batch_size):
                 part = eps[s: s + self.batch_size]
                 batch = collate(part, pad_id)
                 chunks, _ = build_chunks(part, chat, K=self.K, mask_invalid=True)
-                n_chunks += len(chunks)
+                out["forecast_chunks"] += len(chunks)
                 if chunks:
                     batch = plain_forecasts(batch, part, chunks, pad_id)
                 dev = {k: v.to(pl_module.device) for k, v in batch.items()}
-                logits = model(input_ids=dev["input_ids"], attention_mask=dev["attention_mask"],
-                               position_ids=dev["position_ids"], use_cache=False).logits  # (N, T, V)
-                lp, _ = token_logprobs(logits, dev["input_ids"], with_entropy=False)  # (N, T)
+                lp, pred = self._score(pl_module, dev)  # (N, T) each: token t's log-prob and argmax prediction
                 obs = dev["roles"] == int(Role.OBSERVATION)  # (N, T)
-                nll_sum += float(-(lp * obs).sum())
-                nll_n += int(obs.sum())
-                if chunks:
-                    pred = torch.zeros_like(dev["input_ids"])  # (N, T): argmax prediction of token t
-                    pred[:, 1:] = logits[:, :-1].argmax(-1)
-                    hit = (pred == dev["input_ids"]) & dev["forecast_mask"]  # (N, T)
-                    correct += int(hit.sum())
-                    total += int(dev["forecast_mask"].sum())
-                    for cid, ch in enumerate(chunks):  # exact match per forecast action
-                        sel = dev["forecast_chunk"] == cid  # (N, T)
-                        row = int(sel.any(-1).nonzero()[0])
-                        cols = sel[row].nonzero().flatten()
-                        for j in sorted({a for a, t in zip(ch.action_index, ch.target) if a >= 0 and t}):
-                            toks = cols[torch.tensor([a == j for a in ch.action_index], device=cols.device)]
-                            act_n += 1
-                            act_ok += int(bool((pred[row, toks] == dev["input_ids"][row, toks]).all()))
+                out["obs_nll_sum"] += float(-(lp * obs).sum())
+                out["obs_tokens"] += int(obs.sum())
+                if not chunks:
+                    continue
+                hit = pred == dev["input_ids"]  # (N, T)
+                out["token_hits"] += int((hit & dev["forecast_mask"]).sum())
+                out["forecast_tokens"] += int(dev["forecast_mask"].sum())
+                for cid, ch in enumerate(chunks):  # exact match per forecast action
+                    sel = dev["forecast_chunk"] == cid  # (N, T)
+                    row = int(sel.any(-1).nonzero()[0])
+                    cols = sel[row].nonzero().flatten()
+                    for j in sorted({a for a, t in zip(ch.action_index, ch.target) if a >= 0 and t}):
+                        toks = cols[torch.tensor([a == j for a in ch.action_index], device=cols.device)]
+                        out["forecast_actions"] += 1
+                        out["action_hits"] += int(bool(hit[row, toks].all()))
         finally:
             model.train(was)
-        out = {"probe/forecast_chunks": float(n_chunks)}
-        if nll_n:
-            out["probe/obs_nll"] = nll_sum / nll_n
-        if total:
-            out["probe/forecast_token_acc"] = correct / total
-            out["probe/forecast_action_acc"] = act_ok / max(act_n, 1)
         return out
+
+    def probe(self, pl_module, episodes, chat, pad_id: int) -> dict[str, float]:
+        """The ``probe/*`` metrics of ``episodes`` in this process alone (no reduction over ranks)."""
+        return probe_metrics(self.tally(pl_module, episodes, chat, pad_id))
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking:
             return
         record = val_record(trainer)
-        if record is None:
-            return
-        m = self.probe(pl_module, record.episodes, pl_module.policy.chat, pl_module.policy.pad_id)
-        if m:
-            pl_module.log_dict(m, on_step=False, on_epoch=True, sync_dist=True)
+        episodes = record.episodes if record is not None else []  # every rank joins the reduction
+        local = self.tally(pl_module, episodes, pl_module.policy.chat, pl_module.policy.pad_id)
+        pooled = pool(local, trainer.strategy, pl_module.device)
+        # equal on every rank already: sync_dist would average means instead of pooling the rows
+        pl_module.log_dict(probe_metrics(pooled), on_step=False, on_epoch=True, sync_dist=False)

@@ -17,6 +17,7 @@ import re
 _QUOTES = "\"'`"
 _LABEL = re.compile(r"^(?:action|command|act)\s*:\s*", re.IGNORECASE)
 _SPACES = re.compile(r"[ \t]+")
+HARNESS_UNENCODABLE = "Invalid action: it is not encodable text ({}); nothing was done."
 
 
 def clean_action(text: str, *, lower: bool = False, keep_period: bool = False) -> str:
@@ -49,6 +50,28 @@ def clean_action(text: str, *, lower: bool = False, keep_period: bool = False) -
     else:
         s = _SPACES.sub(" ", s)
     return s.lower() if lower else s
+
+
+def unencodable(text: str) -> str | None:
+    """The harness notice for an action that is not encodable text, else None.
+
+    A byte-level tokenizer can decode sampled ids to an unpaired surrogate (U+D800-U+DFFF), which has no
+    UTF-8 bytes: whatever carries the action to an engine (py4j, a subprocess argument, a C string, a
+    JSON request) then raises, and the episode would abort on the model's typo. Every env asks this
+    first in ``step`` and refuses such an action as invalid (``valid=False``, this notice as *harness*),
+    before parsing it and without touching its engine. Strict UTF-8, not ``os.fsencode``: that one
+    passes U+DC80-U+DCFF as raw bytes (``north\\udcff`` would run as ``north\\xff``).
+
+    >>> unencodable("go north") is None
+    True
+    >>> unencodable("north\\udcff")
+    'Invalid action: it is not encodable text (an unpaired surrogate, U+DCFF, at character 5); nothing was done.'
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return HARNESS_UNENCODABLE.format(f"an unpaired surrogate, U+{ord(text[e.start]):04X}, at character {e.start}")
+    return None
 
 
 def single_line(text: str, **kw) -> str | None:

@@ -19,8 +19,9 @@ Tasks: the dataset files of the data folder (``data/datasets/<name>.txt``: ``tra
 
 Actions: Python code, run by ``world.execute`` in the task's persistent IPython shell (a code fence
 around it is dropped; indentation is kept). Observation: AppWorld's output (what the code printed,
-``Execution successful.``, or ``Execution failed. Traceback: ...``). Invalid: an empty action (not
-run; harness notice) and code whose execution failed (AppWorld's traceback is the observation).
+``Execution successful.``, or ``Execution failed. Traceback: ...``). Invalid: an action that is not
+encodable text (not run; `cope.envs.actions.unencodable`'s notice), an empty action (not run; harness
+notice) and code whose execution failed (AppWorld's traceback is the observation).
 The episode ends when the supervisor's task is marked complete (``apis.supervisor.complete_task``)
 or after ``max_steps`` actions (``info["timeout"]``); then AppWorld's hidden tests run (``world.evaluate()``).
 ``success`` = all tests pass; ``score`` = fraction of tests passed. Reward at the end only:
@@ -40,6 +41,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
+from cope.envs.actions import unencodable
 from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.runtime.remote import RemoteEnv
 
@@ -171,13 +173,14 @@ class AppWorldEnv(TaskEnv):
 
     def step(self, action: str) -> EnvStep:
         self._step_started()
-        code = strip_code(action)
+        refused = unencodable(action)
+        code = "" if refused else strip_code(action)
         harness, valid = "", bool(code)
         if code:
             output = self._world.execute(code)
             valid = not output.startswith("Execution failed")
         else:
-            output, harness = "", "Invalid action: empty. Answer with Python code to run."
+            output, harness = "", refused or "Invalid action: empty. Answer with Python code to run."
         if len(output) > self.max_observation_chars:
             harness = f"[observation truncated: first {self.max_observation_chars} of {len(output)} characters shown]"
             output = output[: self.max_observation_chars]

@@ -83,7 +83,9 @@ class Env(Protocol):
     * ``reset(task) -> EnvReset``: starts an episode. A reset that raises leaves no episode to step.
     * ``step(action) -> EnvStep``: one action (the decoded text the policy sampled). ``step`` before any
       successful ``reset``, or after a step that returned ``done=True``, is a RuntimeError (``"... called
-      before reset"`` / ``"... called after the episode ended; call reset first"``).
+      before reset"`` / ``"... called after the episode ended; call reset first"``). An action that is not
+      encodable text (an unpaired surrogate: :func:`cope.envs.actions.unencodable`) is an invalid action
+      with that function's notice as ``harness``, refused before it reaches the engine, never an exception.
     * ``close()``: frees what the instance holds (processes, files); safe to call twice and before reset.
 
     Every ``EnvStep.info`` has ``"timeout"`` (bool): True only on the step that ends the episode

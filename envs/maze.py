@@ -29,7 +29,9 @@ Validity rules: the parser accepts exactly ``north``, ``south``, ``east``, ``wes
 surrounding whitespace, surrounding quotes or backticks, a trailing period, letter case and a leading
 ``go ``. A parsable move into a wall or off the grid is invalid; the agent stays and the world answers
 (``Wall. ...``). Anything else is malformed: invalid, empty observation, and a harness warning (adapter
-text, never an ECHO target). Every action counts towards ``max_steps``; reaching the goal pays 1.0.
+text, never an ECHO target); text that is not encodable (`cope.envs.actions.unencodable`) gets that
+function's notice instead and is never projected. Every action counts towards ``max_steps``; reaching
+the goal pays 1.0.
 
 ``action_parsing="project"`` (off by default; for real instruct models that answer in prose at first,
 see docs/models.md): an action that strict parsing refuses is read as the first direction word in it
@@ -46,7 +48,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cope.envs.actions import check_action_parsing, first_word
+from cope.envs.actions import check_action_parsing, first_word, unencodable
 from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 
 DIRECTIONS: dict[str, tuple[int, int]] = {"north": (-1, 0), "south": (1, 0), "east": (0, 1), "west": (0, -1)}
@@ -200,14 +202,15 @@ class MazeEnv(TaskEnv):
 
     def step(self, action: str) -> EnvStep:
         self._step_started()
-        move = parse_action(action)
+        refused = unencodable(action)
+        move = None if refused else parse_action(action)
         harness, projected = "", False
-        if move is None and self.action_parsing == "project":
+        if move is None and not refused and self.action_parsing == "project":
             move = project_action(action)
             projected = move is not None
             harness = HARNESS_PROJECTED.format(move=move) if projected else ""
         if move is None:
-            valid, observation, harness = False, "", HARNESS_INVALID
+            valid, observation, harness = False, "", refused or HARNESS_INVALID
         else:
             dr, dc = DIRECTIONS[move]
             target = (self._pos[0] + dr, self._pos[1] + dc)

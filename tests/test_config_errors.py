@@ -135,6 +135,12 @@ def test_wrong_type_names_key(run_train, tmp_path, monkeypatch, overrides, key, 
     ("data.max_context=100000", "data.max_context", "100000", "exceeds the model's 2048 positions (model.max_context)"),
     # without a reload every epoch the module would train on the first epoch's (already scored) rollouts again
     ("trainer.reload_dataloaders_every_n_epochs=0", "trainer.reload_dataloaders_every_n_epochs", "0", "fresh on-policy"),
+    # the optimizer and the adapter config are built after the model (configure_optimizers, get_peft_model): they
+    # once failed there, minutes in, without the key ("Invalid learning rate: -1", "`r` should be a positive integer")
+    ("module.optimizer.lr=-1", "module.optimizer.lr", "-1", "must be >= 0"),
+    ("module.optimizer.weight_decay=-0.1", "module.optimizer.weight_decay", "-0.1", "must be >= 0"),
+    ("model.lora.r=0", "model.lora.r", "0", "must be >= 1"),
+    ("model.lora.lora_dropout=1.0", "model.lora.lora_dropout", "1.0", "must be in [0, 1)"),
 ])
 def test_bad_range_names_key(run_train, tmp_path, monkeypatch, override, key, value, rule):
     msg = _fails_fast(lambda: run_train([override], tmp_path), tmp_path, monkeypatch)
@@ -195,6 +201,7 @@ def test_check_reports_every_problem_at_once(compose, tmp_path):
 @pytest.mark.parametrize("overrides, warning", [
     (["data.group_size=1"], "data.group_size=1: one episode per group, so every group-relative advantage is 0"),
     (["algo.objectives.pg.weight=0"], "every algo.objectives.*.weight is 0: training changes nothing"),
+    (["module.optimizer.lr=0"], "module.optimizer.lr=0: the adapter never changes"),
 ])
 def test_noop_settings_warn(compose, tmp_path, caplog, overrides, warning):
     from cope.run.config_check import check_config
@@ -240,3 +247,33 @@ def test_preset_on_tiny_model_is_refused(tmp_path, name):
 
     with pytest.raises(ConfigError, match=r"data.max_context = \d+: exceeds the model's 2048 positions"):
         check_config(_compose_plain([f"experiment={name}"], tmp_path))
+
+
+def test_context_too_small_for_an_action_names_the_sampling_key():
+    """The rollout's refusal names the key a user sets, ``data.sampling.max_action_tokens`` (it once said
+    ``data.max_action_tokens``, which does not exist: setting it is refused as "not in struct")."""
+    from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_chat, tiny_tokenizer
+
+    from cope.rollout.loop import run_episodes
+
+    with pytest.raises(ValueError) as err:
+        run_episodes([maze_factory()], maze_tasks(1), [0], Scripted({0: [[1]]}), tiny_tokenizer(), tiny_chat(),
+                     max_context=64, max_action_tokens=32)
+    msg = str(err.value)
+    assert "data.max_context=64" in msg and "data.sampling.max_action_tokens=32" in msg, msg
+
+
+@pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_3"])
+def test_flash_attention_refuses_the_packed_forecast_layout(compose, tmp_path, attn):
+    """CoPE's packed layout attends through a (N, 1, T, T) segment mask per forward; flash attention takes no 4D mask
+    (transformers drops or rejects it deep in the first forward, after rollouts). Refused at config time, with the fix."""
+    from cope.run.config_check import ConfigError, check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose(["algo=cope", f"model.attn_implementation={attn}"], tmp_path))
+    msg = str(err.value)
+    assert len(err.value.problems) == 1, msg
+    assert f"model.attn_implementation = '{attn}'" in msg and "algo.callbacks.forecast_targets.layout=packed" in msg, msg
+    assert "cope.layout=plain" in msg and "model.attn_implementation=sdpa" in msg, msg
+    check_config(compose(["algo=cope", f"model.attn_implementation={attn}", "cope.layout=plain"], tmp_path))  # 2D masks only
+    check_config(compose([f"model.attn_implementation={attn}"], tmp_path))  # GRPO: no forecast segments

@@ -53,7 +53,7 @@ def _policy() -> Policy:
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
                                  unk_token="[UNK]", chat_template=CHATML_TEMPLATE)
     hf.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "\n"]})
-    torch.manual_seed(0)
+    torch.manual_seed(5)  # an initialization that says 'north' about 1 time in 4 (seeds 0-4: 0-5%, so no signal for epochs)
     base = Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                         num_key_value_heads=1, vocab_size=len(WORDS), tie_word_embeddings=True,
                                         initializer_range=0.5))  # logits sensitive to the hidden state, like a trained model
@@ -81,5 +81,5 @@ def test_grpo_raises_success_on_toy_env(tmp_path):
                          limit_val_batches=0, callbacks=[Record()], default_root_dir=tmp_path, enable_model_summary=False)
     trainer.fit(module, datamodule=dm)
     first, last = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
-    assert len(curve) == 25
+    assert len(curve) == 25 and curve[0] > 0, f"no success in the first epoch, no signal to learn from: {curve}"
     assert last > first + 0.3, f"success did not rise: {curve}"

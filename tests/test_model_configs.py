@@ -68,3 +68,40 @@ def test_debug_fast_composes_with_every_model(compose, tmp_path, model):
     assert ("hidden_size" in cfg.model) == (model == "tiny")  # the micro-model keys only where the model takes them
     if model == "tiny":
         assert cfg.model.hidden_size == 32
+
+
+# -- the micro-batch token budget of the real-model runs (issue: a 16-episode minibatch of 8k-token episodes was
+# one forward, 131k tokens of activations) -------------------------------------------------------------------------
+CONF = Path(__file__).resolve().parents[1] / "conf"
+# the presets for the Qwen2.5 models: they include the shared real-model data settings (8k contexts, conf/data/real.yaml)
+REAL_EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml") if "- /data/real" in p.read_text())
+
+
+def _compose_plain(overrides: list[str], tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="test"):
+        return compose(config_name="config", overrides=[f"paths.output_dir={tmp_path}", *overrides])
+
+
+def test_real_experiments_are_found():
+    assert {"alfworld", "scienceworld", "tau2", "terminal", "textworld", "webshop"} == set(REAL_EXPERIMENTS)
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-7b", "qwen2.5-14b"])
+@pytest.mark.parametrize("experiment", REAL_EXPERIMENTS)
+def test_real_runs_have_a_microbatch_budget(tmp_path, experiment, model):
+    cfg = _compose_plain([f"experiment={experiment}", f"model={model}"], tmp_path)
+    budget, ctx, mb = cfg.module.max_tokens_per_microbatch, cfg.data.max_context, cfg.data.minibatch_size
+    assert isinstance(budget, int), f"experiment={experiment} model={model}: module.max_tokens_per_microbatch={budget}"
+    assert ctx <= budget < mb * ctx, (budget, ctx, mb)  # one full-length episode fits; a full minibatch is split
+    assert cfg.model.gradient_checkpointing and cfg.model.dtype == "bf16"  # what the budget's arithmetic assumes
+
+
+@pytest.mark.parametrize("model", ["qwen2.5-7b", "qwen2.5-14b"])
+def test_the_model_preset_alone_brings_its_budget(tmp_path, model):
+    """``model=qwen2.5-7b env=alfworld`` without an experiment: the budget comes with the model
+    (conf/module_for_model/<model>.yaml), and the command line still overrides it."""
+    assert _compose_plain([f"model={model}", "env=alfworld"], tmp_path).module.max_tokens_per_microbatch == 16384
+    assert _compose_plain([f"model={model}", "module.max_tokens_per_microbatch=4096"], tmp_path).module.max_tokens_per_microbatch == 4096
+    assert _compose_plain(["model=tiny"], tmp_path).module.max_tokens_per_microbatch is None  # tiny models: one forward

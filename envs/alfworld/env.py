@@ -30,9 +30,13 @@ Validity: the action is cleaned with :func:`cope.envs.actions.single_line` (lowe
 multi-line -> invalid, no engine turn, empty observation, harness notice. Otherwise it goes to the
 engine; it is valid iff it is one of the engine's admissible commands for the current state (the
 engine answers anything else with "Nothing happens.", which stays the observation: that is the
-world's text). ``admissible_actions`` are the engine's, minus ``hidden_commands`` (default: ``help``,
-whose output is a fixed manual; typing it still works and is valid); ``look``, ``inventory`` and
-``examine ...`` are kept.
+world's text). The engine has no interpreter of its own (TextWorld's z-machine games do:
+:mod:`cope.envs.textworld.env` refuses their backslash escapes): it looks the command up in its admissible
+list, so ``\\help``, ``#``, ``restart`` or ``save`` are commands it does not know, answered with "Nothing
+happens." and no change. An action that is not encodable text is refused before the engine
+(:func:`cope.envs.actions.unencodable`). ``admissible_actions`` are the engine's, minus ``hidden_commands``
+(default: ``help``, whose output is a fixed manual; typing it still works and is valid); ``look``,
+``inventory`` and ``examine ...`` are kept.
 
 Observation vs harness: the engine's text is the observation (cut at ``max_observation_chars``);
 our notices (malformed action, truncation, step limit) go to ``harness``.
@@ -45,7 +49,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from cope.envs.actions import single_line
+from cope.envs.actions import single_line, unencodable
 from cope.envs.alfworld.engine import engine_call, import_engine, park_engine, take_engine
 from cope.envs.alfworld.scenes import TASK_TYPES
 from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
@@ -226,11 +230,12 @@ class AlfWorldEnv(TaskEnv):
 
     def step(self, action: str) -> EnvStep:
         self._step_started()
-        command = single_line(action, lower=True)
+        refused = unencodable(action)
+        command = None if refused else single_line(action, lower=True)
         notes: list[str] = []
         if command is None:
             observation, valid, won = "", False, False
-            notes.append(HARNESS_MALFORMED)
+            notes.append(refused or HARNESS_MALFORMED)
         else:
             valid = command in self._state["admissible_commands"]
             with engine_call(memo=self.engine_memo):

@@ -4,15 +4,21 @@
 where ``items`` are ``(slot, argument)`` pairs and each result is an ``EnvReset``/``EnvStep`` or the
 exception that stands for it (the engine aborts that episode). :class:`InProcessEnvs` keeps the
 instances in this process and steps them one after another; :class:`cope.envs.runtime.pool.EnvWorkerPool` keeps
-them in worker processes. ``stats`` counts worker events (always 0 here; :data:`STATS` names them).
+them in worker processes. ``stats`` counts runtime events (:data:`STATS` names them; here only
+``output_capped``: what the envs printed while reset or stepped went over the cap of
+:mod:`cope.envs.runtime.output` and the rest was dropped; the worker events stay 0).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from cope.envs.base import Env, EnvReset, Task
+from cope.envs.runtime.output import MAX_OUTPUT_BYTES, OutputCap
 
-STATS = ("restarts", "timeouts", "crashes", "replays", "replay_failures", "close_failures")
+log = logging.getLogger(__name__)
+
+STATS = ("restarts", "timeouts", "crashes", "replays", "replay_failures", "close_failures", "output_capped")
 
 
 class Pending:
@@ -60,11 +66,16 @@ class EnvBatch(Protocol):
 
 
 class InProcessEnvs:
-    """Env instances in this process, stepped one after another (``data.env_runtime.workers=0``)."""
+    """Env instances in this process, stepped one after another (``data.env_runtime.workers=0``).
 
-    def __init__(self, env_factory: Callable[[], Env] | None = None, envs: list[Env] | None = None):
+    While they are made, reset or stepped, what they print goes through ``output`` (at most
+    ``max_output_bytes`` reach stderr, :meth:`cope.envs.runtime.output.OutputCap.redirect`)."""
+
+    def __init__(self, env_factory: Callable[[], Env] | None = None, envs: list[Env] | None = None,
+                 max_output_bytes: int = MAX_OUTPUT_BYTES):
         self.factory, self.envs = env_factory, list(envs or [])
         self.stats = dict.fromkeys(STATS, 0)
+        self.output = OutputCap(max_output_bytes, label="in-process envs")
         first = self.envs[0] if self.envs else None
         if first is None:
             first = env_factory()
@@ -78,13 +89,18 @@ class InProcessEnvs:
             self.envs.append(self.factory())
 
     def _each(self, method: str, items: list[tuple[int, Any]]) -> list[Any]:
-        self.ensure(max((s for s, _ in items), default=-1) + 1)
         out = []
-        for slot, arg in items:
-            try:
-                out.append(getattr(self.envs[slot], method)(arg))
-            except Exception as e:  # noqa: BLE001 - an env error aborts its episode, never the run
-                out.append(e)
+        with self.output.redirect():
+            self.ensure(max((s for s, _ in items), default=-1) + 1)
+            for slot, arg in items:
+                try:
+                    out.append(getattr(self.envs[slot], method)(arg))
+                except Exception as e:  # noqa: BLE001 - an env error aborts its episode, never the run
+                    out.append(e)
+        if self.output.capped and not self.stats["output_capped"]:
+            self.stats["output_capped"] = 1
+            log.warning("in-process envs printed more than %d bytes: the rest of their output is dropped "
+                        "(env/output_capped)", self.output.limit)
         return out
 
     def reset(self, items: list[tuple[int, Task]]) -> list[Any]:

@@ -10,6 +10,8 @@ is killed with its process group and restarted (``env/restarts``): the episode w
 serving is aborted (a ``make`` is served for the request it precedes), its other live episodes are
 replayed from reset on the new worker and kept only if the replay ends on the same observation
 (``env/replays``, ``env/replay_failures``); a worker that does not close cleanly is ``close_failures``.
+What a worker prints reaches the run's log only up to ``max_output_bytes`` (:mod:`cope.envs.runtime.output`);
+a worker that prints more is logged once and counted (``env/output_capped``), the rest of its output dropped.
 
 One path carries every request (``make``, ``describe``, ``reset``, ``step``, replays): queued per
 worker (``_todo``), sent by :meth:`_flush`, answered in order (``_sent``), read by :meth:`_pump`. Any
@@ -29,6 +31,7 @@ from typing import Any, Callable
 
 from cope.envs.base import Env, Task
 from cope.envs.runtime.batch import STATS, Pending
+from cope.envs.runtime.output import MAX_OUTPUT_BYTES
 from cope.envs.runtime.worker import WorkerFailure, WorkerProcess, WorkerTimeout
 
 log = logging.getLogger(__name__)
@@ -70,10 +73,11 @@ class EnvWorkerPool:
         step_timeout_s: deadline of one step (and of a worker's clean exit at :meth:`close`).
         reset_timeout_s: deadline of one reset (and of a worker's start plus an env's construction).
         python: interpreter of the workers (default: this one).
+        max_output_bytes: what one worker process may print into the run's log; the rest is counted.
     """
 
     def __init__(self, env_factory: Callable[[], Env], num_workers: int, step_timeout_s: float = 60.0,
-                 reset_timeout_s: float = 300.0, python: str | None = None):
+                 reset_timeout_s: float = 300.0, python: str | None = None, max_output_bytes: int = MAX_OUTPUT_BYTES):
         if num_workers < 1:
             raise ValueError(f"data.env_runtime.workers must be >= 1 for a worker pool, got {num_workers}")
         if step_timeout_s <= 0 or reset_timeout_s <= 0:
@@ -85,6 +89,7 @@ class EnvWorkerPool:
 
             env_factory = functools.partial(env_factory.func, *env_factory.args, **plain(env_factory.keywords))
         self.factory, self.num_workers, self.python = env_factory, num_workers, python
+        self.max_output_bytes = max_output_bytes
         self.step_timeout_s, self.reset_timeout_s = step_timeout_s, reset_timeout_s
         self.stats = dict.fromkeys(STATS, 0)
         self._workers: list[WorkerProcess | None] = [None] * num_workers
@@ -93,6 +98,7 @@ class EnvWorkerPool:
         self._todo: list[deque[_Request]] = [deque() for _ in range(num_workers)]
         self._sent: list[deque[_Request]] = [deque() for _ in range(num_workers)]
         self._deadline = [0.0] * num_workers  # of the head of _sent[w]
+        self._capped = [0] * num_workers  # the last generation of worker w whose output cap was counted
         self._slots: dict[int, _Slot] = {}
         info = self._describe()
         self.name, self.max_steps, self.instructions = info["name"], info["max_steps"], info["instructions"]
@@ -126,6 +132,7 @@ class EnvWorkerPool:
         for w, wp in enumerate(self._workers):
             if wp is not None:
                 problem = wp.close(timeout=self.step_timeout_s)
+                self._note_output(w)
                 if problem is not None:
                     self.stats["close_failures"] += 1
                     log.warning("env worker %d did not close cleanly: %s", w, problem)
@@ -163,7 +170,7 @@ class EnvWorkerPool:
                 wp = self._workers[w]
                 if wp is None:
                     try:
-                        wp = self._workers[w] = WorkerProcess(self.python)
+                        wp = self._workers[w] = WorkerProcess(self.python, max_output_bytes=self.max_output_bytes)
                     except WorkerFailure as e:  # no process at all: fail what waits for it, restart nothing
                         self._starve(w, e)
                         break
@@ -213,6 +220,7 @@ class EnvWorkerPool:
         except WorkerFailure as e:
             self._fail(w, not isinstance(e, WorkerTimeout), str(e))
             return
+        self._note_output(w)
         req = self._sent[w].popleft()
         self._answered[w] += 1
         if self._sent[w]:
@@ -281,6 +289,7 @@ class EnvWorkerPool:
         self._sent[w].clear()
         self._todo[w].clear()
         if self._workers[w] is not None:
+            self._note_output(w)
             self._workers[w].kill()
             self._workers[w] = None
         culprit = sent.pop(0) if sent else hint
@@ -309,6 +318,15 @@ class EnvWorkerPool:
             else:
                 queue.append(r)
         self._todo[w] = deque(queue)
+
+    def _note_output(self, w: int) -> None:
+        """Counts and logs, once per worker process, that worker ``w`` printed more than its cap."""
+        wp = self._workers[w]
+        if wp is not None and wp.output.capped and self._capped[w] != self._generation[w]:
+            self._capped[w] = self._generation[w]
+            self.stats["output_capped"] += 1
+            log.warning("env worker %d (pid %d) printed more than %d bytes: the rest of its output is dropped "
+                        "(env/output_capped)", w, wp.proc.pid, wp.output.limit)
 
     def _starve(self, w: int, err: WorkerFailure) -> None:
         """No worker process can be started for ``w``: everything waiting for it fails."""

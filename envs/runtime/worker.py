@@ -23,9 +23,11 @@ killed refuses to be used again (:class:`WorkerFailure`), so a stale handle can 
 closed pipe.
 
 The child runs ``python -m cope.envs.runtime.worker``: its own stdout is redirected to stderr so that an env
-that prints (game engines do) cannot corrupt the channel; a reader thread takes requests off the pipe
-as they arrive (the parent never blocks on a busy child while the child blocks on a full reply pipe);
-it exits when the parent goes away (EOF on stdin, and SIGKILL via ``PR_SET_PDEATHSIG`` on Linux).
+that prints (game engines do) cannot corrupt the channel, and its stderr is a pipe to the parent, where an
+:class:`cope.envs.runtime.output.OutputCap` passes the first ``max_output_bytes`` on to the parent's stderr
+and only counts the rest (an env printing without end cannot flood the run's log); a reader thread takes
+requests off the pipe as they arrive (the parent never blocks on a busy child while the child blocks on a
+full reply pipe); it exits when the parent goes away (EOF on stdin, and SIGKILL via ``PR_SET_PDEATHSIG`` on Linux).
 It starts a new session so the parent can kill the whole process group, including grandchildren such as a JVM.
 """
 from __future__ import annotations
@@ -43,6 +45,8 @@ import time
 import traceback
 from collections import deque
 from typing import Any
+
+from cope.envs.runtime.output import MAX_OUTPUT_BYTES, OutputCap
 
 _HEADER = struct.Struct("!Q")
 MAX_MESSAGE = 1 << 31  # bytes; a longer length prefix is garbage, not a reply to wait for
@@ -178,24 +182,37 @@ def main() -> None:
 class WorkerProcess:
     """Parent-side handle of one worker child. Requests are answered in order; :meth:`send` queues,
     :meth:`recv` waits for the next answer up to a deadline. Not thread-safe. Once :meth:`kill` ran,
-    every use raises :class:`WorkerFailure`.
+    every use raises :class:`WorkerFailure`. ``output`` is the cap on what the child (and everything it
+    starts) prints: its stdout and stderr reach this process's stderr through it.
 
     Args:
         python: interpreter of the child (default: this one); another venv must have the project
             installed (``pip install --no-deps -e .``) so that ``cope.envs.runtime.worker`` imports there.
         env: extra environment variables for the child.
+        max_output_bytes: what the child may print into this process's stderr in its life; the rest is counted.
     """
 
-    def __init__(self, python: str | None = None, env: dict[str, str] | None = None):
+    def __init__(self, python: str | None = None, env: dict[str, str] | None = None,
+                 max_output_bytes: int = MAX_OUTPUT_BYTES):
         self.python = python or sys.executable
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        out_r, out_w = os.pipe()
         try:
             self.proc = subprocess.Popen(
                 [self.python, "-m", "cope.envs.runtime.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                env=child_env, start_new_session=True, bufsize=0,
+                stderr=out_w, env=child_env, start_new_session=True, bufsize=0,
             )
         except OSError as e:
+            os.close(out_r)
             raise WorkerFailure(f"cannot start an env worker with python={self.python!r}: {e}") from e
+        finally:
+            os.close(out_w)
+        self.output = OutputCap(max_output_bytes, label=f"env worker pid {self.proc.pid}")
+        try:
+            sink = os.dup(2)
+        except OSError:  # this process has no stderr: the output goes nowhere, still drained and counted
+            sink = os.open(os.devnull, os.O_WRONLY)
+        self.output.drain(out_r, sink)
         self._next = 0
         self._expected: deque[int] = deque()  # ids of the requests not answered yet, in order
         self.killed = False

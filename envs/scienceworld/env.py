@@ -23,8 +23,10 @@ object), which ends the episode with ``success=False``. ``success`` is the simul
 * ``reward_mode="score_delta"``: the change of ``score`` on this step (so an episode's rewards sum to its
   final score; a failure step pays ``-1 - previous score``).
 
-Validity: an action is cleaned with `cope.envs.actions.single_line`; an empty or multi-line action is
-malformed (not sent; empty observation, harness notice). The simulator's own refusals are read from its
+Validity: an action that is not encodable text is refused with the notice of
+`cope.envs.actions.unencodable` (py4j would raise ``Py4JError`` on it); otherwise it is cleaned with
+`cope.envs.actions.single_line`; an empty or multi-line action is malformed (not sent; empty
+observation, harness notice). The simulator's own refusals are read from its
 reply (`cope.envs.scienceworld.text`): parse failures are invalid, known no-effect refusals too unless
 ``no_effect_invalid=False``. An ambiguous command is *valid*: with ``ambiguity="menu"`` (the benchmark's
 behaviour) the observation is the simulator's numbered menu, the admissible actions are the menu numbers
@@ -44,7 +46,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from cope.envs.actions import single_line
+from cope.envs.actions import single_line, unencodable
 from cope.envs.base import SPLITS, EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.scienceworld import text as sw_text
 from cope.envs.scienceworld.jvm import DEFAULT_JVM_ARGS, Simulator, backend
@@ -168,12 +170,13 @@ class ScienceWorldEnv(TaskEnv):
 
     def step(self, action: str) -> EnvStep:
         self._step_started()
-        command = single_line(action)
+        refused = unencodable(action)  # py4j cannot send it: Py4JError would abort the episode
+        command = None if refused else single_line(action)
         notes: list[str] = []
         ambiguous = False
         if command is None:
             observation, valid = "", False
-            notes.append(HARNESS_MALFORMED)
+            notes.append(refused or HARNESS_MALFORMED)
         else:
             server = self._sim.server
             observation = server.step(command)

@@ -15,9 +15,10 @@ orchestrator: the assistant opens with tau2's greeting, a user message that is a
 Action format: `cope.envs.tau2.format` (a JSON tool call, ``done``, or a message to the user).
 Observation: the new messages the agent may see, one per line, ``user: <text>`` or
 ``tool: <result>`` (the reset observation: the conversation so far, including the greeting and any
-task message history, or ``ticket: <ticket>`` in solo mode). Validity: a malformed action is
-invalid (empty observation, the problem named in the harness text); a tool call tau2 answers with
-an error (unknown tool, bad arguments, refused operation) is invalid, and tau2's error message is
+task message history, or ``ticket: <ticket>`` in solo mode). Validity: an action that is not encodable
+text is invalid (`cope.envs.actions.unencodable`'s notice; it never reaches the messages), so is a
+malformed action (empty observation, the problem named in the harness text); a tool call tau2 answers
+with an error (unknown tool, bad arguments, refused operation) is invalid, and tau2's error message is
 the observation; a text message in solo mode is invalid (there is no user).
 
 Reward (sparse): 0 until the conversation ends, then tau2's evaluation reward (0 or 1): the agent's
@@ -37,6 +38,7 @@ import uuid
 from copy import deepcopy
 from typing import Any
 
+from cope.envs.actions import unencodable
 from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.tau2.format import build_instructions, example_call, parse_action, render_messages
 from cope.envs.tau2.tasks import load_tau2, split_tasks
@@ -267,8 +269,11 @@ class Tau2Env(TaskEnv):
         self._step_started()
         msg = self.t["msg"]
         mark, valid, harness = len(self._messages), True, ""
-        parsed = None if self._done else parse_action(action, self._prompt()[2])
-        if parsed is None:  # the user ended the conversation before the agent's first action
+        refused = None if self._done else unencodable(action)  # it would reach the messages, the user, the evaluation
+        parsed = None if self._done or refused else parse_action(action, self._prompt()[2])
+        if refused:
+            valid, harness = False, refused
+        elif parsed is None:  # the user ended the conversation before the agent's first action
             valid, harness = False, "The conversation had already ended."
         elif isinstance(parsed, str):
             valid, harness = False, f"Invalid action: {parsed}"

@@ -36,7 +36,7 @@ import random
 import re
 import shutil
 
-from cope.envs.actions import clean_action
+from cope.envs.actions import clean_action, unencodable
 from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.terminal import tasks as suite
 from cope.envs.terminal.sandbox import Sandbox, SandboxResult, unavailable_reason, unpassable
@@ -184,13 +184,16 @@ class TerminalEnv(TaskEnv):
 
     def step(self, action: str) -> EnvStep:
         self._step_started()
+        refused = unencodable(action)
         command = parse_command(action)
         info: dict = {"exit_code": None, "timed_out": False, "timeout": False}
-        if clean_action(command, lower=True) == SUBMIT:
+        if refused is None and clean_action(command, lower=True) == SUBMIT:
             success = self._check(info)
             self._step_ended(True)
             return self._end(SOLVED if success else NOT_SOLVED, "", True, success, info)
-        if not command:
+        if refused:
+            observation, harness, valid = "", [refused], False
+        elif not command:
             observation, harness, valid = "", [HARNESS_EMPTY], False
         elif len(command) > self.max_command_chars:
             observation, valid = "", False

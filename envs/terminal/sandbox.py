@@ -310,11 +310,13 @@ class Sandbox:
 
 def unpassable(command: str) -> str | None:
     """Why ``command`` cannot be passed to bash as an argument (a NUL byte ends a C string; an unpaired
-    surrogate has no bytes), None when it can. Byte-level tokenizers can produce both."""
+    surrogate has no bytes), None when it can. Byte-level tokenizers can produce both. Strict UTF-8, not
+    ``os.fsencode``, which would pass U+DC80-U+DCFF on as raw bytes (the env's rule too:
+    :func:`cope.envs.actions.unencodable`)."""
     if "\x00" in command:
         return "it contains a NUL byte (\\0), which no program argument can hold"
     try:
-        os.fsencode(command)
+        command.encode("utf-8")
     except UnicodeEncodeError as exc:
         return f"it is not encodable text ({exc.reason} at character {exc.start})"
     return None

@@ -32,10 +32,34 @@ potato" once the game calls it "raw potato").
 
 Before anything reaches the game the action is cleaned with :func:`cope.envs.actions.single_line`
 (lower-cased) and refused, without a game turn, with an empty observation and a *harness* notice when
-it is empty, spans several lines (or holds another control character), is longer than the
-interpreter's input buffer (198 bytes), chains commands (``.``, ``,``, ``;``, `` then ``), or is a
-game-system command (quit, restart, save, restore, undo, version, verbose/brief, script, ``tw-*`` and
-TextWorld's other framework commands: they would desync the episode from the tracker).
+it is not encodable text (:func:`cope.envs.actions.unencodable`), is empty, spans several lines (or holds
+another control character), is longer than the interpreter's input buffer (198 bytes), holds a
+backslash (below), chains commands (``.``, ``,``, ``;``, `` then ``), or is a game-system command (quit,
+restart, save, restore, undo, version, verbose/brief, script, ``tw-*`` and TextWorld's other framework
+commands: they would desync the episode from the tracker).
+
+Interpreter escapes. Jericho runs the games in its build of dumb-frotz, whose input routine
+(``frotz/src/dumb/dumb_input.c``: ``dumb_read_line``, ``translate_special_chars``) reads some input
+itself before the game sees it. Only the backslash does that, and every use of it is harmful, so an
+action holding one anywhere is refused (``HARNESS_ESCAPE``):
+
+* a leading ``\\`` followed by a lower-case letter is a runtime command (``\\help``,
+  ``\\set``, ``\\s``, ``\\w``, ...; actions are lower-cased, so ``\\N wh sto fridge`` is one too). Jericho
+  feeds the same line again after each, so the interpreter never returns: ``\\help`` wrote 16 GB of
+  help text to stdout in 20 s, an unknown one repeats "DUMB-FROTZ: unknown command" on stderr;
+* anywhere else ``\\x`` is a key escape: ``\\_`` is Return (``go\\_north`` runs ``go``, and ``north``
+  then replaces the *next* action: the episode and the game drift apart), ``\\[`` Escape, ``\\?``
+  Backspace, ``\\^ \\. \\< \\>`` arrows, ``\\1``..``\\0`` function keys, and with capitals (never
+  reached after lower-casing) the hot keys undo, restart, quit, record, playback and seed.
+
+Nothing else is special to the interpreter: ``#``, ``/``, ``*``, ``!``, ``@``, non-ASCII letters all reach
+the game's Inform 7 parser ("That's not a verb I recognise."), the games are release builds without
+Inform's debugging verbs (``purloin``, ``gonear``, ``abstract``, ``actions``, ``rules``, ``trace``,
+``tree``, ``showme``, ``scope`` are unknown verbs), and ``again``/``g``, ``oops``, ``score``,
+``pronouns`` are harmless game verbs (invalid: not game actions). Words that end, rewind or restart the
+game outside our episode bookkeeping are the game-system commands above. ALFWorld runs on TextWorld's
+PDDL engine, not on this interpreter: it matches commands exactly against its admissible list and has
+no escapes (:mod:`cope.envs.alfworld.env`).
 
 Observation vs harness: the game's text is the observation, tidied (the opening banner removed, runs
 of blank lines collapsed to one, centring and trailing spaces and surrounding whitespace stripped,
@@ -52,7 +76,7 @@ import os
 import random
 import re
 
-from cope.envs.actions import single_line
+from cope.envs.actions import single_line, unencodable
 from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.textworld.games import (
     TRACED_KEY,
@@ -71,6 +95,7 @@ INSTRUCTIONS = (
 HARNESS_MALFORMED = "Invalid action: answer with one game command on one line, e.g. 'go north'."
 HARNESS_CHAINED = "Invalid action: one command per turn (no '.', ',', ';' or 'then')."
 HARNESS_SYSTEM = "Invalid action: '{}' is a game-system command and is not available."
+HARNESS_ESCAPE = "Invalid action: game commands have no backslash ('\\')."
 HARNESS_TRUNCATED = "[observation truncated: {} of {} characters shown]"
 HARNESS_TIMEOUT = "Step limit reached."
 REWARD_MODES = ("sparse", "score_delta")
@@ -216,7 +241,7 @@ class TextWorldEnv(TaskEnv):
         self._step_started()
         prev = self._state
         command = single_line(action, lower=True)
-        refusal = self._refusal(command)
+        refusal = unencodable(action) or self._refusal(command)
         if refusal:
             state, valid, obs, harness = prev, False, "", refusal
         else:
@@ -286,6 +311,8 @@ class TextWorldEnv(TaskEnv):
         """Harness text when ``command`` must not reach the game, else ``""``."""
         if command is None or not command.isprintable() or len(command.encode()) > MAX_COMMAND_BYTES:
             return HARNESS_MALFORMED
+        if "\\" in command:  # the interpreter's own escapes (see the module docstring): a hang or a desync
+            return HARNESS_ESCAPE
         if _CHAIN.search(command):
             return HARNESS_CHAINED
         verb = command.split(" ", 1)[0]

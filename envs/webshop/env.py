@@ -22,9 +22,10 @@ Actions: ``search[keywords]`` (only on the search page, which has the search bar
 ``click[label]`` with a label shown on the current page (product ASIN, option value, ``Back to Search``,
 ``< Prev``, ``Next >``, ``Description``, ``Features``, ``Reviews``, ``Buy Now``). Labels match
 case-insensitively with inner spaces collapsed; the usual model noise is removed first
-(`cope.envs.actions.clean_action`). Invalid actions (malformed, unknown label, search without a search
-bar, empty keywords, multi-line) leave the page unchanged and are flagged ``valid=False`` with an empty
-observation and a harness notice (the original ignores them silently). Every action counts toward
+(`cope.envs.actions.clean_action`). Invalid actions (not encodable text: `cope.envs.actions.unencodable`;
+malformed, unknown label, search without a search bar, empty keywords, multi-line) leave the page
+unchanged and are flagged ``valid=False`` with an empty observation and a harness notice (the original
+ignores them silently). Every action counts toward
 ``max_steps``; at the limit the episode ends without a purchase (``info["timeout"]``, a harness notice).
 
 Admissible actions: every clickable of the page as ``click[<label>]``; on the search page (no clickables)
@@ -41,7 +42,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from cope.envs.actions import single_line
+from cope.envs.actions import single_line, unencodable
 from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.webshop.reward import purchase_reward
 from cope.envs.webshop.search import STOPWORDS, Catalog, load_catalog
@@ -167,7 +168,7 @@ class WebShopEnv(TaskEnv):
 
     def step(self, action: str) -> EnvStep:
         self._step_started()
-        notice, reward, info = self._apply(parse_action(action)), 0.0, {}
+        notice, reward, info = unencodable(action) or self._apply(parse_action(action)), 0.0, {}
         if self._page == "done":
             reward, info = self._buy()
         valid = notice is None

@@ -127,6 +127,19 @@ def test_inadmissible_and_malformed_actions_are_invalid(env):
 
 
 @needs_alfworld
+@pytest.mark.parametrize("action", ["\\help", "\\N wh sto fridge", "go\\_north", "\\", "#", "/look", "*",
+                                    "restart", "restore", "save", "quit", "undo", "script", "tw-trace-actions"])
+def test_interpreter_escapes_are_plain_inadmissible_commands(env, action):
+    """TextWorld's z-machine interpreter takes "\\help" as its own command and never returns (cope.envs.textworld);
+    ALFWorld's PDDL engine has no interpreter: these are commands it does not know, and nothing changes."""
+    reset = env.reset(_task())
+    out = env.step(action)
+    assert not out.valid and out.observation == NOTHING_HAPPENS and out.harness == "" and not out.done
+    assert out.admissible_actions == reset.admissible_actions
+    assert env.step("look").valid
+
+
+@needs_alfworld
 def test_admissible_actions_come_from_the_engine_and_hide_help(env):
     reset = env.reset(_task())
     engine_list = env._state["admissible_commands"]

@@ -132,6 +132,7 @@ def test_seccomp_program_shape():
 
 def test_unpassable_commands():
     assert "NUL byte" in unpassable("echo a\x00b") and "not encodable" in unpassable("echo \ud800")
+    assert "not encodable" in unpassable("echo \udcff")  # os.fsencode would pass it on as the byte 0xff
     assert unpassable("echo 'ü' \"$x\" \\n") is None
     with pytest.raises(ValueError, match="cannot run the command: it contains a NUL byte"):
         Sandbox().run("echo a\x00b", pack({}))

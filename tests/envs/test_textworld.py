@@ -17,6 +17,7 @@ import pytest
 from cope.envs.base import Env, Task
 from cope.envs.textworld.env import (
     HARNESS_CHAINED,
+    HARNESS_ESCAPE,
     HARNESS_MALFORMED,
     HARNESS_TIMEOUT,
     SYSTEM_VERBS,
@@ -225,6 +226,31 @@ def test_refused_before_the_game(cache, action, harness):
     look = env.step("look").observation
     out = env.step(action)
     assert not out.valid and out.observation == "" and harness in out.harness and not out.done
+    after = env.step("look")
+    assert after.valid and after.observation == look
+
+
+# Jericho's dumb-frotz reads these itself, not the game: "\help" and any "\<lowercase>" are its own commands,
+# re-read forever (16 GB of help text in 20 s); "\_" ends the line early and the rest replaces the next action.
+ESCAPES = ["\\help", "\\N wh sto fridge", "\\set", "\\s", "\\", "\\\\", "go\\_north", "look\\1", "take \\[key"]
+
+
+@needs_textworld
+def test_interpreter_escapes_are_refused_before_the_interpreter(cache, monkeypatch):
+    """A backslash anywhere is refused like a malformed action: the interpreter is never called (a call
+    fails this test instead of hanging it), and the game goes on as before."""
+    env = _env(cache, "tw-simple")
+    env.reset(_task())
+    look = env.step("look").observation
+
+    def reached(command):
+        raise AssertionError(f"{command!r} reached the interpreter")
+
+    with monkeypatch.context() as m:
+        m.setattr(env._env, "step", reached)
+        for action in ESCAPES:
+            out = env.step(action)
+            assert not out.valid and out.observation == "" and out.harness == HARNESS_ESCAPE and not out.done
     after = env.step("look")
     assert after.valid and after.observation == look
 

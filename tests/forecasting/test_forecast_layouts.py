@@ -197,8 +197,8 @@ def test_loss_balance_drives_the_objectives_own_scale():
 
 def test_forecast_targets_callback_registers_transform_and_logs():
     fns, logged = [], {}
-    dm = SimpleNamespace(add_collate_transform=fns.append)  # the part of RolloutDataModule it uses
-    trainer = SimpleNamespace(datamodule=dm)
+    dm = SimpleNamespace(add_collate_transform=fns.append, epoch=0)  # the part of RolloutDataModule it uses
+    trainer = SimpleNamespace(datamodule=dm, global_rank=0)
     module = SimpleNamespace(log_dict=lambda d, **kw: logged.update(d), policy=SimpleNamespace(chat=CHAT, pad_id=PAD))
     cb = ForecastTargets(K=3, layout="packed")
     cb.setup(trainer, module, "fit")

@@ -114,10 +114,11 @@ def test_sync_changes_samples_and_matches_hf_greedy(vllm_engine, served_policy):
 def test_attach_by_url(vllm_engine, served_policy, monkeypatch, tmp_path):
     from cope.rollout.vllm.engine import VLLMEngine
 
-    monkeypatch.setenv("RANK", "1")  # a second trainer rank: its own adapter name and folder
+    monkeypatch.setenv("RANK", "0")  # ignored: the rank comes from the trainer (here: connect's argument)
     att = VLLMEngine(maze6, EnvRuntime(), max_context=1024, url=vllm_engine.server.url, workdir=str(tmp_path))
-    att.connect(served_policy)
-    assert not att.server.managed and att.lora_name == "cope-rank1" and att.base_name == "base"
+    att.connect(served_policy, rank=1)  # a second trainer rank: its own adapter name and folder
+    assert not att.server.managed and att.lora_name == "cope-rank1-v0" and att.base_name == "base"
+    assert att.adapter_dir.name == "adapter-rank1"
     mine, _ = att.rollout(TASKS, GROUPS, GREEDY)
     theirs, _ = vllm_engine.rollout(TASKS, GROUPS, GREEDY)
     assert [e.tokens for e in mine] == [e.tokens for e in theirs]

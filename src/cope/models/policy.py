@@ -1,23 +1,22 @@
 """The policy: a causal LM with a LoRA adapter, its tokenizer and chat scaffold.
 
 Loading stays apart from training (litgpt's ``lora.py`` vs ``finetune/lora.py``): this module builds
-the model (``from_pretrained`` on a local path or the HF cache; no network at run time when
-``local_files_only``), optionally 4-bit (QLoRA via bitsandbytes), wraps it in peft LoRA and returns a
-:class:`Policy`. The KL reference is the same model with the adapter disabled
-(``with policy.model.disable_adapter():``): no second copy in memory.
+the model (``from_pretrained`` on a local folder, or on a hub id's snapshot folder in the HF cache,
+:mod:`cope.models.hub`; no network at run time when ``local_files_only``), optionally 4-bit (QLoRA via
+bitsandbytes), wraps it in peft LoRA and returns a :class:`Policy`. The KL reference is the same model
+with the adapter disabled (``with policy.model.disable_adapter():``): no second copy in memory.
 """
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from cope.chat import ChatFormat
 from cope.extras import require
+from cope.models.hub import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ class Policy:
     model: Any  # peft.PeftModel wrapping a transformers causal LM
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     chat: ChatFormat
-    source: str  # path or hub id the base was loaded from
+    source: str  # model.path as given (a local folder or a hub id): what checkpoints and exports record
 
     @property
     def pad_id(self) -> int:
@@ -82,12 +81,14 @@ def load_pretrained(
     """Load a causal LM + tokenizer from a local folder or the HF cache and add a LoRA adapter.
 
     Args:
-        path: local folder or hub id (resolved from the local cache when ``local_files_only``).
+        path: local folder or hub id (its snapshot folder in the local HF cache when ``local_files_only``);
+            recorded as given in :attr:`Policy.source`.
         lora: a ``peft.LoraConfig`` (Hydra instantiates it from ``model.lora``).
         dtype: ``fp32``, ``bf16`` or ``fp16`` for the base weights (and 4-bit compute).
         quantization: ``None``, ``4bit`` (nf4 QLoRA) or ``8bit``; needs the ``quant`` extra.
         gradient_checkpointing: recompute activations in backward (non-reentrant, LoRA-safe).
-        attn_implementation: ``sdpa`` (default; needed for packed CoPE forecasts on CPU) or ``eager``.
+        attn_implementation: ``sdpa`` (default; needed for packed CoPE forecasts on CPU), ``eager``, or
+            ``flash_attention_2`` (not with CoPE's packed layout: the config check refuses it).
         local_files_only: never reach the network at run time.
     """
     if dtype not in DTYPES:
@@ -97,24 +98,23 @@ def load_pretrained(
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if os.path.sep in path or path.startswith("."):
-        if not Path(path).exists():
-            raise FileNotFoundError(f"model.path {path!r} does not exist")
+    files = resolve_model_path(path, local_files_only)  # a hub id: its snapshot folder in the HF cache
     torch_dtype = DTYPES[dtype]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(files, local_files_only=local_files_only, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            path,
+            files,
             dtype=torch_dtype,
             quantization_config=_quant_config(quantization, torch_dtype),
             attn_implementation=attn_implementation,
             local_files_only=local_files_only,
             trust_remote_code=trust_remote_code,
         )
-    except OSError as e:
+    except OSError as e:  # a folder without the model's files (an interrupted download, a wrong folder)
         raise FileNotFoundError(
-            f"could not load model.path={path!r} from local files ({e.__class__.__name__}: {e}). Download it first "
-            "(e.g. `huggingface-cli download Qwen/Qwen2.5-7B-Instruct`) or point model.path at a local folder."
+            f"could not load model.path={path!r} from {files} ({e.__class__.__name__}: {e}): the folder lacks the "
+            "model's files. Download it completely (`huggingface-cli download <hub id>`, into the HF cache) or set "
+            "model.path to a local folder that holds the whole model."
         ) from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -162,6 +162,50 @@ def build_tiny_base(
     tokenizer.save_pretrained(out_dir)
 
 
+def tiny_base_folder(
+    env_factory: Callable[[], Env],
+    cache_dir: str = "~/.cache/cope-trainer/tiny",
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    vocab_size: int = 512,
+    max_context: int = 2048,
+    warm_start_steps: int = 300,
+    warm_start_batch: int = 16,
+    warm_start_lr: float = 3e-3,
+    tokenizer_episodes: int = 200,
+    warm_start_walks: int = 128,
+    warm_start_action_tokens: int = 8,
+    warm_start_tasks: int | None = None,
+    warm_start_policy: str = "random",
+    warm_start_expert_prob: float = 0.5,
+    seed: int = 0,
+) -> tuple[Path, dict]:
+    """The cache folder of the tiny base these settings build (``<cache_dir>/<hash of the spec>``, also what the
+    policy records as its source) and the spec; nothing is built. Same arguments as :func:`tiny_policy`."""
+    check_warm_start(warm_start_policy, warm_start_expert_prob, env_factory)  # before any work
+    spec = dict(
+        env=_describe(env_factory), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, vocab_size=vocab_size,
+        max_context=max_context, warm_start_steps=warm_start_steps, warm_start_batch=warm_start_batch,
+        warm_start_lr=warm_start_lr, seed=seed, version=1,
+    )
+    if warm_start_tasks is not None:
+        if warm_start_tasks < 1:
+            raise ValueError(f"model.warm_start_tasks must be >= 1 or null, got {warm_start_tasks}")
+        spec.update(warm_start_tasks=warm_start_tasks)
+    if warm_start_policy != "random":  # the random walks' caches keep their keys (the prob does not change them)
+        spec.update(warm_start_policy=warm_start_policy, warm_start_expert_prob=float(warm_start_expert_prob))
+    if (tokenizer_episodes, warm_start_walks, warm_start_action_tokens) != (200, 128, 8):  # old cache keys stay valid
+        spec.update(tokenizer_episodes=tokenizer_episodes, warm_start_walks=warm_start_walks,
+                    warm_start_action_tokens=warm_start_action_tokens)
+    for name, v in dict(tokenizer_episodes=tokenizer_episodes, warm_start_walks=warm_start_walks,
+                        warm_start_action_tokens=warm_start_action_tokens).items():
+        if v < 1:
+            raise ValueError(f"model.{name} must be >= 1, got {v}")
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(os.path.expanduser(cache_dir)) / key, spec
+
+
 def tiny_policy(
     lora: Any,
     env_factory: Callable[[], Env],
@@ -191,27 +235,12 @@ def tiny_policy(
     ``warm_start_policy``: ``random`` (format-only walks) or ``expert`` (noisy expert walks: the env's
     ``expert_action()`` with probability ``warm_start_expert_prob``, else a random admissible action).
     """
-    check_warm_start(warm_start_policy, warm_start_expert_prob, env_factory)  # before any work
-    spec = dict(
-        env=_describe(env_factory), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, vocab_size=vocab_size,
-        max_context=max_context, warm_start_steps=warm_start_steps, warm_start_batch=warm_start_batch,
-        warm_start_lr=warm_start_lr, seed=seed, version=1,
-    )
-    if warm_start_tasks is not None:
-        if warm_start_tasks < 1:
-            raise ValueError(f"model.warm_start_tasks must be >= 1 or null, got {warm_start_tasks}")
-        spec.update(warm_start_tasks=warm_start_tasks)
-    if warm_start_policy != "random":  # the random walks' caches keep their keys (the prob does not change them)
-        spec.update(warm_start_policy=warm_start_policy, warm_start_expert_prob=float(warm_start_expert_prob))
-    if (tokenizer_episodes, warm_start_walks, warm_start_action_tokens) != (200, 128, 8):  # old cache keys stay valid
-        spec.update(tokenizer_episodes=tokenizer_episodes, warm_start_walks=warm_start_walks,
-                    warm_start_action_tokens=warm_start_action_tokens)
-    for name, v in dict(tokenizer_episodes=tokenizer_episodes, warm_start_walks=warm_start_walks,
-                        warm_start_action_tokens=warm_start_action_tokens).items():
-        if v < 1:
-            raise ValueError(f"model.{name} must be >= 1, got {v}")
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-    out = Path(os.path.expanduser(cache_dir)) / key
+    out, spec = tiny_base_folder(
+        env_factory, cache_dir=cache_dir, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        vocab_size=vocab_size, max_context=max_context, warm_start_steps=warm_start_steps, warm_start_batch=warm_start_batch,
+        warm_start_lr=warm_start_lr, tokenizer_episodes=tokenizer_episodes, warm_start_walks=warm_start_walks,
+        warm_start_action_tokens=warm_start_action_tokens, warm_start_tasks=warm_start_tasks,
+        warm_start_policy=warm_start_policy, warm_start_expert_prob=warm_start_expert_prob, seed=seed)
 
     def build(tmp: Path) -> None:
         log.info("building the tiny base model in %s (once): %s", out, spec)

@@ -126,7 +126,7 @@ def run_episodes(
         if ep.prompt_len + max_action_tokens + len(chat.turn_end) > max_context:
             raise ValueError(
                 f"the first prompt of {ep.task.id} has {ep.prompt_len} tokens: data.max_context={max_context} leaves no "
-                f"room for an action of data.max_action_tokens={max_action_tokens} and its end-of-turn id"
+                f"room for an action of data.sampling.max_action_tokens={max_action_tokens} and its end-of-turn id"
             )
         live.append(i)
 

@@ -13,7 +13,9 @@ Errors name the file: a write that fails (a full disk: ``OSError`` ENOSPC) raise
 checkpoint stays in place; a file that cannot be read (empty, truncated, not a checkpoint) raises
 :class:`CheckpointReadError` with the path, its size and what to do, never torch's advice to retry
 with ``weights_only=False`` (which would execute code from an untrusted file). Checkpoints are
-loaded with ``weights_only=True``: they hold tensors and plain containers only.
+loaded with ``weights_only=True``: they hold tensors and plain containers only. A resume into another base
+model or LoRA rank than the checkpoint's is :class:`CheckpointMismatchError`, before the model is built
+(:func:`check_resume_matches`).
 """
 from __future__ import annotations
 
@@ -23,10 +25,13 @@ import os
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+if TYPE_CHECKING:
+    from cope.models.source import BaseModel
 
 log = logging.getLogger(__name__)
 TMP_MARK = ".tmp-"
@@ -39,6 +44,10 @@ class CheckpointWriteError(OSError):
 
 class CheckpointReadError(RuntimeError):
     """A checkpoint file exists but cannot be read; the message names the file."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint was trained on another base model or LoRA shape than the run's config builds."""
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -68,8 +77,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         pass
 
 
-def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
-    """Loads a checkpoint file (``weights_only=True``); any damage becomes one :class:`CheckpointReadError`."""
+def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """Loads a checkpoint file (``weights_only=True``); any damage becomes one :class:`CheckpointReadError`.
+    ``mmap``: tensors stay in the file until read (a look at keys and shapes costs no tensor data)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -77,7 +87,7 @@ def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
     size = path.stat().st_size
     hint = "the file is damaged or incomplete; resume from an earlier checkpoint or start a new run"
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:  # noqa: BLE001 - torch raises many types here (EOFError, UnpicklingError, RuntimeError, ...)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "weights_only" in first or "Weights only load failed" in first:
@@ -99,6 +109,36 @@ def check_checkpoint_file(path: str | os.PathLike) -> None:
         raise CheckpointReadError(f"checkpoint {path} is empty (0 bytes): {hint}")
     if not zipfile.is_zipfile(path):
         raise CheckpointReadError(f"checkpoint {path} ({size} bytes) is not a torch checkpoint archive: {hint}")
+
+
+def lora_ranks(state_dict: dict[str, Any]) -> set[int]:
+    """The LoRA ranks of a checkpoint's adapter: rows of each ``lora_A`` weight, (r, in_features)."""
+    return {int(v.shape[0]) for k, v in state_dict.items() if ".lora_A." in k and k.endswith(".weight") and v.dim() == 2}
+
+
+def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r: int | None) -> None:
+    """Refuses to resume from ``path`` into another base model or another LoRA rank than the checkpoint's, in one
+    :class:`CheckpointMismatchError` naming both sides, before any model is built (it would otherwise fail after
+    the model load with a bare shape error, or, on another base with the same shapes, resume silently).
+
+    Args:
+        base: what this run's config builds (:func:`cope.models.source.base_model_of`; None: not known, no check).
+        lora_r: ``model.lora.r`` (None: no check). Checkpoints without a ``base_model`` record pass that check.
+    """
+    ckpt = read_checkpoint(path, mmap=True)
+    problems = []
+    recorded = ckpt.get("base_model")
+    if base is not None and isinstance(recorded, str) and not base.matches(recorded):
+        problems.append(f"base model: the checkpoint was trained on {recorded!r}, this config builds {base.source!r} "
+                        f"(from {base.named_by})")
+    ranks = lora_ranks(ckpt.get("state_dict") or {})
+    if lora_r is not None and ranks and ranks != {lora_r}:
+        problems.append(f"LoRA rank: the checkpoint's adapter has r={'/'.join(map(str, sorted(ranks)))}, this config has "
+                        f"model.lora.r={lora_r}")
+    if problems:
+        raise CheckpointMismatchError(f"checkpoint {path} does not fit this run's model: {'; '.join(problems)}. Resume "
+                                      "with the model and model.lora it was trained with, or start a new run (drop "
+                                      "ckpt_path, or use another hydra.run.dir)")
 
 
 def estimate_output_bytes(trainable_params: int) -> int:

@@ -20,8 +20,10 @@ of truth and cover whatever ``_target_`` names. What types cannot say has one pl
 * value ranges third-party classes check late or with a bare assert, and those of classes built after the
   model (the LightningModule): :data:`RANGES`;
 * cross-field: ``data.max_context`` must fit the model's positions (``model.max_context`` of the tiny
-  model, else ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk);
-* settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0).
+  model, else ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk, or of a
+  hub id's cached copy); flash attention cannot take CoPE's packed forecast layout (a 4D mask);
+* settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0,
+  ``module.optimizer.lr=0``).
 
 Arguments ``cope.run.train.train`` passes when it builds a block (:data:`PASSED_AT_BUILD`) are not config
 keys. Torch-free itself; importing the target classes is its only cost (no model build).
@@ -62,6 +64,17 @@ RANGES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "reload_dataloaders_every_n_epochs": (lambda v: v == 1, "1 (every epoch collects fresh on-policy rollouts)"),
         "num_sanity_val_steps": (lambda v: v >= -1, ">= -1"),
         "gradient_clip_val": (lambda v: False, "null (the module clips: module.gradient_clip_val)"),
+    },
+    # `_partial_` optimizers are finished in configure_optimizers, after the model load (torch checks there)
+    "torch.optim.optimizer.Optimizer": {
+        "lr": (lambda v: v >= 0, ">= 0"),
+        "weight_decay": (lambda v: v >= 0, ">= 0"),
+        "eps": (lambda v: v >= 0, ">= 0"),
+    },
+    # the adapter config is only read by get_peft_model, at the end of the model load
+    "peft.tuners.lora.config.LoraConfig": {
+        "r": (lambda v: v >= 1, ">= 1 (the LoRA rank)"),
+        "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1) (1 drops every adapter input)"),
     },
     # built after the policy (it wraps it): its own checks would come after the model load
     "cope.train.module.AgentRLModule": {
@@ -208,9 +221,36 @@ class _Checker:
             if data.get("group_size") == 1:
                 self.warnings.append("data.group_size=1: one episode per group, so every group-relative advantage is 0 "
                                      "and the policy gradient is 0 (only auxiliary objectives train)")
+            self.attention_fits_layout(model, cfg)
+        optimizer = (cfg.get("module") or {}).get("optimizer") or {}
+        if optimizer.get("lr") == 0:
+            self.warnings.append("module.optimizer.lr=0: the adapter never changes (rollouts and validation run, "
+                                 "nothing is learned)")
         objectives = [o for o in ((cfg.get("algo") or {}).get("objectives") or {}).values() if o is not None]
         if objectives and all(o.get("weight", 1.0) == 0 and o.get("final_weight", 0.0) == 0 for o in objectives):
             self.warnings.append("every algo.objectives.*.weight is 0: training changes nothing")
+
+    def attention_fits_layout(self, model: DictConfig, cfg: DictConfig) -> None:
+        """Flash attention takes no (N, 1, T, T) mask, and CoPE's packed forecast layout attends through one
+        (segment attention, built per forward): the pairing would fail, or be wrong, at the first training forward."""
+        attn = model.get("attn_implementation")
+        if not (isinstance(attn, str) and attn.startswith("flash_attention")):
+            return
+        for name, node in ((cfg.get("algo") or {}).get("callbacks") or {}).items():
+            if isinstance(node, DictConfig) and node.get("layout") == "packed" and _is_forecast_targets(node.get("_target_")):
+                self.fail("model.attn_implementation", f" = {attn!r}: cannot take CoPE's packed forecast layout "
+                          f"(algo.callbacks.{name}.layout=packed: segment attention, a (N, 1, T, T) mask per forward); "
+                          "use cope.layout=plain (one row per forecast, 2D masks only) or model.attn_implementation=sdpa")
+
+
+def _is_forecast_targets(target: Any) -> bool:
+    from cope.algos.cope.forecast_targets import ForecastTargets
+
+    try:
+        cls = get_object(target) if isinstance(target, str) else None
+    except Exception:
+        return False  # reported by the walk
+    return isinstance(cls, type) and issubclass(cls, ForecastTargets)
 
 
 def model_positions(model: DictConfig) -> tuple[int, str] | None:

@@ -13,7 +13,8 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from cope.run.checkpoint_io import LAST, check_checkpoint_file, check_free_space
+from cope.models.source import base_model_of
+from cope.run.checkpoint_io import LAST, check_checkpoint_file, check_free_space, check_resume_matches
 from cope.run.config_check import check_config
 from cope.run.preemption import SigtermGuard
 
@@ -64,6 +65,12 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> str | None
     return str(path)
 
 
+def _lora_rank(model: DictConfig) -> int | None:
+    """``model.lora.r`` where it is every adapter's rank (not with a per-module ``rank_pattern``)."""
+    lora = model.get("lora") or {}
+    return None if lora.get("rank_pattern") else lora.get("r")
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Run one training job from a composed config; returns the final metrics."""
     check_config(cfg)  # every key typed against its `_target_`, before any seeding, instantiation or model load
@@ -77,12 +84,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, ckpt_dir)
     pl.seed_everything(cfg.seed, workers=True)
     env_factory = instantiate_plain(cfg.env)
+    model_factory = instantiate_plain(cfg.model)  # a partial: nothing is loaded yet
+    if ckpt_path is not None:  # the checkpoint's base model and LoRA rank against this config's, before the build
+        check_resume_matches(ckpt_path, base_model_of(model_factory, env_factory), _lora_rank(cfg.model))
     datamodule = instantiate_plain(cfg.data, env=env_factory)
     objectives = _instantiate_named(cfg.algo.objectives, "algo.objectives")
     callbacks = _instantiate_named(cfg.callbacks, "callbacks") + _instantiate_named(cfg.algo.get("callbacks"), "algo.callbacks")
     logger = instantiate_plain(cfg.logger) if cfg.get("logger") else False
     trainer = instantiate_plain(cfg.trainer, callbacks=callbacks, logger=logger)
-    policy = instantiate_plain(cfg.model)(env_factory=env_factory)
+    policy = model_factory(env_factory=env_factory)
     datamodule.connect(policy, rank=trainer.global_rank)
     module = instantiate_plain(cfg.module, _partial_=True)(policy=policy, objectives=objectives)  # no config conversion of objects
     if trainer.is_global_zero:

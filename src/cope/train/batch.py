@@ -103,6 +103,20 @@ def row_lengths(batch: RolloutBatch) -> torch.Tensor:
     return (pos * (mask != 0)).amax(-1).clamp(min=1)
 
 
+def microbatch_plan(lengths: list[int], budget: int) -> list[tuple[int, int, int]]:
+    """Rows ``[start, end)`` and their longest length for each micro-batch: consecutive rows whose count times
+    their longest real length fits ``budget`` tokens (one row at least, even if it alone is longer)."""
+    parts, start, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        grown = max(longest, n)
+        if i > start and grown * (i + 1 - start) > budget:
+            parts.append((start, i, longest))
+            start, grown = i, n
+        longest = grown
+    parts.append((start, len(lengths), longest))
+    return parts
+
+
 SEGMENT_KEYS = ("attn_context_end", "attn_segment_start")
 
 

@@ -8,8 +8,11 @@ CoPE's targets) and publishes the epoch as one :class:`~cope.records.EpochRecord
 never touches the LightningModule: the module scores the record's minibatches at the start of the
 epoch (old/reference log-probs, then its scored transforms). Validation: the module calls
 :meth:`RolloutDataModule.evaluate` per chunk of the fixed held-out panel; the episodes are gathered
-in ``val_record``. Each DDP rank collects its own groups from a rank-distinct task stream;
-counters are summed over ranks, never reset, and saved in checkpoints.
+in ``val_record``. Each DDP rank collects its own groups: the epoch's task stream (tasks, the
+rollout's sampling seed, the minibatch order) is derived from ``(seed, rank, epoch)``
+(:mod:`cope.train.seeding`), so it needs no state in checkpoints and a resumed run draws what the
+uninterrupted one drew, on every rank. Counters are summed over ranks, never reset, and saved in
+checkpoints.
 
 Model-dependent things (tokenizer, chat scaffold, the policy the engine samples from) are bound
 late through :meth:`connect`.
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
 from typing import Any, Callable
 
@@ -34,6 +36,7 @@ from cope.rollout.engine import EnvRuntime, HFEngine, RolloutEngine, Sampling
 from cope.rollout.metrics import episode_metrics
 from cope.train.advantages import group_advantages
 from cope.train.experience import CollateTransform, assign_advantages, cut_minibatches, train_tokens
+from cope.train.seeding import derive_seed, stream
 
 log = logging.getLogger(__name__)
 COUNTERS = ("episodes", "env_steps", "generated_tokens", "train_tokens")
@@ -58,7 +61,7 @@ class RolloutDataModule(pl.LightningDataModule):
         val_offset: first index of that panel; a tuning panel disjoint from the reported one is another
             offset (e.g. 0 reported, 500 for tuning). The panel must fit in the split.
         val_batch_size: held-out episodes run together.
-        seed: task-sampling seed (combined with the rank); also draws each rollout call's sampling seed.
+        seed: the run seed; each epoch's task stream is derived from it, the rank and the epoch.
         progress: show a progress bar while collecting rollouts.
 
     Handed to the rollout engine (typed records, each read by the class that uses it):
@@ -129,7 +132,9 @@ class RolloutDataModule(pl.LightningDataModule):
         self.tokenizer = self.chat = None
         self.pad_id = 0
         self._collate_transforms: list[CollateTransform] = []
-        self._rng = random.Random(seed)
+        self.rank = 0  # the trainer's global rank, set in setup
+        self.epoch = 0  # the training epoch whose experience is collected (or was, last)
+        self._rng = stream(seed, "tasks", 0, 0)  # re-derived for every epoch's collection
         self._served: tuple[tuple[int, int], DataLoader] | None = None  # (policy version, its epoch's loader)
         self._env_stats_seen = self.engine.env_stats()
 
@@ -147,20 +152,18 @@ class RolloutDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         if self.tokenizer is None:
             raise RuntimeError("RolloutDataModule.connect(policy) must be called before fitting")
-        rank = self.trainer.global_rank if self.trainer is not None else 0
-        self._rng = random.Random(self.seed * 1_000_003 + rank)  # rank-distinct task streams
+        self.rank = self.trainer.global_rank if self.trainer is not None else 0
 
     def teardown(self, stage: str) -> None:
         self.engine.close()
 
     # -- rollouts -------------------------------------------------------------------------------
-    def _rollout(self, tasks: list[Task], groups: list[int], sampling: Sampling, desc: str):
+    def _rollout(self, tasks: list[Task], groups: list[int], sampling: Sampling, seed: int, desc: str):
         bar = None
         if self.progress and (self.trainer is None or self.trainer.is_global_zero):
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(tasks), desc=desc, leave=False, dynamic_ncols=True)
-        seed = self._rng.randrange(2**31)  # drawn for greedy calls too: one stream position per call
         try:
             t0 = time.perf_counter()
             if self.trainer is not None:
@@ -183,7 +186,11 @@ class RolloutDataModule(pl.LightningDataModule):
         if getattr(self.trainer, "received_sigterm", False):
             raise SIGTERMException
 
-    def _sample_tasks(self) -> tuple[list[Task], list[int]]:
+    def sample_tasks(self, epoch: int) -> tuple[list[Task], list[int]]:
+        """The training tasks of ``epoch`` on this rank (``group_size`` copies each) and their groups; starts the
+        epoch's task stream (this rank's, derived from the seed: the same after a resume), which then also gives
+        the rollout's sampling seed and the minibatch order."""
+        self._rng = stream(self.seed, "tasks", self.rank, epoch)
         tasks, groups = [], []
         for g in range(self.tasks_per_epoch):
             t = Task(self.env_name, "train", self._rng.randrange(self.num_train_tasks))
@@ -198,23 +205,26 @@ class RolloutDataModule(pl.LightningDataModule):
         return self.trainer.strategy.reduce(t, reduce_op="sum").tolist()
 
     def train_dataloader(self) -> DataLoader:
-        # One batch of experience per policy version: Lightning asks twice when a fit restarts from a
-        # checkpoint (before and after it resets its loops), with no optimizer step in between; a
-        # second collection would spend rollouts and shift the task stream against an uninterrupted run.
-        version = (id(self.trainer), self.trainer.global_step)
-        if self._served is not None and self._served[0] == version:
+        # The epoch being started: Lightning's `processed` count (`current_epoch` still names the saved epoch while
+        # a fit restarted from a checkpoint asks for its first data, before its loop advances). One batch of
+        # experience per epoch: Lightning asks twice when a fit restarts (before and after it resets its loops);
+        # a second collection would spend rollouts for nothing.
+        epoch = self.trainer.fit_loop.epoch_progress.current.processed
+        key = (id(self.trainer), epoch)
+        if self._served is not None and self._served[0] == key:
             return self._served[1]
-        self.train_record = self.collect_epoch(self.trainer.current_epoch)
+        self.train_record = self.collect_epoch(epoch)
         served = [mb for _ in range(self.ppo_epochs) for mb in self.train_record.minibatches]
         loader = DataLoader(served, batch_size=None, shuffle=False, collate_fn=_identity)
-        self._served = (version, loader)
+        self._served = (key, loader)
         return loader
 
     def collect_epoch(self, epoch: int = 0) -> EpochRecord:
         """Rollouts, advantages and minibatches of one epoch (not yet scored); updates the counters."""
         t0 = time.perf_counter()
-        tasks, groups = self._sample_tasks()
-        eps, stats = self._rollout(tasks, groups, self.sampling, "rollouts")
+        self.epoch = epoch
+        tasks, groups = self.sample_tasks(epoch)
+        eps, stats = self._rollout(tasks, groups, self.sampling, self._rng.randrange(2**31), "rollouts")
         t_roll = time.perf_counter() - t0
         adv_metrics = assign_advantages(eps, groups, self.advantage_mode)
         minibatches = cut_minibatches(eps, self.minibatch_size, self.pad_id, self._rng, self._collate_transforms)
@@ -258,9 +268,10 @@ class RolloutDataModule(pl.LightningDataModule):
         """Greedy episodes on held-out tasks ``indices``; returns them with their ``val/*`` metrics and
         adds them to ``val_record`` (a new record when ``first``: the first chunk of a validation run)."""
         tasks = [Task(self.env_name, "test", i) for i in indices]
-        eps, _ = self._rollout(tasks, list(range(len(tasks))), self.val_sampling, "validation")
-        metrics = episode_metrics(eps, prefix="val")
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        seed = derive_seed(self.seed, "validation", self.rank, epoch) % 2**31  # greedy; a server engine still takes one
+        eps, _ = self._rollout(tasks, list(range(len(tasks))), self.val_sampling, seed, "validation")
+        metrics = episode_metrics(eps, prefix="val")
         if first or self.val_record is None:
             self.val_record = ValidationRecord(epoch=epoch)
         self.val_record.episodes.extend(eps)
@@ -269,12 +280,9 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"counters": dict(self.counters), "rng": self._rng.getstate()}
+        """The counters (summed over ranks: the same on every rank). No RNG state: the task streams are derived
+        per (seed, rank, epoch); a checkpoint's, written by rank 0, would give every rank rank 0's stream."""
+        return {"counters": dict(self.counters)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.counters.update(state["counters"])
-        self._rng.setstate(_as_tuple(state["rng"]))
-
-
-def _as_tuple(x):
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+        self.counters.update(state["counters"])  # an older checkpoint's "rng" (rank 0's stream) is ignored

@@ -128,21 +128,28 @@ def causal_lm_logprobs(
         tau = tau.masked_fill(tempered[:, 1:], tau_value)
     tau = tau.reshape(-1)
     ent_rows = (entropy_mask[:, 1:] if entropy_mask is not None else torch.zeros_like(input_ids[:, 1:], dtype=torch.bool)).reshape(-1)
+    head, h = _head_input(model, input_ids, attention_mask, position_ids)
+    if head is not None:
+        chunk = max(1, chunk_elems // head.out_features)
+        lp, ent = _FrozenHeadLogprob.apply(h, head.weight, head.bias, targets, tau, ent_rows, chunk)
+    else:
+        lp, ent = _chunked_from_logits(h, targets, tau, ent_rows, max(1, chunk_elems // h.shape[-1]))
+    zero = lp.new_zeros(N, 1)
+    return torch.cat([zero, lp.view(N, T - 1)], 1), torch.cat([zero, ent.view(N, T - 1)], 1)
+
+
+def _head_input(model, input_ids, attention_mask, position_ids) -> tuple[torch.nn.Linear | None, torch.Tensor]:
+    """``(head, h)``: the frozen linear output head and the (K, H) hidden states before it (position t - 1 predicts
+    token t), or ``(None, logits)`` with the model's own (K, V) logits when the head is not a frozen linear layer."""
     head = frozen_linear_head(model)
     kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     if head is not None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         hidden = base.get_decoder()(**kw).last_hidden_state  # (N, T, H)
-        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (K, H): position t - 1 predicts token t
-        chunk = max(1, chunk_elems // head.out_features)
-        lp, ent = _FrozenHeadLogprob.apply(h, head.weight, head.bias, targets, tau, ent_rows, chunk)
-    else:
-        _warn_fallback(model)
-        logits = model(**kw).logits  # (N, T, V)
-        flat = logits[:, :-1].reshape(-1, logits.shape[-1])
-        lp, ent = _chunked_from_logits(flat, targets, tau, ent_rows, max(1, chunk_elems // logits.shape[-1]))
-    zero = lp.new_zeros(N, 1)
-    return torch.cat([zero, lp.view(N, T - 1)], 1), torch.cat([zero, ent.view(N, T - 1)], 1)
+        return head, hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (K, H)
+    _warn_fallback(model)
+    logits = model(**kw).logits  # (N, T, V)
+    return None, logits[:, :-1].reshape(-1, logits.shape[-1])  # (K, V)
 
 
 _warned: set[int] = set()
@@ -153,6 +160,50 @@ def _warn_fallback(model) -> None:
         _warned.add(id(model))
         log.warning("log-probs from the model's full logits (its output head is trained or post-processes logits): "
                     "memory grows with tokens x vocabulary")
+
+
+@torch.no_grad()
+def causal_lm_predictions(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    chunk_elems: int = CHUNK_ELEMS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced (log-probs, argmax predictions) of every next token, no graph: what evaluation reads.
+
+    ``logprobs[:, t] = log p(ids[t] | ids[<t])`` under the model's own distribution (tau = 1 everywhere,
+    whatever the sampling temperature) and ``pred[:, t] = argmax_v p(v | ids[<t])`` (the first one on a tie, as
+    ``argmax`` of the full logits gives it), so ``pred == ids`` marks the tokens a greedy decoder would
+    have produced. The output head runs on chunks of at most ``chunk_elems // V`` positions, as in
+    :func:`causal_lm_logprobs`; the same fallback to the model's own logits applies.
+
+    Args:
+        model: causal LM (peft-wrapped or not).
+        input_ids, attention_mask (2D, or 4D additive float), position_ids: the batch.
+        chunk_elems: logits held at once (positions per chunk = chunk_elems // vocab).
+
+    Returns:
+        ``logprobs`` (N, T) fp32, 0 at t = 0; ``pred`` (N, T) long, -1 at t = 0 (no token predicts it).
+    """
+    N, T = input_ids.shape
+    targets = input_ids[:, 1:].reshape(-1)  # (K,) with K = N * (T - 1)
+    head, h = _head_input(model, input_ids, attention_mask, position_ids)
+    vocab = head.out_features if head is not None else h.shape[-1]
+
+    def logits(s: int, e: int) -> torch.Tensor:
+        return F.linear(h[s:e], head.weight, head.bias) if head is not None else h[s:e]  # (c, V)
+    K, chunk = targets.shape[0], max(1, chunk_elems // vocab)
+    lp = torch.empty(K, dtype=torch.float32, device=input_ids.device)
+    pred = torch.empty(K, dtype=torch.long, device=input_ids.device)
+    for s in range(0, K, chunk):
+        e = min(K, s + chunk)
+        z = logits(s, e).float()  # (c, V); the only (c, V) buffer kept
+        lp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - z.logsumexp(-1)
+        pred[s:e] = z.argmax(-1)
+    lp = torch.cat([lp.new_zeros(N, 1), lp.view(N, T - 1)], 1)  # (N, T)
+    pred = torch.cat([pred.new_full((N, 1), -1), pred.view(N, T - 1)], 1)  # (N, T)
+    return lp, pred
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,6 @@ counters (in the DataModule's state) and RNG state; the frozen base is never wri
 from __future__ import annotations
 
 import contextlib
-import random
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -26,9 +25,11 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from cope.models.policy import Policy
-from cope.train.batch import SEGMENT_KEYS, row_lengths, segment_attention
+from cope.train.batch import SEGMENT_KEYS, microbatch_plan, row_lengths, segment_attention
 from cope.train.logprobs import causal_lm_logprobs, sampler_gap
 from cope.train.objectives import ForwardOut, Objective, combine
+from cope.train.seeding import seed_globals
+from cope.train.step_guard import StepGuard
 
 ScoredTransform = Callable[[list[dict], list], None]
 
@@ -47,11 +48,17 @@ class AgentRLModule(pl.LightningModule):
         max_tokens_per_microbatch: forward/backward at most this many tokens (rows x padded length)
             at once, accumulating into one optimizer step (None: the whole minibatch in one forward).
             The scoring pass uses the same budget.
+        max_nonfinite_steps: an optimizer step whose gradient norm is not finite is skipped (gradients dropped,
+            no optimizer or scheduler step; counted in ``train/skipped_steps``); this many in a row stop the run.
+        seed: the run seed; at the start of every training epoch the process-global generators (dropout)
+            are seeded from it, the rank and the epoch (:func:`cope.train.seeding.seed_globals`), so ranks
+            differ and a resumed run draws what the uninterrupted one drew.
     """
 
     def __init__(self, policy: Policy, objectives: list[Objective], optimizer: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., Any] | None = None, temperature: float = 1.0,
-                 gradient_clip_val: float | None = 1.0, max_tokens_per_microbatch: int | None = None):
+                 gradient_clip_val: float | None = 1.0, max_tokens_per_microbatch: int | None = None,
+                 max_nonfinite_steps: int = 3, seed: int = 0):
         super().__init__()
         if temperature < 0:
             raise ValueError(f"module.temperature must be >= 0, got {temperature}")
@@ -61,7 +68,8 @@ class AgentRLModule(pl.LightningModule):
             raise ValueError(f"module.max_tokens_per_microbatch must be null or >= 1, got {max_tokens_per_microbatch}")
         self.automatic_optimization = False  # the step is written out in training_step (micro-batches)
         self.temperature, self.gradient_clip_val = float(temperature), gradient_clip_val
-        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.max_tokens_per_microbatch, self.seed = max_tokens_per_microbatch, int(seed)
+        self.step_guard = StepGuard(max_nonfinite_steps)  # drops steps whose gradient norm is not finite
         if not objectives:
             raise ValueError("algo.objectives is empty: at least the policy-gradient objective is needed")
         names = [o.name for o in objectives]
@@ -124,26 +132,28 @@ class AgentRLModule(pl.LightningModule):
         count times their longest real length fits the budget (one row at least); [(None, None)]: all at once."""
         if self.max_tokens_per_microbatch is None:
             return [(None, None)]
-        lengths = row_lengths(batch)
-        parts, start, longest = [], 0, 0
-        for i, n in enumerate(lengths.tolist()):
-            grown = max(longest, n)
-            if i > start and grown * (i + 1 - start) > self.max_tokens_per_microbatch:
-                parts.append((start, i, longest))
-                start, grown = i, n
-            longest = grown
-        parts.append((start, len(lengths), longest))
         dev = batch["input_ids"].device
-        return [(torch.arange(a, b, device=dev), n) for a, b, n in parts]
+        return [(torch.arange(a, b, device=dev), n) for a, b, n in microbatch_plan(row_lengths(batch).tolist(),
+                                                                                    self.max_tokens_per_microbatch)]
 
     def forward(self, batch: dict) -> ForwardOut:
         lp, ent = self.logprobs(batch)
         ref = batch.get("ref_logprobs") if self.needs_ref else None
         return ForwardOut(logprobs=lp, entropy=ent, ref_logprobs=ref)
 
+    def _precision_context(self):
+        """The precision plugin's training context (e.g. bf16 autocast under ``bf16-mixed``): Lightning applies it
+        to ``training_step`` only; the scoring pass must compute under the same numerics, or the first PPO ratio
+        of an update is not 1. A no-op without a trainer (tests drive the module directly)."""
+        try:
+            return self.trainer.precision_plugin.train_step_context()
+        except RuntimeError:  # not attached to a Trainer
+            return contextlib.nullcontext()
+
     @torch.no_grad()
     def score_minibatches(self, minibatches: list[dict]) -> None:
-        """Fill ``old_logprobs``, ``old_entropy`` (and ``ref_logprobs``) of each minibatch before any update."""
+        """Fill ``old_logprobs``, ``old_entropy`` (and ``ref_logprobs``) of each minibatch before any update,
+        under the same precision context as the training forward."""
         was = self.model.training
         self.model.eval()
         try:
@@ -155,10 +165,11 @@ class AgentRLModule(pl.LightningModule):
                 for rows, n in self.micro_batches(dev):
                     r = slice(None) if rows is None else rows
                     c = slice(None) if n is None else slice(0, n)
-                    lp[r, c], ent[r, c] = self.logprobs(dev, rows, n)
-                    if ref is not None:
-                        with self.model.disable_adapter():
-                            ref[r, c] = self.logprobs(dev, rows, n, entropy=False)[0]
+                    with self._precision_context():
+                        lp[r, c], ent[r, c] = self.logprobs(dev, rows, n)
+                        if ref is not None:
+                            with self.model.disable_adapter():
+                                ref[r, c] = self.logprobs(dev, rows, n, entropy=False)[0]
                 mb["old_logprobs"], mb["old_entropy"] = lp.cpu(), ent.cpu()
                 if ref is not None:
                     mb["ref_logprobs"] = ref.cpu()
@@ -181,6 +192,7 @@ class AgentRLModule(pl.LightningModule):
         """Prepares the epoch's experience for training: scores every minibatch with the policy as it is
         now (old/reference log-probs), runs the scored transforms, logs the epoch's rollout metrics (with
         the gap to the sampler's own log-probs when the engine reported them, :func:`sampler_gap`)."""
+        seed_globals(self.seed, self.global_rank, self.current_epoch)
         dm = self.trainer.datamodule
         record = getattr(dm, "train_record", None)
         if record is None:
@@ -236,12 +248,18 @@ class AgentRLModule(pl.LightningModule):
         opt = self.optimizers()
         opt.zero_grad()
         _, total, metrics = self._backward(batch)
-        if self.gradient_clip_val is not None:
-            self.clip_gradients(opt, gradient_clip_val=self.gradient_clip_val, gradient_clip_algorithm="norm")
-        opt.step()
-        sch = self.lr_schedulers()
-        if sch is not None:
-            sch.step()
+        grads = [p.grad for p in self.policy.trainable_parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())  # before clipping; DDP: already synced
+        if self.step_guard.allow(norm, self.global_step):
+            if self.gradient_clip_val is not None:
+                self.clip_gradients(opt, gradient_clip_val=self.gradient_clip_val, gradient_clip_algorithm="norm")
+            opt.step()
+            sch = self.lr_schedulers()
+            if sch is not None:
+                sch.step()
+        else:
+            opt.zero_grad()  # the weights, optimizer moments and schedule stay as they were
+        metrics = {**metrics, "train/grad_norm": norm.detach(), "train/skipped_steps": float(self.step_guard.skipped)}
         bs = int(batch["input_ids"].shape[0])
         self.log_dict({k: v for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=bs)
         result = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in metrics.items()}
@@ -273,18 +291,15 @@ class AgentRLModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
         checkpoint["objectives"] = {o.name: o.state_dict() for o in self.objectives}  # their only copy
         checkpoint["base_model"] = self.policy.source
+        checkpoint["skipped_steps"] = self.step_guard.skipped
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         missing = trainable - set(checkpoint["state_dict"])
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} adapter tensors, e.g. {sorted(missing)[:3]}: different LoRA config?")
-        rng = checkpoint.get("rng")
-        if rng:
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
         for o in self.objectives:
             o.load_state_dict(checkpoint.get("objectives", {}).get(o.name, {}))
+        self.step_guard.skipped = int(checkpoint.get("skipped_steps", 0))

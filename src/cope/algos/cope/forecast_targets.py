@@ -13,7 +13,6 @@ workers; the targets themselves are unaffected.
 """
 from __future__ import annotations
 
-import random
 from collections import defaultdict
 
 import torch
@@ -21,6 +20,7 @@ from lightning.pytorch import Callback
 
 from cope.algos.cope.targets import LAYOUTS, build_chunks, check_chunk_args
 from cope.episode import Episode
+from cope.train.seeding import stream
 
 # Raw counts summed over the minibatches of an epoch; the logged means are derived from them.
 _SUMS = ("forecast/targets", "forecast/episodes", "forecast/supervised_actions", "forecast/supervisions",
@@ -40,7 +40,8 @@ class ForecastTargets(Callback):
         max_anchors_per_episode: sample size for ``anchors='sample'``.
         success_only: only successful episodes give targets (ignored when ``min_score`` is set).
         min_score: episodes with ``score >= min_score`` give targets instead.
-        seed: seed of the anchor sampler.
+        seed: the run seed; the anchor sampler of each epoch is derived from it, the rank and the epoch
+            (:mod:`cope.train.seeding`: distinct per rank, the same after a resume).
         mask_projected: actions the env read out of free text (``env.action_parsing=project``) are
             treated as invalid (masked, or cut with ``cut_at_invalid``): forecasts learn the strict format.
     """
@@ -64,7 +65,9 @@ class ForecastTargets(Callback):
         self.K, self.mask_invalid, self.cut_at_invalid, self.layout = int(K), mask_invalid, cut_at_invalid, layout
         self.anchors, self.max_anchors_per_episode = anchors, max_anchors_per_episode
         self.success_only, self.min_score, self.mask_projected = success_only, min_score, mask_projected
-        self._rng = random.Random(seed)
+        self.seed = int(seed)
+        self._rng, self._stream_of = stream(self.seed, "anchors", 0, 0), (0, 0)  # (rank, epoch) of the current stream
+        self._rank = 0  # the trainer's global rank, set in setup
         self._datamodule = None
         self._chat, self._pad_id = None, 0  # the policy's, bound at setup
         self._sums: dict[str, float] = defaultdict(float)
@@ -75,6 +78,7 @@ class ForecastTargets(Callback):
         if dm is None or not hasattr(dm, "add_collate_transform"):
             raise TypeError("ForecastTargets needs a datamodule with add_collate_transform (cope.train.datamodule.RolloutDataModule)")
         self._chat, self._pad_id = pl_module.policy.chat, pl_module.policy.pad_id
+        self._rank = trainer.global_rank
         if dm is self._datamodule:
             return  # already registered (setup runs once per stage)
         dm.add_collate_transform(self.transform)
@@ -83,6 +87,10 @@ class ForecastTargets(Callback):
     def transform(self, batch: dict[str, torch.Tensor], episodes: list[Episode]) -> dict[str, torch.Tensor]:
         """The collate transform: chunks for this minibatch's episodes, laid out by ``layout``."""
         idx = [i for i in batch["episode_index"].tolist() if i >= 0]
+        if self._datamodule is not None:  # the anchor stream of this rank in the epoch being collected
+            key = (self._rank, self._datamodule.epoch)
+            if key != self._stream_of:
+                self._rng, self._stream_of = stream(self.seed, "anchors", *key), key
         chunks, metrics = build_chunks(
             [episodes[i] for i in idx],
             self._chat,
@@ -121,9 +129,3 @@ class ForecastTargets(Callback):
         self._sums.clear()
         self._calls = 0
 
-    def state_dict(self) -> dict:
-        return {"rng": self._rng.getstate()}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if "rng" in state_dict:
-            self._rng.setstate(state_dict["rng"])

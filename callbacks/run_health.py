@@ -1,0 +1,105 @@
+"""Stop rules for a run that trains on nothing: a broken env or server, or no learning signal for many epochs.
+
+A week of GPU time must not go to a run stepping on empty batches. Before each training epoch's update (the
+epoch's experience is collected by then), this callback reads the epoch record and counts, over all ranks:
+
+* ``health/aborted_frac``: the share of the epoch's episodes that were aborted (env crash, worker or server
+  failure, timeout). More than ``max_aborted_frac`` for ``aborted_epochs`` epochs in a row stops the run.
+* ``health/signal_groups``: GRPO groups with a reward spread (the only groups whose policy gradient is not 0).
+  None in ``zero_signal_epochs`` epochs in a row stops the run. Auxiliary objectives may still train then
+  (ECHO on observations, CoPE forecasts from all-win groups): a cold start that is meant to wait longer sets a
+  larger count, or null.
+
+Both streaks are logged every epoch (``health/aborted_streak``, ``health/zero_signal_streak``) before a rule
+triggers, and kept in checkpoints (Lightning's callback state), so a resume keeps counting. The stop is a
+:class:`RunStalled` error naming the cause and the key that sets the rule; the last checkpoint stays as it was.
+Every rank reaches the same decision (the counts are summed over ranks first). The third rule, skipping an
+optimizer step whose gradient norm is not finite, lives in the module's step (``module.max_nonfinite_steps``).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from lightning.pytorch import Callback
+
+from cope.records import train_record
+
+log = logging.getLogger(__name__)
+
+
+class RunStalled(RuntimeError):
+    """The run stopped because it would go on training on nothing (the message says why and how to change the rule)."""
+
+
+def _check(key: str, value, low: float, high: float | None = None, integer: bool = False) -> None:
+    bad = value is not None and (isinstance(value, bool) or (integer and not isinstance(value, int))
+                                 or value < low or (high is not None and value > high))
+    if bad:
+        raise ValueError(f"callbacks.run_health.{key} must be null or {'an int' if integer else 'a number'} "
+                         f">= {low}{f' and <= {high}' if high is not None else ''}, got {value!r}")
+
+
+class RunHealth(Callback):
+    """Stops a run whose epochs are mostly aborted episodes, or that has no learning signal for long.
+
+    Args:
+        max_aborted_frac: an epoch with more than this share of aborted episodes counts as broken.
+        aborted_epochs: that many broken epochs in a row stop the run (null: never).
+        zero_signal_epochs: that many epochs in a row without one group with a reward spread stop the run (null: never).
+    """
+
+    def __init__(self, max_aborted_frac: float = 0.5, aborted_epochs: int | None = 3, zero_signal_epochs: int | None = 20):
+        _check("max_aborted_frac", max_aborted_frac, 0.0, 1.0)
+        _check("aborted_epochs", aborted_epochs, 1, integer=True)
+        _check("zero_signal_epochs", zero_signal_epochs, 1, integer=True)
+        self.max_aborted_frac, self.aborted_epochs, self.zero_signal_epochs = max_aborted_frac, aborted_epochs, zero_signal_epochs
+        self.aborted_streak = self.zero_signal_streak = 0
+        self._seen_epoch: int | None = None
+
+    def _totals(self, trainer, record) -> tuple[float, float, float]:
+        """(aborted episodes, episodes, groups with a reward spread), summed over ranks."""
+        groups: dict[int, set[float]] = {}
+        for e in record.episodes:
+            if not e.aborted:
+                groups.setdefault(e.group, set()).add(float(e.reward))
+        local = torch.tensor([sum(e.aborted for e in record.episodes), len(record.episodes),
+                              sum(len(r) > 1 for r in groups.values())], dtype=torch.float64)
+        if getattr(trainer, "world_size", 1) > 1:
+            local = trainer.strategy.reduce(local.to(trainer.strategy.root_device), reduce_op="sum").cpu()
+        return tuple(float(v) for v in local.tolist())
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        record = train_record(trainer)
+        if record is None or record.epoch == self._seen_epoch:
+            return
+        self._seen_epoch = record.epoch
+        aborted, episodes, signal = self._totals(trainer, record)
+        frac = aborted / max(episodes, 1.0)
+        self.aborted_streak = self.aborted_streak + 1 if frac > self.max_aborted_frac else 0
+        self.zero_signal_streak = self.zero_signal_streak + 1 if signal == 0 else 0
+        pl_module.log_dict({"health/aborted_frac": frac, "health/signal_groups": signal,
+                            "health/aborted_streak": float(self.aborted_streak),
+                            "health/zero_signal_streak": float(self.zero_signal_streak)},
+                           on_step=False, on_epoch=True, batch_size=1)
+        if self.aborted_epochs is not None and self.aborted_streak >= self.aborted_epochs:
+            self._stop(f"{self.aborted_streak} epochs in a row had more than {self.max_aborted_frac:.0%} of their episodes "
+                       f"aborted (this epoch {int(aborted)} of {int(episodes)}): the env, its workers or the rollout server "
+                       "keep failing (see the env/* metrics and the log above). Set callbacks.run_health.aborted_epochs "
+                       "(null: never stop) or callbacks.run_health.max_aborted_frac to change the rule")
+        if self.zero_signal_epochs is not None and self.zero_signal_streak >= self.zero_signal_epochs:
+            self._stop(f"{self.zero_signal_streak} epochs in a row without one group whose rewards differ: the policy "
+                       "gradient is 0 (every episode fails, or every one succeeds). Set callbacks.run_health.zero_signal_epochs "
+                       "(null: never stop) to wait longer, e.g. for auxiliary objectives in a cold start")
+
+    @staticmethod
+    def _stop(message: str) -> None:
+        log.error("stopping the run: %s", message)
+        raise RunStalled(message)
+
+    def state_dict(self) -> dict:
+        return {"aborted_streak": self.aborted_streak, "zero_signal_streak": self.zero_signal_streak}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.aborted_streak = int(state_dict.get("aborted_streak", 0))
+        self.zero_signal_streak = int(state_dict.get("zero_signal_streak", 0))

@@ -1,0 +1,25 @@
+"""A test-only objective whose gradient is NaN on chosen calls (composed in with ``+algo.objectives.poison``)."""
+from __future__ import annotations
+
+import torch
+
+from cope.train.objectives import ForwardOut, Objective
+
+
+class PoisonLoss(Objective):
+    """NaN on its ``bad_calls``-th gradient-carrying calls (0-based; None: every call), 0 otherwise."""
+
+    name = "poison"
+    needs_ref = False
+
+    def __init__(self, bad_calls: list[int] | None = None, weight: float = 1.0):
+        super().__init__(weight=weight)
+        self.bad_calls, self.calls = bad_calls, 0
+
+    def __call__(self, out: ForwardOut, batch: dict) -> tuple[torch.Tensor, dict]:
+        zero = out.logprobs.sum() * 0.0
+        if not torch.is_grad_enabled() or not out.logprobs.requires_grad:
+            return zero.detach(), {}
+        bad = self.bad_calls is None or self.calls in self.bad_calls
+        self.calls += 1
+        return (zero * float("nan") if bad else zero), {}
