@@ -18,7 +18,7 @@ runs), ``cope.train.objectives.combine`` for the logged loss, gradient-norm clip
 (``torch.nn.utils.clip_grad_norm_``: what Lightning's ``clip_gradients`` does in bf16-true), AdamW over the
 LoRA parameters (``module.configure_optimizers``). Two objectives: GRPO (``cope.algos.grpo.PolicyGradient``)
 and CoPE (+ ``cope.algos.cope.loss.ForecastLoss`` on forecast targets from
-``cope.algos.cope.targets.build_chunks`` laid out by ``pack_forecasts``). Then HF generation with
+``cope.algos.cope.chunks.build_chunks`` laid out by ``pack_forecasts``). Then HF generation with
 ``cope.rollout.hf_actor.CachedSamplingActor`` (KV cache, nucleus sampling at T=1) at batch 64.
 
 Sizes on the GPU (default), chosen to finish in well under 8 minutes on one H200:
@@ -278,7 +278,8 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
                  cope: dict | None) -> dict:
     import torch
 
-    from cope.algos.cope.targets import LAYOUTS, build_chunks
+    from cope.algos.cope.chunks import build_chunks
+    from cope.algos.cope.layouts import LAYOUTS
     from cope.train.batch import collate, row_lengths
     from cope.train.module import AgentRLModule
 

@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 from lightning.pytorch import Callback
 
-from cope.algos.cope.targets import build_chunks, plain_forecasts
+from cope.algos.cope.chunks import build_chunks
+from cope.algos.cope.layouts import plain_forecasts
 from cope.episode import Role
 from cope.records import val_record
 from cope.train.batch import collate

@@ -13,7 +13,8 @@ from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_base, tiny_ch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cope.algos.cope.targets import build_chunks, plain_forecasts
+from cope.algos.cope.chunks import build_chunks
+from cope.algos.cope.layouts import plain_forecasts
 from cope.algos.grpo import PolicyGradient
 from cope.callbacks.probes import HeldOutProbes
 from cope.episode import Role

@@ -8,10 +8,11 @@ import torch
 import transformers
 from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E402
 
+from cope.algos.cope.chunks import build_chunks
 from cope.algos.cope.forecast_targets import ForecastTargets
+from cope.algos.cope.layouts import pack_forecasts, plain_forecasts
 from cope.algos.cope.loss import AdaptiveScale, ForecastLoss, forecast_nll
 from cope.algos.cope.loss_balance import LossBalance
-from cope.algos.cope.targets import build_chunks, pack_forecasts, plain_forecasts
 from cope.episode import Role
 from cope.train.batch import SEGMENT_KEYS, collate, segment_attention
 from cope.train.objectives import ForwardOut

@@ -1,9 +1,9 @@
-"""CoPE forecast targets (cope.algos.cope.targets.build_chunks) on hand-made episodes."""
+"""CoPE forecast targets (cope.algos.cope.chunks.build_chunks) on hand-made episodes."""
 import random
 
 import pytest
 
-from cope.algos.cope.targets import build_chunks
+from cope.algos.cope.chunks import build_chunks
 from cope.chat import ChatFormat
 from cope.envs.base import Task
 from cope.episode import EndReason, Episode, Role, Step

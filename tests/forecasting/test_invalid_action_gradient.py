@@ -10,8 +10,9 @@ import torch
 import transformers
 from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E402
 
+from cope.algos.cope.chunks import build_chunks
+from cope.algos.cope.layouts import pack_forecasts
 from cope.algos.cope.loss import forecast_nll
-from cope.algos.cope.targets import build_chunks, pack_forecasts
 from cope.train.batch import collate, segment_attention
 from cope.train.logprobs import token_logprobs
 

@@ -28,7 +28,7 @@ class RolloutBatch(TypedDict, total=False):
         aux_row (N,) bool: rows that are not episode transcripts (all False here; CoPE's plain forecast
             layout appends such rows): transcript-level objectives (ECHO, EMPG) skip them.
 
-    Added by CoPE's forecast targets (:mod:`cope.algos.cope.targets`): ``forecast_mask``,
+    Added by CoPE's forecast targets (:mod:`cope.algos.cope.chunks` and :mod:`cope.algos.cope.layouts`): ``forecast_mask``,
     ``forecast_chunk``, ``forecast_actions``, and for the packed layout the segment attention
     ``attn_context_end`` / ``attn_segment_start`` (N, T) long (query i attends keys j < context_end[i]
     and segment_start[i] <= j <= i; see :func:`segment_attention`).

@@ -1,7 +1,7 @@
 """CoPE forecast targets as a callback: builds action-chunk targets for each minibatch.
 
 Follows CoPE (arXiv 2610.20597): targets only from successful, non-aborted on-policy episodes;
-see :mod:`cope.algos.cope.targets` for the chunk definition and the two batch layouts, and
+see :mod:`cope.algos.cope.chunks` and :mod:`cope.algos.cope.layouts` for the chunk definition and the two batch layouts, and
 :class:`cope.algos.cope.loss.ForecastLoss` for the loss that reads them.
 
 The callback registers a collate transform on the datamodule (``add_collate_transform``), so the
@@ -18,7 +18,8 @@ from collections import defaultdict
 import torch
 from lightning.pytorch import Callback
 
-from cope.algos.cope.targets import LAYOUTS, build_chunks, check_chunk_args
+from cope.algos.cope.chunks import build_chunks, check_chunk_args
+from cope.algos.cope.layouts import LAYOUTS
 from cope.episode import Episode
 from cope.train.seeding import stream
 

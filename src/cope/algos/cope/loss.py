@@ -2,7 +2,7 @@
 
 Follows CoPE (arXiv 2610.20597): total = L_pg + lambda * L_forecast, with L_forecast normalized so
 that the multi-step targets cannot overwhelm the policy gradient. The targets and their layout in
-the batch come from :mod:`cope.algos.cope.targets`; this file only reads ``forecast_mask``,
+the batch come from :mod:`cope.algos.cope.chunks` and :mod:`cope.algos.cope.layouts`; this file only reads ``forecast_mask``,
 ``forecast_chunk`` and ``forecast_actions``.
 
 Where we are specific (the paper's exact normalization is not known to us):

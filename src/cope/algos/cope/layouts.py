@@ -1,0 +1,157 @@
+"""Two equivalent ways to lay CoPE forecast chunks (:class:`~cope.algos.cope.chunks.ForecastChunk`) into a
+training batch, and the standalone batch of the separate update.
+
+Layouts of a rollout minibatch (both return a new batch dict, see :class:`cope.train.batch.RolloutBatch` for the
+keys, and add ``forecast_mask`` (N, T) bool, ``forecast_chunk`` (N, T) long (index into ``chunks``, -1
+elsewhere), ``forecast_actions`` (C,) long, ``forecast_weight`` (C,) float, and set ``aux_row`` (N,) bool on rows
+that are not transcripts; both ignore chunks whose episode has no row in the batch, so they give the same loss):
+    * :func:`pack_forecasts`: segments appended after their episode's row, segment attention (O(N T)
+      in the batch; the (T, T) mask exists only per forward, as bool for SDPA).
+    * :func:`plain_forecasts`: one extra row per chunk, ``tokens[:anchor] + chunk``.
+"""
+from __future__ import annotations
+
+import torch
+
+from cope.algos.cope.chunks import ForecastChunk
+from cope.episode import Episode, Role
+
+# Fill values of the known per-token keys on positions a layout adds (other (N, T) keys get 0).
+_TOKEN_FILL = {"attention_mask": 0, "position_ids": 0, "roles": int(Role.PAD), "step_ids": -1, "action_mask": False, "advantages": 0.0}
+# Fill values of the known per-row keys on the plain layout's extra rows (other (N, ...) keys get 0).
+_ROW_FILL = {"aborted": False, "episode_index": -1}
+
+
+def _rows_of(batch: dict) -> dict[int, int]:
+    return {int(e): r for r, e in enumerate(batch["episode_index"].tolist()) if e >= 0}
+
+
+def _check_2d(batch: dict, fn: str) -> tuple[int, int]:
+    am = batch["attention_mask"]
+    if am.dim() != 2:
+        raise ValueError(f"{fn} needs the 2D attention mask of collate, got shape {tuple(am.shape)} (apply one forecast layout only)")
+    return am.shape[0], am.shape[1]
+
+
+def _widen(batch: dict, N: int, T: int, T_new: int, pad_id: int) -> dict:
+    """Copy of ``batch`` with every (N, T, ...) key padded to T_new columns."""
+    out = dict(batch)
+    for k, v in batch.items():
+        if not torch.is_tensor(v) or v.dim() < 2 or tuple(v.shape[:2]) != (N, T) or k in _ROW_FILL or T_new == T:
+            continue
+        fill = pad_id if k == "input_ids" else _TOKEN_FILL.get(k, 0)
+        ext = torch.full((N, T_new - T, *v.shape[2:]), fill, dtype=v.dtype)
+        out[k] = torch.cat([v, ext], dim=1)  # (N, T_new, ...)
+    return out
+
+
+def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
+    """Append each chunk after its episode's transcript in the same row, with segment attention
+    (``attn_context_end``, ``attn_segment_start``: see :func:`cope.train.batch.segment_attention`).
+
+    The chunk's a_t is scored at its transcript positions; the appended segment (joiner, a_{t+1},
+    ...) anchors at ``steps[t].action_end``: it attends to transcript positions < action_end and
+    causally to itself, and its position ids continue from there. When a segment would open with a
+    target token (an empty joiner), the token before it is repeated first as a non-target, because
+    the first column of a segment is scored from the previous column's logits, which belong to
+    something else. ``attention_mask`` stays 2D (1 on transcript and segment tokens, rows right padded).
+    When no segment is appended, the batch has no segment keys.
+    """
+    N, T = _check_2d(batch, "pack_forecasts")
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    rows = _rows_of(batch)
+    ends = list(lengths)  # next free column per row
+    segs = []  # (row, first column, context length, position of first token, ids, targets, chunk id)
+    marks = []  # (row, column, target, chunk id) for a_t at its transcript positions
+    for cid, ch in enumerate(chunks):
+        r = rows.get(ch.episode)
+        if r is None:
+            continue
+        ep = episodes[ch.episode]
+        s = ep.steps[ch.step]
+        if lengths[r] != len(ep.tokens) or ch.anchor != s.action_start:
+            raise ValueError(f"pack_forecasts: chunk {cid} does not match the row of episode {ch.episode}")
+        n0 = s.action_end - s.action_start
+        if ch.tokens[:n0] != ep.tokens[s.action_start : s.action_end]:
+            raise ValueError(f"pack_forecasts: chunk {cid} does not start with its anchor action")
+        marks += [(r, s.action_start + i, ch.target[i], cid) for i in range(n0)]
+        ids, tgt, ctx = list(ch.tokens[n0:]), list(ch.target[n0:]), s.action_end
+        if not ids:
+            continue
+        if tgt[0]:
+            ids, tgt, ctx = [ep.tokens[ctx - 1], *ids], [False, *tgt], ctx - 1
+        segs.append((r, ends[r], ctx, ids, tgt, cid))
+        ends[r] += len(ids)
+    T_new = max([T, *ends])
+    out = _widen(batch, N, T, T_new, pad_id)
+    fmask = torch.zeros(N, T_new, dtype=torch.bool)  # (N, T_new)
+    fchunk = torch.full((N, T_new), -1, dtype=torch.long)  # (N, T_new)
+    for r, col, tg, cid in marks:
+        fmask[r, col], fchunk[r, col] = tg, cid
+    if segs:
+        # segment attention, O(N * T) (cope.train.batch.segment_attention builds the (T, T) mask per forward):
+        # query i sees keys j < context_end[i] and segment_start[i] <= j <= i. Transcript: (0, 0), causal;
+        # padding: (0, i), itself only; a segment: (anchor context, its first column).
+        col = torch.arange(T_new)
+        ctx_end = torch.zeros(N, T_new, dtype=torch.long)  # (N, T_new)
+        seg_start = torch.where(col[None] < torch.tensor(lengths)[:, None], 0, col[None]).clone()  # (N, T_new)
+        ids_t, pos_t, real = out["input_ids"].clone(), out["position_ids"].clone(), out["attention_mask"].clone()
+        for r, c0, ctx, ids, tgt, cid in segs:
+            c1 = c0 + len(ids)
+            ids_t[r, c0:c1] = torch.tensor(ids, dtype=torch.long)
+            pos_t[r, c0:c1] = torch.arange(ctx, ctx + len(ids))
+            fmask[r, c0:c1] = torch.tensor(tgt, dtype=torch.bool)
+            fchunk[r, c0:c1] = cid
+            ctx_end[r, c0:c1] = ctx  # the history h_t (up to the anchor)
+            seg_start[r, c0:c1] = c0  # causal inside the segment
+            real[r, c0:c1] = 1
+        out["attn_context_end"], out["attn_segment_start"] = ctx_end, seg_start
+        out["input_ids"], out["position_ids"], out["attention_mask"] = ids_t, pos_t, real
+    out["forecast_mask"], out["forecast_chunk"] = fmask, fchunk
+    out["forecast_actions"] = torch.tensor([c.num_actions for c in chunks], dtype=torch.long)  # (C,)
+    out["forecast_weight"] = torch.tensor([c.weight for c in chunks], dtype=torch.float32)  # (C,)
+    out["aux_row"] = batch.get("aux_row", torch.zeros(N, dtype=torch.bool))  # (N,): no rows added
+    return out
+
+
+def plain_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
+    """Each chunk as its own extra row ``tokens[:anchor] + chunk`` with a 2D mask (the reference
+    layout: simple, more compute). Extra rows are all ``roles=PAD``, so no other objective sees them."""
+    N, T = _check_2d(batch, "plain_forecasts")
+    rows = _rows_of(batch)
+    keep = [(cid, ch) for cid, ch in enumerate(chunks) if ch.episode in rows]
+    seqs = [episodes[ch.episode].tokens[: ch.anchor] + list(ch.tokens) for _, ch in keep]
+    M = len(keep)
+    T_new = max([T, *(len(s) for s in seqs)])
+    out = _widen(batch, N, T, T_new, pad_id)
+    fmask = torch.zeros(N + M, T_new, dtype=torch.bool)  # (N + M, T_new)
+    fchunk = torch.full((N + M, T_new), -1, dtype=torch.long)  # (N + M, T_new)
+    ids = torch.full((M, T_new), pad_id, dtype=torch.long)  # (M, T_new)
+    attn = torch.zeros(M, T_new, dtype=out["attention_mask"].dtype)  # (M, T_new)
+    for m, ((cid, ch), seq) in enumerate(zip(keep, seqs)):
+        ids[m, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[m, : len(seq)] = 1
+        fmask[N + m, ch.anchor : len(seq)] = torch.tensor(ch.target, dtype=torch.bool)
+        fchunk[N + m, ch.anchor : len(seq)] = cid
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (M, T_new), as collate does
+    for k, v in list(out.items()):
+        if not torch.is_tensor(v) or v.dim() < 1 or v.shape[0] != N:
+            continue
+        if k == "input_ids":
+            extra = ids
+        elif k == "attention_mask":
+            extra = attn
+        elif k == "position_ids":
+            extra = pos
+        else:
+            fill = _ROW_FILL.get(k, _TOKEN_FILL.get(k, 0))
+            extra = torch.full((M, *v.shape[1:]), fill, dtype=v.dtype)
+        out[k] = torch.cat([v, extra], dim=0)  # (N + M, ...)
+    out["forecast_mask"], out["forecast_chunk"] = fmask, fchunk
+    out["forecast_actions"] = torch.tensor([c.num_actions for c in chunks], dtype=torch.long)  # (C,)
+    out["forecast_weight"] = torch.tensor([c.weight for c in chunks], dtype=torch.float32)  # (C,)
+    out["aux_row"] = torch.cat([torch.zeros(N, dtype=torch.bool), torch.ones(M, dtype=torch.bool)])  # (N + M,): forecasts
+    return out
+
+
+LAYOUTS = {"packed": pack_forecasts, "plain": plain_forecasts}
