@@ -33,6 +33,7 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.train.grad_stats import gradient_metrics, mean_over_ranks, measure_gradients
+from cope.train.objectives import ROLLOUT, batch_kind
 
 
 class GradientStats(Callback):
@@ -54,7 +55,8 @@ class GradientStats(Callback):
             raise ValueError(f"callbacks.grad_stats.reference {self.reference!r} is not among the module's objectives {names}")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self.every_n_steps < 1 or trainer.global_step % self.every_n_steps != 0 or not isinstance(batch, Mapping):
+        if (self.every_n_steps < 1 or trainer.global_step % self.every_n_steps != 0 or not isinstance(batch, Mapping)
+                or batch_kind(batch) != ROLLOUT):  # CoPE's separate forecast steps have one objective: nothing to compare
             return
         metrics, _ = gradient_metrics(measure_gradients(trainer, pl_module, batch, pl_module.objectives), self.reference)
         if metrics:

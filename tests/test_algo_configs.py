@@ -1,9 +1,10 @@
 """Every algo config, and each CoPE ablation override, trains 2 epochs end to end and logs its objective.
 
 With debug=fast the cold-start policy makes only invalid moves and never succeeds, so plain `algo=cope`
-has no forecast targets (`forecast/targets` is logged as 0). The ablation runs add `cope.min_score=-1`
-(every episode counts as a target source) so that the ablated code paths actually build and score
-forecast chunks."""
+has no forecast samples (`forecast/samples` is logged as 0) and takes no forecast step. The runs of the
+authors' method that must train add a warm-started maze the policy sometimes solves and `cope.gate=all`; the
+continuation ablations (`algo=cope_continuation`) add `cope.min_score=-1` (every episode counts as a target
+source) so that the ablated code paths actually build and score forecast chunks."""
 from __future__ import annotations
 
 import math
@@ -14,20 +15,28 @@ from safetensors.torch import load_file
 # every episode a target source, and invalid actions kept as targets (the cold-start actions are all invalid)
 FORCE_TARGETS = ["cope.min_score=-1", "cope.mask_invalid=false"]
 COPE_KEYS = ("loss/forecast", "forecast/targets")
+AUTHORS_KEYS = ("forecast/samples", "forecast/trajectories", "forecast/k_mean")
+# a maze a 150-step warm start solves now and then: valid actions and wins, so the authors' samples exist
+LEARNS = ["model.warm_start_steps=150", "env.sizes=[5]", "env.min_distance=1", "cope.gate=all"]
+CONT = "algo=cope_continuation"
 CASES = {
     # id: (overrides, keys that must be logged)
     "grpo": (["algo=grpo"], ("loss/pg",)),
     "echo": (["algo=echo"], ("loss/pg", "loss/echo")),
-    "cope": (["algo=cope"], ("loss/pg", *COPE_KEYS)),
+    "cope": (["algo=cope"], ("loss/pg", *AUTHORS_KEYS)),
     "empg": (["algo=empg"], ("loss/pg", "empg/scale_mean")),
-    "cope_echo": (["algo=cope_echo"], ("loss/pg", *COPE_KEYS, "loss/echo")),
+    "cope_echo": (["algo=cope_echo"], ("loss/pg", *AUTHORS_KEYS, "loss/echo")),
+    "cope-separate": (["algo=cope", *LEARNS], ("loss/pg", "loss/forecast", "forecast/grad_norm", *AUTHORS_KEYS)),
+    "cope-joint": (["algo=cope", "cope.update=joint", *LEARNS], ("loss/pg", "loss/forecast", *AUTHORS_KEYS)),
+    "cope-turns-mask": (["algo=cope", "cope.layout=turns", "cope.invalid=mask", *LEARNS], ("loss/forecast", *AUTHORS_KEYS)),
+    "cope_continuation": ([CONT], ("loss/pg", *COPE_KEYS)),
     # mask_invalid=true (default) with every episode a source: all-invalid chunks give no targets
-    "cope-mask_invalid=true": (["algo=cope", "cope.min_score=-1"], COPE_KEYS),
-    "cope-mask_invalid=false": (["algo=cope", *FORCE_TARGETS], COPE_KEYS),
-    "cope-normalize=none": (["algo=cope", "cope.normalize=none", *FORCE_TARGETS], COPE_KEYS),
-    "cope-normalize=per_step": (["algo=cope", "cope.normalize=per_step", *FORCE_TARGETS], COPE_KEYS),
-    "cope-K=1": (["algo=cope", "cope.K=1", *FORCE_TARGETS], COPE_KEYS),
-    "cope-layout=plain": (["algo=cope", "cope.layout=plain", *FORCE_TARGETS], COPE_KEYS),
+    "cont-mask_invalid=true": ([CONT, "cope.min_score=-1"], COPE_KEYS),
+    "cont-mask_invalid=false": ([CONT, *FORCE_TARGETS], COPE_KEYS),
+    "cont-normalize=none": ([CONT, "cope.normalize=none", *FORCE_TARGETS], COPE_KEYS),
+    "cont-normalize=per_step": ([CONT, "cope.normalize=per_step", *FORCE_TARGETS], COPE_KEYS),
+    "cont-K=1": ([CONT, "cope.K=1", *FORCE_TARGETS], COPE_KEYS),
+    "cont-layout=plain": ([CONT, "cope.layout=plain", *FORCE_TARGETS], COPE_KEYS),
 }
 EPISODES = 2 * 2 * 4  # epochs * tasks_per_epoch * group_size (debug=fast)
 
@@ -62,20 +71,28 @@ def test_algo_trains_and_logs(case, run_train, read_metrics, tmp_path):
         assert all(v > 0 for v in cols["forecast/raw"]), cols["forecast/raw"]
         assert moved, "forecast targets on unmasked actions but the adapter never moved"
         check_ablation(case, cols)
-    elif case == "cope-mask_invalid=true" and all(v == 1.0 for v in cols["rollout/invalid_rate"]):
+    elif case == "cont-mask_invalid=true" and all(v == 1.0 for v in cols["rollout/invalid_rate"]):
         assert all(v == 8 for v in cols["forecast/episodes"]), cols["forecast/episodes"]  # every episode a source
         assert all(v == 0 for v in cols["forecast/targets"]), cols["forecast/targets"]
         assert all(v == 0 for v in cols["loss/forecast"]), cols["loss/forecast"]
     elif "forecast/targets" in keys and not any(cols["forecast/targets"]):  # cold start: no successful episode
         assert all(v == 0 for v in cols["loss/forecast"]), cols["loss/forecast"]
+    if case in ("cope", "cope_echo"):  # cold start: no sample, so no forecast step
+        assert cols["forecast/samples"] == [0.0, 0.0] and not cols.get("forecast/grad_norm"), cols["forecast/samples"]
+    if case == "cope-separate":  # one forecast step per minibatch of 16 samples, after the epoch's policy step
+        steps = [math.ceil(n / 16) for n in cols["forecast/samples"]]
+        assert all(n > 0 for n in cols["forecast/samples"]) and len(cols["forecast/grad_norm"]) == sum(steps), cols
+        assert moved and all(v > 0 for v in cols["loss/forecast"])
+    if case == "cope-joint":  # summed into the policy step: no step of its own
+        assert all(n > 0 for n in cols["forecast/samples"]) and not cols.get("forecast/grad_norm")
 
 
 def check_ablation(case: str, cols: dict[str, list[float]]) -> None:
-    if case == "cope-K=1":  # one action per chunk: every action supervised by exactly one chunk
+    if case == "cont-K=1":  # one action per chunk: every action supervised by exactly one chunk
         assert all(v == 1.0 for v in cols["forecast/ensemble_size"]), cols["forecast/ensemble_size"]
     else:  # K=3: actions inside an episode are covered by several overlapping chunks
         assert all(v > 1.0 for v in cols["forecast/ensemble_size"]), cols["forecast/ensemble_size"]
-    if case.startswith("cope-normalize="):
+    if case.startswith("cont-normalize="):
         # none / per_step: no adaptive balancing, the forecast term enters unscaled
         assert all(v == 1.0 for v in cols["forecast/scale"]), cols["forecast/scale"]
         assert cols["loss/forecast"] == cols["forecast/raw"]

@@ -108,7 +108,7 @@ def _fails_fast(run, tmp_path, monkeypatch) -> str:
 @pytest.mark.parametrize("overrides, key, value, expected", [
     (["data.group_size=abc"], "data.group_size", "'abc'", "expected int"),
     (["seed=abc"], "seed", "'abc'", "expected int"),
-    (["algo=cope", "cope.weight=abc"], "cope.weight", "'abc'", "expected float"),  # a knob, typed where it lands
+    (["algo=cope", "cope.coef=abc"], "cope.coef", "'abc'", "expected float"),  # a knob, typed where it lands
     (["module.optimizer.lr=fast"], "module.optimizer.lr", "'fast'", "expected float"),
     (["trainer.max_epochs=two"], "trainer.max_epochs", "'two'", "expected int"),
     (["data.progress=maybe"], "data.progress", "'maybe'", "expected bool"),
@@ -221,9 +221,12 @@ SHIPPED = (
     + [["debug=fast", f"env={o}"] for o in _options("env")]
     + [["debug=fast", f"trainer={o}"] for o in _options("trainer")]
     + [["debug=fast", f"logger={o}"] for o in _options("logger")]
-    + [["debug=fast", "algo=cope", *o] for o in (["cope.normalize=adaptive"], ["cope.normalize=per_step"], ["cope.K=1"],
-                                                  ["cope.layout=plain"], ["cope.anchors=sample"],
-                                                  ["cope.min_score=-1", "cope.mask_invalid=false"])]
+    + [["debug=fast", "algo=cope_continuation", *o] for o in (
+        ["cope.normalize=adaptive"], ["cope.normalize=per_step"], ["cope.K=1"], ["cope.layout=plain"], ["cope.anchors=sample"],
+        ["cope.min_score=-1", "cope.mask_invalid=false"])]
+    + [["debug=fast", "algo=cope", *o] for o in (["cope.update=joint"], ["cope.update=joint", "cope.packing=plain"],
+                                                  ["cope.layout=turns"], ["cope.gate=mixed"], ["cope.invalid=cut"],
+                                                  ["cope.schedule=power", "cope.schedule_steps=10"], ["cope.lr_scale=3"])]
     + [[]]  # `python train.py` as shipped
     + [[f"model={o}"] for o in _options("model")]
     # presets are for pretrained models; the tiny model's 2048 positions are too few for their contexts
@@ -270,10 +273,13 @@ def test_flash_attention_refuses_the_packed_forecast_layout(compose, tmp_path, a
     from cope.run.config_check import ConfigError, check_config
 
     with pytest.raises(ConfigError) as err:
-        check_config(compose(["algo=cope", f"model.attn_implementation={attn}"], tmp_path))
+        check_config(compose(["algo=cope_continuation", f"model.attn_implementation={attn}"], tmp_path))
     msg = str(err.value)
     assert len(err.value.problems) == 1, msg
     assert f"model.attn_implementation = '{attn}'" in msg and "algo.callbacks.forecast_targets.layout=packed" in msg, msg
     assert "cope.layout=plain" in msg and "model.attn_implementation=sdpa" in msg, msg
-    check_config(compose(["algo=cope", f"model.attn_implementation={attn}", "cope.layout=plain"], tmp_path))  # 2D masks only
+    check_config(compose(["algo=cope_continuation", f"model.attn_implementation={attn}", "cope.layout=plain"], tmp_path))
+    with pytest.raises(ConfigError, match=r"algo\.callbacks\.forecasts\.packing=packed \(update=joint\).*cope\.update=separate"):
+        check_config(compose(["algo=cope", "cope.update=joint", f"model.attn_implementation={attn}"], tmp_path))
+    check_config(compose(["algo=cope", f"model.attn_implementation={attn}"], tmp_path))  # separate: plain rows only
     check_config(compose([f"model.attn_implementation={attn}"], tmp_path))  # GRPO: no forecast segments

@@ -21,7 +21,7 @@ EPOCHS, KILL_AT = 4, 2
 # a maze the warm-started tiny model solves now and then (a reward spread: the policy gradient is not 0)
 LEARNS = ["model.warm_start_steps=150", "env.sizes=[5]", "env.min_distance=1"]
 CASES = {"grpo": ["algo=grpo", *LEARNS],
-         "cope_microbatched": ["algo=cope", "cope.min_score=-1", "module.max_tokens_per_microbatch=300", *LEARNS]}
+         "cope_microbatched": ["algo=cope", "cope.gate=all", "module.max_tokens_per_microbatch=300", *LEARNS]}
 
 
 def _read(out: Path, rank: int) -> tuple[dict[int, dict], dict[int, str]]:

@@ -24,7 +24,6 @@ needs_2_gpus = pytest.mark.skipif(N_GPUS < 2, reason=f"NCCL DDP needs 2 CUDA dev
 IDS = torch.tensor([[1, 290, 201, 30, 31, 2, 201, 1, 295, 201, 268, 2], [1, 294, 201, 40, 41, 42, 2, 201, 1, 295, 201, 263]])
 EPOCHS, TASKS, GROUP = 2, 2, 4  # conf/debug/fast.yaml: trainer.max_epochs, data.tasks_per_epoch, data.group_size
 # every episode a CoPE target source, invalid actions kept (as tests/test_algo_configs.py)
-FORCE_TARGETS = ["cope.min_score=-1", "cope.mask_invalid=false"]
 # the tiny Qwen2 saved by save_tiny, trained through a pretrained preset (as tests/test_model_configs.py)
 PRESET_SMALL = ["trainer.max_epochs=1", "data.tasks_per_epoch=1", "data.group_size=2", "data.val_tasks=2",
                 "data.max_context=1024", "data.progress=false", "trainer.enable_progress_bar=false"]
@@ -70,12 +69,15 @@ def test_bf16_autocast_steps_train_lora_only():
     assert all(torch.equal(p, base0[n]) for n, p in model.named_parameters() if n in base0)
 
 
+COPE_JOINT = ["algo=cope_echo", "cope.update=joint", "cope.gate=all", "model.warm_start_steps=150", "env.sizes=[5]", "env.min_distance=1"]
+
+
 @needs_cuda
-@pytest.mark.parametrize("algo", [["algo=echo"], ["algo=cope_echo", "cope.normalize=adaptive", *FORCE_TARGETS]],
+@pytest.mark.parametrize("algo", [["algo=echo"], COPE_JOINT],
                          ids=["echo", "cope_echo"])
 def test_bf16_mixed_training_through_entry_point(train_script, read_metrics, tmp_path, algo):
     """`python train.py trainer=gpu` (one GPU, bf16-mixed) with the tiny model: rollouts, scoring, the PPO
-    loss and the packed CoPE layout's 4D mask (forced targets) all run on CUDA. ECHO is on in both cases:
+    loss and CoPE's samples packed as segments (update=joint, a warm-started maze with wins) all run on CUDA. ECHO is on in both cases:
     the cold-start policy never succeeds, so its dense loss is what moves the adapter."""
     run_dir = tmp_path / "run"
     proc = train_script(["debug=fast", "trainer=gpu", *algo, f"hydra.run.dir={run_dir}"], tmp_path, timeout=600)
@@ -88,7 +90,7 @@ def test_bf16_mixed_training_through_entry_point(train_script, read_metrics, tmp
     assert "loss/pg" in losses and all(all(v == v for v in cols[k]) for k in losses), {k: cols[k] for k in losses}
     assert cols["loss/echo"], sorted(cols)
     if "algo=cope_echo" in algo:
-        assert max(cols["forecast/targets"]) > 0, cols["forecast/targets"]
+        assert max(cols["forecast/samples"]) > 0, cols["forecast/samples"]
 
 
 @needs_cuda

@@ -358,7 +358,7 @@ def test_the_step_scale_does_not_depend_on_the_callback_order():
 # gradient; every episode a forecast source. One optimizer step per epoch, two epochs: step 1 has step 0's scale.
 GRADNORM_RUN = [
     "seed=1",  # a task stream whose step 0 has a reward spread (seed 2 has none)
-    "algo=cope",
+    "algo=cope_continuation",
     "cope.normalize=gradnorm",
     "cope.min_score=-1",
     "cope.mask_invalid=false",

@@ -32,7 +32,8 @@ BASE = ["debug=fast", "model.warm_start_steps=150", "env.sizes=[6]", "env.max_st
 ALGOS = {
     "grpo": ["algo=grpo"],
     "echo": ["algo=echo"],
-    "cope_adaptive": ["algo=cope", "cope.normalize=adaptive"],
+    "cope_adaptive": ["algo=cope_continuation", "cope.normalize=adaptive"],
+    "cope_separate": ["algo=cope", "cope.gate=all", "cope.minibatch_size=8"],  # the authors': forecast steps of its own
     "empg": ["algo=empg"],
 }
 TIMING = ("perf/",)  # wall-clock metrics: the only columns allowed to differ

@@ -18,7 +18,7 @@ SMALL = ["model=smollm2-135m", "env.action_parsing=project", "env.sizes=[6]", "e
          "trainer.check_val_every_n_epoch=1", "data.tasks_per_epoch=1", "data.group_size=2", "data.minibatch_size=2",
          "data.val_tasks=2", "data.val_batch_size=2", "data.sampling.max_action_tokens=8", "data.max_context=1024",
          "data.progress=false", "trainer.enable_progress_bar=false", "callbacks.probes.max_episodes=2"]
-ALGOS = {"grpo": ["algo=grpo"], "cope": ["algo=cope", "cope.min_score=0", "cope.mask_invalid=false"]}
+ALGOS = {"grpo": ["algo=grpo"], "cope": ["algo=cope", "cope.gate=all", "cope.invalid=mask"]}
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ class EpochRecord:
     minibatches: list[RolloutBatch]
     metrics: dict[str, float]
     counters: dict[str, int]
+    extra_batches: list[RolloutBatch] = field(default_factory=list)  # trained after the minibatches (CoPE's separate update)
     scored: bool = False  # set by the module once the minibatches carry old log-probs
     sampler_logprobs: bool = False  # the engine reports its own log-probs (``Step.sampler_logprobs``: a server engine)
 

@@ -218,3 +218,35 @@ def test_forecast_targets_callback_registers_transform_and_logs():
         ForecastTargets(layout="interleaved")
     with pytest.raises(TypeError, match="datamodule"):
         ForecastTargets().setup(SimpleNamespace(datamodule=None), module, "fit")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_equals_plain_through_the_module_at_any_temperature(temperature):
+    """The module scores transcript action tokens at the sampling temperature (the policy gradient) and every
+    other position untempered. A forecast is a cross-entropy under the model's own distribution, so both layouts
+    must score it untempered: when the packed layout reused a_t's transcript positions, at T = 0.7 its forecast
+    loss differed from the plain layout's by up to 3e-2 and its gradients by up to 0.2."""
+    from peft import LoraConfig, get_peft_model
+
+    from cope.models.policy import Policy
+    from cope.train.module import AgentRLModule
+
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(CFG), attn_implementation="sdpa", dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    module = AgentRLModule(Policy(model=model, tokenizer=None, chat=CHAT, source="t"), [ForecastLoss(weight=1.0)],
+                           optimizer=torch.optim.SGD, temperature=temperature)
+    eps = episodes()
+    base_b = collate(eps, PAD)
+    chunks, _ = build_chunks(eps, CHAT, K=3)
+    results = []
+    for layout in (pack_forecasts, plain_forecasts):
+        batch = layout(base_b, eps, chunks, PAD)
+        assert not (batch["forecast_mask"] & batch["action_mask"]).any()  # no forecast token is scored tempered
+        loss, _ = module.objectives[0](module(batch), batch)
+        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad])
+        results.append((loss, grads))
+    (lp, gp), (lq, gq) = results
+    assert lp.item() == pytest.approx(lq.item(), abs=1e-5)
+    for a, b in zip(gp, gq):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -33,23 +33,18 @@ def model():
 
 def positions(batch, eps, chunks, lengths):
     """{(chunk id, step j): [(row, col), ...]} of every action token of every chunk in the packed batch,
-    reconstructed from the chunks alone: a_t at its transcript columns, the rest in the chunk's
-    appended segment (a repeated non-target token first when the segment would open with a target)."""
+    reconstructed from the chunks alone: each chunk, a_t included, in its appended segment after a repeated
+    non-target token (no forecast token sits at a transcript column: those are scored at the sampling
+    temperature)."""
     out = {}
     for cid, ch in enumerate(chunks):
         r = ch.episode  # collate without indices: row == episode index
-        s = eps[ch.episode].steps[ch.step]
-        n0 = s.action_end - s.action_start
-        for i in range(n0):
-            out.setdefault((cid, ch.action_index[i]), []).append((r, s.action_start + i))
         cols = ((batch["forecast_chunk"][r] == cid).nonzero().flatten()).tolist()
-        cols = [c for c in cols if c >= lengths[r]]
-        rest = list(ch.action_index[n0:])
-        if len(cols) == len(rest) + 1:  # the repeated token in front
-            cols = cols[1:]
-        assert len(cols) == len(rest)
-        assert batch["input_ids"][r, cols].tolist() == list(ch.tokens[n0:])
-        for c, j in zip(cols, rest):
+        assert all(c >= lengths[r] for c in cols) and len(cols) == len(ch.tokens) + 1
+        assert batch["input_ids"][r, cols[0]] == eps[ch.episode].tokens[ch.anchor - 1]  # the repeated token
+        cols = cols[1:]
+        assert batch["input_ids"][r, cols].tolist() == list(ch.tokens)
+        for c, j in zip(cols, ch.action_index):
             if j >= 0:
                 out.setdefault((cid, j), []).append((r, c))
     return out
@@ -85,15 +80,15 @@ def test_invalid_action_gets_no_forecast_gradient(model, chat, mask_invalid):
     batch = pack_forecasts(base, eps, chunks, PAD)
     assert "attn_segment_start" in batch  # segments were appended
     pos = positions(batch, eps, chunks, lengths)
-    # the invalid action sits in chunks 0 and 1 (anchor and segment) and is in the transcript once
+    # the invalid action sits in chunks 0 and 1 (as a later action and as the anchor action), in their segments
     bad = {k: v for k, v in pos.items() if k[1] == BAD}
     assert sorted(k[0] for k in bad) == [0, 1]
     bad_cols = [rc for v in bad.values() for rc in v]
     s = eps[0].steps[BAD]
-    assert (0, s.action_start) in bad_cols and len(bad_cols) == 2 * (s.action_end - s.action_start)
-    assert any(c >= lengths[0] for _, c in bad_cols)  # ... and in an appended segment
+    assert len(bad_cols) == 2 * (s.action_end - s.action_start) and all(c >= lengths[0] for _, c in bad_cols)
     good_cols = [rc for k, v in pos.items() if k[1] != BAD for rc in v]
-    assert any(c >= lengths[0] for _, c in good_cols) and any(c < lengths[0] for _, c in good_cols)
+    assert good_cols and all(c >= lengths[0] for _, c in good_cols)
+    assert not batch["forecast_mask"][:, : lengths[0]].any()  # the transcript's own action columns: PG only
 
     g_lp, g_logits = grads(model, batch)
     for r, c in good_cols:  # valid action tokens: supervised, in the transcript and in segments
@@ -132,8 +127,7 @@ def test_cut_at_invalid_leaves_nothing_after_the_invalid_action(model, mask_inva
         assert not batch["forecast_mask"][0, c] and batch["forecast_chunk"][0, c] == -1
         assert g_lp[0, c] == 0 and torch.all(g_logits[0, c - 1] == 0)
     # no segment column holds a token of the invalid action or of a later action of a chunk anchored before it
-    seg = batch["forecast_chunk"][0, lengths[0]:]
     early = [cid for cid, ch in enumerate(chunks) if ch.step < BAD]
-    assert not any(cid in seg.tolist() for cid in early)  # a0's chunk was cut to a0 alone: no segment
+    assert early and all(j < BAD for (cid, j) in pos if cid in early)  # a0's chunk was cut to a0 alone
     for v in pos.values():  # every remaining action token is supervised
         assert all(g_lp[r, c] != 0 for r, c in v)

@@ -237,20 +237,31 @@ class _Checker:
         if not (isinstance(attn, str) and attn.startswith("flash_attention")):
             return
         for name, node in ((cfg.get("algo") or {}).get("callbacks") or {}).items():
-            if isinstance(node, DictConfig) and node.get("layout") == "packed" and _is_forecast_targets(node.get("_target_")):
+            key = _packed_key(node)
+            if key is not None:
                 self.fail("model.attn_implementation", f" = {attn!r}: cannot take CoPE's packed forecast layout "
-                          f"(algo.callbacks.{name}.layout=packed: segment attention, a (N, 1, T, T) mask per forward); "
-                          "use cope.layout=plain (one row per forecast, 2D masks only) or model.attn_implementation=sdpa")
+                          f"(algo.callbacks.{name}.{key}: segment attention, a (N, 1, T, T) mask per forward); "
+                          f"use {'cope.update=separate or cope.packing=plain' if key.startswith('packing') else 'cope.layout=plain'} "
+                          "(2D masks only) or model.attn_implementation=sdpa")
 
 
-def _is_forecast_targets(target: Any) -> bool:
+def _packed_key(node: Any) -> str | None:
+    """The key that puts CoPE's forecasts in packed segments (``layout=packed`` of the continuation targets,
+    ``packing=packed`` of the authors' samples with ``update=joint``), or None."""
     from cope.algos.cope.forecast_targets import ForecastTargets
+    from cope.algos.cope.forecasts import CopeForecasts
 
+    if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
+        return None
     try:
-        cls = get_object(target) if isinstance(target, str) else None
+        cls = get_object(node.get("_target_"))
     except Exception:
-        return False  # reported by the walk
-    return isinstance(cls, type) and issubclass(cls, ForecastTargets)
+        return None  # reported by the walk
+    if isinstance(cls, type) and issubclass(cls, ForecastTargets) and node.get("layout") == "packed":
+        return "layout=packed"
+    if isinstance(cls, type) and issubclass(cls, CopeForecasts) and node.get("update") == "joint" and node.get("packing") == "packed":
+        return "packing=packed (update=joint)"
+    return None
 
 
 def model_positions(model: DictConfig) -> tuple[int, str] | None:

@@ -120,6 +120,21 @@ def microbatch_plan(lengths: list[int], budget: int) -> list[tuple[int, int, int
 SEGMENT_KEYS = ("attn_context_end", "attn_segment_start")
 
 
+def model_attention(model, batch: RolloutBatch) -> torch.Tensor:
+    """The mask ``model`` gets for ``batch``: the 2D padding mask, the (N, 1, T, T) mask of segment attention (bool
+    for SDPA, additive in the model's compute dtype otherwise; built per forward), or a transform's own 4D additive
+    mask re-expressed in that dtype."""
+    mask = batch["attention_mask"]
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    dtype = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+    if all(k in batch for k in SEGMENT_KEYS):
+        sdpa = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
+        return segment_attention(*(batch[k] for k in SEGMENT_KEYS), dtype=None if sdpa else dtype)
+    if mask.dim() == 4:  # additive float mask from a collate transform
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask < 0, torch.finfo(dtype).min)
+    return mask
+
+
 def segment_attention(context_end: torch.Tensor, segment_start: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The (N, 1, T, T) mask of segment attention: query i attends key j iff j < context_end[i] or
     segment_start[i] <= j <= i. Bool (True = attend: SDPA's form) when ``dtype`` is None, else additive

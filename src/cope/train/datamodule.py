@@ -35,7 +35,7 @@ from cope.records import EpochRecord, ValidationRecord
 from cope.rollout.engine import EnvRuntime, HFEngine, RolloutEngine, Sampling
 from cope.rollout.metrics import episode_metrics
 from cope.train.advantages import group_advantages
-from cope.train.experience import CollateTransform, assign_advantages, cut_minibatches, train_tokens
+from cope.train.experience import BatchSource, CollateTransform, assign_advantages, cut_minibatches, train_tokens
 from cope.train.seeding import derive_seed, stream
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.tokenizer = self.chat = None
         self.pad_id = 0
         self._collate_transforms: list[CollateTransform] = []
+        self._batch_sources: list[BatchSource] = []
         self.rank = 0  # the trainer's global rank, set in setup
         self.epoch = 0  # the training epoch whose experience is collected (or was, last)
         self._rng = stream(seed, "tasks", 0, 0)  # re-derived for every epoch's collection
@@ -148,6 +149,11 @@ class RolloutDataModule(pl.LightningDataModule):
     def add_collate_transform(self, fn: CollateTransform) -> None:
         """``fn(minibatch, episodes) -> minibatch`` runs on every minibatch before scoring (e.g. CoPE targets)."""
         self._collate_transforms.append(fn)
+
+    def add_batch_source(self, source: BatchSource) -> None:
+        """``source.batches(episodes)`` gives extra batches trained after each epoch's minibatches (CoPE's separate
+        forecast update); under DDP the counts are evened out with ``source.empty()``."""
+        self._batch_sources.append(source)
 
     def setup(self, stage: str) -> None:
         if self.tokenizer is None:
@@ -214,7 +220,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if self._served is not None and self._served[0] == key:
             return self._served[1]
         self.train_record = self.collect_epoch(epoch)
-        served = [mb for _ in range(self.ppo_epochs) for mb in self.train_record.minibatches]
+        served = [mb for _ in range(self.ppo_epochs) for mb in self.train_record.minibatches] + self.train_record.extra_batches
         loader = DataLoader(served, batch_size=None, shuffle=False, collate_fn=_identity)
         self._served = (key, loader)
         return loader
@@ -228,7 +234,8 @@ class RolloutDataModule(pl.LightningDataModule):
         t_roll = time.perf_counter() - t0
         adv_metrics = assign_advantages(eps, groups, self.advantage_mode)
         minibatches = cut_minibatches(eps, self.minibatch_size, self.pad_id, self._rng, self._collate_transforms)
-        tokens = train_tokens(minibatches, self.pad_id, self.ppo_epochs)
+        extra = self._extra_batches(eps)
+        tokens = train_tokens(minibatches, self.pad_id, self.ppo_epochs) + train_tokens(extra, self.pad_id)
         inc = self._reduce_sum([len(eps), stats.env_steps, stats.generated_tokens, tokens])
         for k, v in zip(COUNTERS, inc):
             self.counters[k] += int(v)
@@ -245,8 +252,24 @@ class RolloutDataModule(pl.LightningDataModule):
             "perf/adapter_sync_seconds": stats.sync_seconds,
         })
         m.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
-        return EpochRecord(epoch=epoch, episodes=eps, minibatches=minibatches, metrics=m, counters=dict(self.counters),
+        return EpochRecord(epoch=epoch, episodes=eps, minibatches=minibatches, extra_batches=extra, metrics=m,
+                           counters=dict(self.counters),
                            sampler_logprobs=bool(getattr(self.engine, "reports_logprobs", False)))
+
+    def _extra_batches(self, episodes: list[Episode]) -> list:
+        """Every batch source's batches, each source's count evened out over ranks (the maximum, padded with empties)."""
+        out = []
+        for source in self._batch_sources:
+            got = list(source.batches(episodes))
+            n = int(self._reduce_max(len(got)))
+            out += got + [source.empty() for _ in range(n - len(got))]
+        return out
+
+    def _reduce_max(self, value: int) -> int:
+        if self.trainer is None or self.trainer.world_size == 1:
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.trainer.strategy.root_device)
+        return int(self.trainer.strategy.reduce(t, reduce_op="max").item())
 
     def _env_stats_delta(self) -> dict[str, int]:
         """Env-runtime events (restarts, timeouts, ...) since the last call."""

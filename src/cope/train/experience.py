@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,21 @@ from cope.train.advantages import Metrics, group_advantages
 from cope.train.batch import RolloutBatch, collate
 
 CollateTransform = Callable[[RolloutBatch, list[Episode]], RolloutBatch]
+
+
+class BatchSource(Protocol):
+    """Extra training batches of an epoch, trained after its minibatches in optimizer steps of their own (CoPE's
+    separate forecast update). Under DDP every rank must take the same number of steps: the DataModule pads a
+    rank that has fewer with :meth:`empty` batches (a forward and a zero-gradient backward, so the gradient
+    all-reduce of every step still meets on every rank)."""
+
+    def batches(self, episodes: list[Episode]) -> list[RolloutBatch]:
+        """This rank's extra batches for the epoch's episodes (possibly none)."""
+        ...
+
+    def empty(self) -> RolloutBatch:
+        """A batch of the same kind that trains nothing."""
+        ...
 
 
 def assign_advantages(episodes: list[Episode], groups: Sequence[int], mode: str) -> Metrics:

@@ -18,6 +18,7 @@ counters (in the DataModule's state) and RNG state; the frozen base is never wri
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -25,11 +26,11 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from cope.models.policy import Policy
-from cope.train.batch import SEGMENT_KEYS, microbatch_plan, row_lengths, segment_attention
+from cope.train.batch import SEGMENT_KEYS, microbatch_plan, model_attention, row_lengths
 from cope.train.logprobs import causal_lm_logprobs, sampler_gap
-from cope.train.objectives import ForwardOut, Objective, combine
+from cope.train.objectives import ROLLOUT, ForwardOut, Objective, batch_kind, combine
 from cope.train.seeding import seed_globals
-from cope.train.step_guard import StepGuard
+from cope.train.step_guard import StepGuard, lr_scaled
 
 ScoredTransform = Callable[[list[dict], list], None]
 
@@ -90,21 +91,8 @@ class AgentRLModule(pl.LightningModule):
         return any(o.needs_ref and (o.weight != 0 or (o.schedule != "constant" and o.final_weight != 0))
                    for o in self.objectives)
 
-    def _compute_dtype(self) -> torch.dtype:
-        dtype = next(p for p in self.model.parameters() if p.is_floating_point()).dtype
-        return torch.float32 if dtype not in (torch.float16, torch.bfloat16, torch.float32) else dtype
-
     def _attention(self, batch: dict) -> torch.Tensor:
-        """The mask the model gets: the 2D padding mask, the (N, 1, T, T) mask of segment attention (bool
-        for SDPA, additive otherwise; built here, per forward), or a transform's own 4D additive mask."""
-        mask = batch["attention_mask"]
-        if all(k in batch for k in SEGMENT_KEYS):
-            sdpa = getattr(self.model.config, "_attn_implementation", "sdpa") == "sdpa"
-            return segment_attention(*(batch[k] for k in SEGMENT_KEYS), dtype=None if sdpa else self._compute_dtype())
-        if mask.dim() == 4:  # additive float mask from a collate transform: re-express in the compute dtype
-            dtype = self._compute_dtype()
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask < 0, torch.finfo(dtype).min)
-        return mask
+        return model_attention(self.model, batch)
 
     def _logits(self, batch: dict) -> torch.Tensor:
         """Full (N, T, V) logits (probes and tests; training and scoring go through :meth:`logprobs`)."""
@@ -218,7 +206,8 @@ class AgentRLModule(pl.LightningModule):
             self.manual_backward(total)
             return ForwardOut(out.logprobs.detach(), out.entropy, out.ref_logprobs), total.detach(), metrics
         ref = batch.get("ref_logprobs") if self.needs_ref else None
-        lp = batch["old_logprobs"].to(self.device, torch.float32).clone()  # constant stand-in for rows not live
+        old = batch.get("old_logprobs")  # a forecast batch is not scored: any constant stands in for rows not live
+        lp = old.to(self.device, torch.float32).clone() if old is not None else torch.zeros(batch["input_ids"].shape, device=self.device)
         ent = torch.zeros_like(lp)
         blocker = self._backward_sync_blocker()
         for j, (rows, n) in enumerate(parts):
@@ -245,6 +234,10 @@ class AgentRLModule(pl.LightningModule):
         return getattr(strategy, "block_backward_sync", None)
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
+        """One optimizer step on a rollout minibatch (the objectives of kind ``rollout``) or on one of CoPE's
+        separate forecast batches (kind ``forecast``: its objectives alone, the learning rate times their
+        ``lr_scale``, the LR schedule not advanced: it counts policy steps)."""
+        kind, step = batch_kind(batch), self.global_step
         opt = self.optimizers()
         opt.zero_grad()
         _, total, metrics = self._backward(batch)
@@ -253,18 +246,32 @@ class AgentRLModule(pl.LightningModule):
         if self.step_guard.allow(norm, self.global_step):
             if self.gradient_clip_val is not None:
                 self.clip_gradients(opt, gradient_clip_val=self.gradient_clip_val, gradient_clip_algorithm="norm")
-            opt.step()
+            scale = math.prod(o.lr_scale for o in self.objectives if o.batch_kind == kind and o.weight_at(self.global_step) != 0)
+            with lr_scaled(opt, scale):
+                opt.step()
             sch = self.lr_schedulers()
-            if sch is not None:
+            if sch is not None and kind == ROLLOUT:
                 sch.step()
         else:
             opt.zero_grad()  # the weights, optimizer moments and schedule stay as they were
-        metrics = {**metrics, "train/grad_norm": norm.detach(), "train/skipped_steps": float(self.step_guard.skipped)}
-        bs = int(batch["input_ids"].shape[0])
-        self.log_dict({k: v for k, v in metrics.items()}, on_step=True, on_epoch=False, batch_size=bs)
+        if kind == ROLLOUT:
+            metrics = {**metrics, "train/grad_norm": norm.detach(), "train/skipped_steps": float(self.step_guard.skipped)}
+        else:  # its own names: loss/total and train/grad_norm stay the policy steps'
+            metrics = {("forecast/loss_total" if k == "loss/total" else k): v for k, v in metrics.items()}
+            metrics["forecast/grad_norm"] = norm.detach()
         result = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in metrics.items()}
+        self._log_step(result, step)
         result["loss"] = total
         return result
+
+    def _log_step(self, metrics: dict[str, torch.Tensor], step: int) -> None:
+        """This step's metrics, straight to the loggers at the step's index (rank zero: its own rows' values). Not
+        ``self.log``: Lightning reports a key logged on an earlier step of the epoch again on every later step
+        that does not log it, so the policy steps' losses reappeared on the rows of CoPE's forecast steps."""
+        if self.trainer.is_global_zero:
+            row = {k: float(v) for k, v in metrics.items()}
+            for logger in self.trainer.loggers:
+                logger.log_metrics(row, step=step)
 
     def validation_step(self, batch: list[int], batch_idx: int) -> None:
         """Greedy held-out episodes of one chunk of the panel (the datamodule's engine runs them and keeps

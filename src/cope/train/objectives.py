@@ -33,25 +33,46 @@ class ForwardOut:
     ref_logprobs: torch.Tensor | None = None  # (N, T) from the adapter-disabled model, when needed
 
 
+SCHEDULES = ("constant", "linear", "power", "cutoff")
+ROLLOUT, FORECAST = "rollout", "forecast"  # batch kinds: a rollout minibatch, or CoPE's separate forecast batch
+
+
+def batch_kind(batch) -> str:
+    """``forecast`` for the separate-update batches of CoPE's forecast samples (``batch["kind"]``), else ``rollout``."""
+    return FORECAST if batch.get("kind") == FORECAST else ROLLOUT
+
+
 class Objective(abc.ABC):
     """Base class: a name, a weight (optionally scheduled), and ``__call__(out, batch) -> (loss, metrics)``.
 
     Args:
         weight: multiplier of the loss in the total, >= 0 (0 switches the objective off).
-        schedule: ``constant`` or ``linear`` (from ``weight`` to ``final_weight`` over ``schedule_steps``
-            optimizer steps, then flat).
-        final_weight: end point of the linear schedule, >= 0.
-        schedule_steps: length of the linear schedule in optimizer steps.
+        schedule: from ``weight`` to ``final_weight`` over ``schedule_steps`` optimizer steps: ``constant``
+            (``weight`` throughout), ``linear``, ``power`` (``weight + (step / steps) ** power x (final - weight)``),
+            ``cutoff`` (``weight`` before ``schedule_steps``, ``final_weight`` from then on); flat afterwards.
+            (CoPE's coefficient annealing: fixed, linear, power, cutoff.)
+        final_weight: end point of the schedule, >= 0.
+        schedule_steps: length of the schedule in optimizer steps.
+        power: the exponent of the ``power`` schedule, > 0.
+
+    Class attributes: ``batch_kind`` is the kind of batch the objective is computed on (``rollout``: the
+    epoch's minibatches; ``forecast``: CoPE's separate forecast batches, see :func:`batch_kind`); ``lr_scale``
+    multiplies the learning rate of the optimizer steps taken on batches of that kind (1: the policy's).
     """
 
     name: str = "objective"
     needs_ref: bool = False  # set when the objective reads ForwardOut.ref_logprobs
+    batch_kind: str = ROLLOUT
+    lr_scale: float = 1.0
 
-    def __init__(self, weight: float = 1.0, schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0):
-        if schedule not in ("constant", "linear"):
-            raise ValueError(f"{type(self).__name__}.schedule must be 'constant' or 'linear', got {schedule!r}")
-        if schedule == "linear" and schedule_steps <= 0:
-            raise ValueError(f"{type(self).__name__}.schedule_steps must be > 0 for a linear schedule")
+    def __init__(self, weight: float = 1.0, schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0,
+                 power: float = 2.0):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"{type(self).__name__}.schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if schedule != "constant" and schedule_steps <= 0:
+            raise ValueError(f"{type(self).__name__}.schedule_steps must be > 0 for a {schedule} schedule")
+        if not power > 0:
+            raise ValueError(f"{type(self).__name__}.power must be > 0, got {power}")
         for key, w in (("weight", weight), ("final_weight", final_weight)):
             if not w >= 0:  # a negative weight would ascend the loss (for KL: push away from the reference)
                 raise ValueError(f"{type(self).__name__}.{key} must be >= 0, got {w}")
@@ -59,11 +80,16 @@ class Objective(abc.ABC):
         self.schedule = schedule
         self.final_weight = float(final_weight)
         self.schedule_steps = int(schedule_steps)
+        self.power = float(power)
 
     def weight_at(self, step: int) -> float:
         if self.schedule == "constant":
             return self.weight
+        if self.schedule == "cutoff":
+            return self.weight if step < self.schedule_steps else self.final_weight
         frac = min(1.0, step / self.schedule_steps)
+        if self.schedule == "power":
+            frac = frac**self.power
         return self.weight + frac * (self.final_weight - self.weight)
 
     @abc.abstractmethod
@@ -82,14 +108,15 @@ class Objective(abc.ABC):
 
 
 def combine(objectives: list[Objective], out: ForwardOut, batch: dict[str, torch.Tensor], step: int) -> tuple[torch.Tensor, Metrics]:
-    """Sum of weight * loss over the objectives. Logs each raw loss as ``loss/<name>``, its weighted
-    contribution as ``loss/<name>_weighted``, the objective's own metrics, and ``loss/total``.
-    An objective whose weight is 0 at this step is off: it is neither computed nor logged."""
+    """Sum of weight * loss over the objectives of the batch's kind (:func:`batch_kind`). Logs each raw loss
+    as ``loss/<name>``, its weighted contribution as ``loss/<name>_weighted``, the objective's own metrics,
+    and ``loss/total``. An objective whose weight is 0 at this step is off: it is neither computed nor logged."""
     total = out.logprobs.new_zeros(())
     metrics: Metrics = {}
+    kind = batch_kind(batch)
     for obj in objectives:
         w = obj.weight_at(step)
-        if w == 0.0:
+        if w == 0.0 or obj.batch_kind != kind:
             continue
         loss, m = obj(out, batch)
         total = total + w * loss

@@ -7,6 +7,7 @@ alike) and asks :meth:`StepGuard.allow` before clipping and stepping.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -39,3 +40,20 @@ class StepGuard:
                 "diverged (a learning rate too high, a bad objective weight, fp16 overflow). The last checkpoint holds the "
                 "weights before it; module.max_nonfinite_steps sets how many in a row are tolerated")
         return False
+
+
+@contextlib.contextmanager
+def lr_scaled(opt, scale: float):
+    """Every param group's learning rate times ``scale`` for the steps taken inside (CoPE's separate forecast steps
+    take the policy's optimizer at ``lr_scale`` times its rate), restored afterwards."""
+    if scale == 1.0:
+        yield
+        return
+    saved = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = g["lr"] * scale
+    try:
+        yield
+    finally:
+        for g, lr in zip(opt.param_groups, saved):
+            g["lr"] = lr

@@ -10,8 +10,8 @@ Where we are specific (the paper's full text was not available to us):
     * Actions inside a chunk are joined the way two consecutive assistant turns are joined
       (:meth:`ChatFormat.assistant_joiner`); joiner tokens are inputs, never targets.
     * A chunk with no supervised action (all of its actions invalid and masked) is dropped.
-    * The a_t part of the chunk from h_t is the transcript's own a_t (same prefix, same ids): the
-      packed layout reuses those transcript positions and only appends the rest of the chunk.
+    * The a_t part of the chunk from h_t is the transcript's own a_t (same prefix, same ids, copied into
+      the chunk: it is scored untempered, in the chunk, not at its transcript position).
 
 How chunks are laid out in a batch: :mod:`cope.algos.cope.layouts`. The authors' prompted sample (the
 default since 2026-12-02): :mod:`cope.algos.cope.prompted`.

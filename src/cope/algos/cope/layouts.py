@@ -49,45 +49,37 @@ def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastCh
     """Append each chunk after its episode's transcript in the same row, with segment attention
     (``attn_context_end``, ``attn_segment_start``: see :func:`cope.train.batch.segment_attention`).
 
-    The chunk's a_t is scored at its transcript positions; the appended segment (joiner, a_{t+1},
-    ...) anchors at ``steps[t].action_end``: it attends to transcript positions < action_end and
-    causally to itself, and its position ids continue from there. When a segment would open with a
-    target token (an empty joiner), the token before it is repeated first as a non-target, because
-    the first column of a segment is scored from the previous column's logits, which belong to
-    something else. ``attention_mask`` stays 2D (1 on transcript and segment tokens, rows right padded).
-    When no segment is appended, the batch has no segment keys.
+    A segment is ``[tokens[anchor - 1]] + chunk.tokens``: it attends to transcript positions < anchor - 1 and
+    causally to itself, and its position ids continue from anchor - 1, so it is scored exactly as the
+    sequence ``tokens[:anchor] + chunk.tokens`` (the repeated token, a non-target, supplies the logits that
+    predict the chunk's first token: a segment's first column is scored from its own previous column). Every
+    forecast token lives in a segment, never at a transcript position: a forecast is a cross-entropy under the
+    model's own distribution, while transcript action tokens are scored at the sampling temperature for the
+    policy gradient (reusing a_t's transcript positions, as this layout did before 2026-12-02, scored the a_t
+    part of a forecast at that temperature: packed and plain differed at T != 1). ``attention_mask`` stays 2D
+    (1 on transcript and segment tokens, rows right padded). When no chunk is appended, the batch has no
+    segment keys.
     """
     N, T = _check_2d(batch, "pack_forecasts")
     lengths = batch["attention_mask"].sum(-1).tolist()
     rows = _rows_of(batch)
     ends = list(lengths)  # next free column per row
-    segs = []  # (row, first column, context length, position of first token, ids, targets, chunk id)
-    marks = []  # (row, column, target, chunk id) for a_t at its transcript positions
+    segs = []  # (row, first column, context length, ids, targets, chunk id)
     for cid, ch in enumerate(chunks):
         r = rows.get(ch.episode)
         if r is None:
             continue
         ep = episodes[ch.episode]
-        s = ep.steps[ch.step]
-        if lengths[r] != len(ep.tokens) or ch.anchor != s.action_start:
+        if lengths[r] != len(ep.tokens) or not 1 <= ch.anchor <= len(ep.tokens):
             raise ValueError(f"pack_forecasts: chunk {cid} does not match the row of episode {ch.episode}")
-        n0 = s.action_end - s.action_start
-        if ch.tokens[:n0] != ep.tokens[s.action_start : s.action_end]:
-            raise ValueError(f"pack_forecasts: chunk {cid} does not start with its anchor action")
-        marks += [(r, s.action_start + i, ch.target[i], cid) for i in range(n0)]
-        ids, tgt, ctx = list(ch.tokens[n0:]), list(ch.target[n0:]), s.action_end
-        if not ids:
-            continue
-        if tgt[0]:
-            ids, tgt, ctx = [ep.tokens[ctx - 1], *ids], [False, *tgt], ctx - 1
+        ctx = ch.anchor - 1
+        ids, tgt = [ep.tokens[ctx], *ch.tokens], [False, *ch.target]
         segs.append((r, ends[r], ctx, ids, tgt, cid))
         ends[r] += len(ids)
     T_new = max([T, *ends])
     out = _widen(batch, N, T, T_new, pad_id)
     fmask = torch.zeros(N, T_new, dtype=torch.bool)  # (N, T_new)
     fchunk = torch.full((N, T_new), -1, dtype=torch.long)  # (N, T_new)
-    for r, col, tg, cid in marks:
-        fmask[r, col], fchunk[r, col] = tg, cid
     if segs:
         # segment attention, O(N * T) (cope.train.batch.segment_attention builds the (T, T) mask per forward):
         # query i sees keys j < context_end[i] and segment_start[i] <= j <= i. Transcript: (0, 0), causal;
@@ -155,3 +147,39 @@ def plain_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastC
 
 
 LAYOUTS = {"packed": pack_forecasts, "plain": plain_forecasts}
+
+
+def collate_chunks(episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
+    """A batch of kind ``forecast`` (CoPE's separate update): one row per chunk, ``tokens[:anchor] + chunk.tokens``,
+    right padded, with the forecast keys (``forecast_chunk`` indexes ``chunks``) and no policy-gradient target
+    (``action_mask`` all False: every token is scored under the model's own distribution). An empty ``chunks``
+    gives one row of a single pad token and no target (the zero-gradient step an idle DDP rank takes)."""
+    seqs = [episodes[c.episode].tokens[: c.anchor] + list(c.tokens) for c in chunks] or [[pad_id]]
+    N, T = len(seqs), max(len(s) for s in seqs)
+    ids = torch.full((N, T), pad_id, dtype=torch.long)  # (N, T)
+    attn = torch.zeros(N, T, dtype=torch.long)  # (N, T)
+    fmask = torch.zeros(N, T, dtype=torch.bool)  # (N, T)
+    fchunk = torch.full((N, T), -1, dtype=torch.long)  # (N, T)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, : len(s)] = 1
+    for i, c in enumerate(chunks):
+        fmask[i, c.anchor : c.anchor + len(c.tokens)] = torch.tensor(c.target, dtype=torch.bool)
+        fchunk[i, c.anchor : c.anchor + len(c.tokens)] = i
+    return {
+        "kind": "forecast",
+        "input_ids": ids,
+        "attention_mask": attn,
+        "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
+        "roles": torch.full((N, T), int(Role.PAD), dtype=torch.long),
+        "step_ids": torch.full((N, T), -1, dtype=torch.long),
+        "action_mask": torch.zeros(N, T, dtype=torch.bool),
+        "advantages": torch.zeros(N, T),
+        "aborted": torch.zeros(N, dtype=torch.bool),
+        "episode_index": torch.tensor([c.episode for c in chunks] or [-1], dtype=torch.long),
+        "aux_row": torch.ones(N, dtype=torch.bool),
+        "forecast_mask": fmask,
+        "forecast_chunk": fchunk,
+        "forecast_actions": torch.tensor([c.num_actions for c in chunks], dtype=torch.long),  # (C,)
+        "forecast_weight": torch.tensor([c.weight for c in chunks], dtype=torch.float32),  # (C,)
+    }

@@ -1,14 +1,17 @@
-"""CoPE forecast loss: NLL of the forecast action chunks, and the scale that keeps it in proportion.
+"""CoPE forecast loss: NLL of the forecast samples, and the scale that keeps it in proportion.
 
-Follows CoPE (arXiv 2610.20597): total = L_pg + lambda * L_forecast, with L_forecast normalized so
-that the multi-step targets cannot overwhelm the policy gradient. The targets and their layout in
-the batch come from :mod:`cope.algos.cope.chunks` and :mod:`cope.algos.cope.layouts`; this file only reads ``forecast_mask``,
-``forecast_chunk`` and ``forecast_actions``.
+Follows CoPE (arXiv 2610.20597) as its authors' code computes it: per sample, the mean token cross-entropy
+over its target tokens times the sample's group weight (``forecast_weight``: 1/m_g renormalized to mean 1);
+the mean over the samples of the batch (their reduction, at their micro-batch of one sample). Where it enters:
+``update=separate`` (the authors' default) computes it on CoPE's own forecast batches, after the epoch's policy
+steps, in optimizer steps of their own (learning rate times ``lr_scale``); ``update=joint`` adds it to the
+policy-gradient loss of the rollout minibatches (the samples packed after their transcripts). The samples and
+their layout come from :mod:`cope.algos.cope.prompted`, :mod:`cope.algos.cope.chunks` and
+:mod:`cope.algos.cope.layouts`; this file only reads ``forecast_mask``, ``forecast_chunk``,
+``forecast_actions`` and ``forecast_weight``.
 
-Where we are specific (the paper's exact normalization is not known to us):
-    * Per chunk, the mean token NLL over its target tokens; then the mean over chunks that have any
-      target token in the batch. ``per_step`` further divides each chunk's mean by its number of
-      supervised actions.
+The variants of the earlier reading of the explainer (``cope.sample=continuation``):
+    * ``per_step`` further divides each chunk's mean by its number of supervised actions.
     * The optional adaptive scale (:class:`AdaptiveScale`) keeps a magnitude of the forecast term at
       ``target_ratio`` times an EMA of the same magnitude of the policy-gradient term. The scale is a
       plain float: no gradient flows through it. Two choices of magnitude:
@@ -33,9 +36,10 @@ import math
 
 import torch
 
-from cope.train.objectives import ForwardOut, Metrics, Objective
+from cope.train.objectives import FORECAST, ROLLOUT, ForwardOut, Metrics, Objective
 
 NORMALIZE = ("none", "per_step")  # the chunk math of forecast_nll
+UPDATES = ("separate", "joint")
 # ForecastLoss.normalize: the chunk math, or `none`'s with a scale held at a ratio of the policy-gradient term,
 # fed loss magnitudes (adaptive) or gradient norms (gradnorm); value -> what feeds the scale
 BALANCED = {"adaptive": "loss", "gradnorm": "gradient"}
@@ -48,8 +52,9 @@ def forecast_nll(
     num_chunks: int,
     normalize: str = "none",
     chunk_actions: torch.Tensor | None = None,
+    chunk_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
-    """Mean over chunks of the mean token NLL inside each chunk.
+    """Mean over chunks of the (weighted) mean token NLL inside each chunk.
 
     Args:
         logprobs: (N, T) log p(token t | tokens < t), with grad.
@@ -58,6 +63,7 @@ def forecast_nll(
         num_chunks: C, the number of chunks the ids refer to.
         normalize: ``none`` or ``per_step`` (divide each chunk's mean by its supervised actions).
         chunk_actions: (C,) supervised actions per chunk (needed for ``per_step``).
+        chunk_weight: (C,) each chunk's weight (CoPE's group weights); None: 1.
 
     Returns:
         (loss, metrics): ``forecast/nll`` (the loss, detached), ``forecast/chunks`` (chunks with
@@ -76,6 +82,8 @@ def forecast_nll(
     per_chunk = sums / counts.clamp(min=1)  # (C,)
     if normalize == "per_step":
         per_chunk = per_chunk / chunk_actions.to(per_chunk).clamp(min=1)  # (C,)
+    if chunk_weight is not None:
+        per_chunk = per_chunk * chunk_weight.to(per_chunk)  # (C,)
     n = has.sum()
     loss = torch.where(has, per_chunk, torch.zeros_like(per_chunk)).sum() / n.clamp(min=1)
     metrics: Metrics = {"forecast/nll": loss.detach(), "forecast/chunks": n.detach().float(), "forecast/tokens": counts.sum().detach()}
@@ -156,7 +164,12 @@ class ForecastLoss(Objective):
             with it (the only copy of that state; checkpointed through :meth:`state_dict`, per mode).
             Ignored by ``none`` / ``per_step``.
         adaptive_beta: EMA decay of the scale.
-        schedule, final_weight, schedule_steps: see :class:`cope.train.objectives.Objective`.
+        schedule, final_weight, schedule_steps, power: the coefficient's annealing, see
+            :class:`cope.train.objectives.Objective` (CoPE's fixed, linear, power and cutoff schedules).
+        update: ``separate`` (computed on CoPE's forecast batches, optimizer steps of their own) or ``joint``
+            (on the rollout minibatches, summed into the policy-gradient loss).
+        lr_scale: the learning-rate multiplier of the separate steps (the authors' ``lr_scale``; a separate Adam
+            step mostly normalizes the coefficient away, the learning rate is what sizes it). Joint: must be 1.
     """
 
     name = "forecast"
@@ -170,8 +183,18 @@ class ForecastLoss(Objective):
         schedule: str = "constant",
         final_weight: float = 0.0,
         schedule_steps: int = 0,
+        power: float = 2.0,
+        update: str = "joint",
+        lr_scale: float = 1.0,
     ):
-        super().__init__(weight=weight, schedule=schedule, final_weight=final_weight, schedule_steps=schedule_steps)
+        super().__init__(weight=weight, schedule=schedule, final_weight=final_weight, schedule_steps=schedule_steps,
+                         power=power)
+        if update not in UPDATES:
+            raise ValueError(f"ForecastLoss.update must be one of {UPDATES}, got {update!r}")
+        if not lr_scale > 0 or (update == "joint" and lr_scale != 1.0):
+            raise ValueError(f"ForecastLoss.lr_scale must be > 0, and 1 with update=joint (one step for both terms), got {lr_scale}")
+        self.update, self.lr_scale = update, float(lr_scale)
+        self.batch_kind = FORECAST if update == "separate" else ROLLOUT
         if normalize not in (*NORMALIZE, *BALANCED):
             raise ValueError(f"ForecastLoss.normalize must be one of {(*NORMALIZE, *BALANCED)}, got {normalize!r}")
         self.mode = normalize  # as configured (`normalize` below is the chunk math)
@@ -212,7 +235,8 @@ class ForecastLoss(Objective):
         if "forecast_mask" in batch:
             actions = batch["forecast_actions"]  # (C,)
             raw, metrics = forecast_nll(
-                out.logprobs, batch["forecast_mask"], batch["forecast_chunk"], int(actions.numel()), self.normalize, actions
+                out.logprobs, batch["forecast_mask"], batch["forecast_chunk"], int(actions.numel()), self.normalize, actions,
+                batch.get("forecast_weight"),
             )
         else:
             raw = out.logprobs.flatten()[:0].sum()  # exactly 0, attached to the graph

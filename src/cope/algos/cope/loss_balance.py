@@ -32,6 +32,7 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.train.grad_stats import mean_over_ranks, measure_gradients
+from cope.train.objectives import ROLLOUT, batch_kind
 
 
 class LossBalance(Callback):
@@ -78,7 +79,7 @@ class LossBalance(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._norms = None
         if (self._balance(pl_module) != "gradient" or trainer.global_step % self.gradnorm_every_n_steps != 0
-                or not isinstance(batch, Mapping)):
+                or not isinstance(batch, Mapping) or batch_kind(batch) != ROLLOUT):
             return
         step = trainer.global_step
         pair = [o for o in pl_module.objectives if o.name in (self.reference, self.objective) and o.weight_at(step) != 0.0]

@@ -1,0 +1,113 @@
+"""The callback that puts CoPE's forecast samples, as its authors built them, into training (``algo=cope``).
+
+Each epoch, from the episodes the DataModule collected, :func:`cope.algos.cope.prompted.build_prompted` makes the
+prompted forecast samples (gate, look-past of invalid actions, group weights); then, by ``update``:
+
+* ``separate`` (the authors'): the samples become batches of kind ``forecast``
+  (:func:`cope.algos.cope.layouts.collate_chunks`, ``minibatch_size`` samples each) that the DataModule serves after
+  the epoch's policy-gradient minibatches, one optimizer step each on the same optimizer (the module computes only
+  the ``forecast`` objective on them, learning rate times its ``lr_scale``). After the policy steps of the epoch,
+  not of each minibatch: the authors' trainer runs its forecast pass after the policy update of a training step,
+  and a training step there is one rollout batch, an epoch here. Under DDP the ranks' batch counts are evened out
+  with empty batches (:class:`cope.train.experience.BatchSource`).
+* ``joint``: a collate transform lays the samples of each minibatch's episodes into it (``packing``: ``packed``
+  segments after their transcript, attending to it up to obs_t and to themselves, or ``plain`` rows, the
+  reference), and the ``forecast`` objective is summed into the policy-gradient loss.
+
+The samples of an epoch are built once (the group weights are normalized over all of them) and the epoch's
+``forecast/*`` metrics are logged when its training starts.
+"""
+from __future__ import annotations
+
+from lightning.pytorch import Callback
+
+from cope.algos.cope.layouts import LAYOUTS, collate_chunks
+from cope.algos.cope.prompted import PlanPrompt, build_prompted, check_prompted_args
+from cope.episode import Episode
+
+UPDATES = ("separate", "joint")
+
+
+class CopeForecasts(Callback):
+    """CoPE's prompted forecast samples, trained by a separate optimizer step or in the same forward.
+
+    Args:
+        K: actions per sample (a_t .. a_{t+k-1}, k = min(K, actions left)).
+        layout: ``list`` (one assistant turn listing the actions) or ``turns`` (one turn per action: tau2).
+        prompt: the plan-ahead user text with ``{k}`` (None: the authors' text of ``layout``).
+        invalid: ``skip`` (look past invalid actions), ``mask`` (keep, no loss) or ``cut`` (end the list).
+        mask_projected: actions the env read out of free text count as invalid here.
+        gate: ``wins`` (reward > ``success_threshold``), ``all``, or ``mixed`` (wins of groups that also lost).
+        success_threshold: the reward a win needs.
+        group_weights: weight each sample 1/m_g (kept trajectories of its group), renormalized to mean 1.
+        update: ``separate`` (the authors') or ``joint`` (must match the ``forecast`` objective's ``update``).
+        packing: ``joint`` only: ``packed`` (segments in the transcript's row) or ``plain`` (a row per sample).
+        minibatch_size: ``separate`` only: samples per optimizer step.
+        max_context: samples longer than this are dropped and counted (None: no limit).
+    """
+
+    def __init__(self, K: int = 3, layout: str = "list", prompt: str | None = None, invalid: str = "skip",
+                 mask_projected: bool = True, gate: str = "wins", success_threshold: float = 0.5,
+                 group_weights: bool = True, update: str = "separate", packing: str = "packed",
+                 minibatch_size: int = 16, max_context: int | None = None):
+        check_prompted_args(K, invalid, gate)
+        if update not in UPDATES:
+            raise ValueError(f"cope.update must be one of {UPDATES}, got {update!r}")
+        if packing not in LAYOUTS:
+            raise ValueError(f"cope.packing must be one of {sorted(LAYOUTS)}, got {packing!r}")
+        if minibatch_size < 1:
+            raise ValueError(f"cope.minibatch_size must be >= 1, got {minibatch_size}")
+        self.K, self.layout, self.prompt, self.invalid = int(K), layout, prompt, invalid
+        self.mask_projected, self.gate, self.success_threshold = mask_projected, gate, float(success_threshold)
+        self.group_weights, self.update, self.packing = group_weights, update, packing
+        self.minibatch_size, self.max_context = int(minibatch_size), max_context
+        self._plan: PlanPrompt | None = None
+        self._chat, self._pad_id, self._datamodule = None, 0, None
+        self._built: tuple[int, list, dict] | None = None  # (id of the epoch's episode list, chunks, metrics)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        dm = trainer.datamodule
+        if dm is None or not hasattr(dm, "add_batch_source"):
+            raise TypeError("CopeForecasts needs the RolloutDataModule (cope.train.datamodule), which serves its batches")
+        fc = [o for o in pl_module.objectives if o.name == "forecast"]
+        if len(fc) != 1 or getattr(fc[0], "update", None) != self.update:
+            raise ValueError(f"cope.update={self.update!r} needs one algo.objectives.forecast with update={self.update!r}, "
+                             f"got {[getattr(o, 'update', None) for o in fc]}")
+        policy = pl_module.policy
+        self._chat, self._pad_id = policy.chat, policy.pad_id
+        self._plan = PlanPrompt(policy.tokenizer, self.layout, self.prompt)
+        if dm is self._datamodule:
+            return  # registered already (setup runs once per stage)
+        if self.update == "separate":
+            dm.add_batch_source(self)
+        else:
+            dm.add_collate_transform(self.transform)
+        self._datamodule = dm
+
+    def samples(self, episodes: list[Episode]) -> tuple[list, dict[str, float]]:
+        """The epoch's forecast samples (built once per epoch) and their metrics."""
+        if self._built is None or self._built[0] != id(episodes):
+            chunks, metrics = build_prompted(
+                episodes, self._chat, self._plan, K=self.K, invalid=self.invalid, mask_projected=self.mask_projected,
+                gate=self.gate, success_threshold=self.success_threshold, group_weights=self.group_weights,
+                max_context=self.max_context)
+            self._built = (id(episodes), chunks, metrics)
+        return self._built[1], self._built[2]
+
+    # -- separate: a batch source --------------------------------------------------------------
+    def batches(self, episodes: list[Episode]) -> list[dict]:
+        chunks, _ = self.samples(episodes)
+        return [collate_chunks(episodes, chunks[s: s + self.minibatch_size], self._pad_id)
+                for s in range(0, len(chunks), self.minibatch_size)]
+
+    def empty(self) -> dict:
+        return collate_chunks([], [], self._pad_id)
+
+    # -- joint: a collate transform ------------------------------------------------------------
+    def transform(self, batch: dict, episodes: list[Episode]) -> dict:
+        chunks, _ = self.samples(episodes)
+        return LAYOUTS[self.packing](batch, episodes, chunks, self._pad_id)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self._built is not None:
+            pl_module.log_dict(self._built[2], on_step=False, on_epoch=True, batch_size=1, sync_dist=True)

@@ -1,0 +1,130 @@
+"""CoPE's update as its authors run it, through the module: the separate forecast step equals a hand-written AdamW
+step on the hand-written loss; joint-packed equals joint-plain for the prompted samples at T = 1 and T = 0.7."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from forecast_fixtures import CFG
+from peft import LoraConfig, get_peft_model
+from prompted_fixtures import CHAT, FakeTokenizer, reference_episode, simple_episode
+
+from cope.algos.cope.layouts import collate_chunks, pack_forecasts, plain_forecasts
+from cope.algos.cope.loss import ForecastLoss
+from cope.algos.cope.prompted import PlanPrompt, build_prompted
+from cope.algos.grpo import PolicyGradient
+from cope.models.policy import Policy
+from cope.train.batch import collate
+from cope.train.module import AgentRLModule
+from cope.train.objectives import combine
+
+PAD = 0
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = copy.deepcopy(CFG)
+    cfg.vocab_size = 128  # the prompted fixtures' ids go up to 99
+    base = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+
+
+def _episodes():
+    # group 0: one win; group 1: two wins and a loss (weights 1 and 1/2 before renormalization)
+    return [reference_episode(), simple_episode(3, 1.0, group=1), simple_episode(2, 1.0, group=1), simple_episode(2, 0.0, group=1)]
+
+
+def _chunks(eps):
+    chunks, m = build_prompted(eps, CHAT, PlanPrompt(FakeTokenizer()), K=3)
+    assert chunks and m["forecast/samples"] == len(chunks) and len({c.weight for c in chunks}) > 1  # weights differ
+    return chunks
+
+
+def _reference_loss(model, eps, chunks):
+    """mean over samples of w_i x (mean token CE of sample i), each sample scored on its own, no padding."""
+    per = []
+    for c in chunks:
+        seq = torch.tensor([eps[c.episode].tokens[: c.anchor] + list(c.tokens)])  # (1, L)
+        logp = model(input_ids=seq).logits[0, :-1].float().log_softmax(-1)  # (L-1, V)
+        lp = logp.gather(-1, seq[0, 1:, None]).squeeze(-1)  # (L-1,): log p(token t | < t) at t - 1
+        tgt = torch.tensor([False] * c.anchor + list(c.target))[1:]  # (L-1,)
+        per.append(-lp[tgt].mean() * c.weight)
+    return torch.stack(per).mean()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_joint_packed_equals_plain_for_prompted_samples(temperature):
+    model, eps = _model(), _episodes()
+    chunks = _chunks(eps)
+    module = AgentRLModule(Policy(model=model, tokenizer=None, chat=CHAT, source="t"), [ForecastLoss(weight=1.0)],
+                           optimizer=torch.optim.SGD, temperature=temperature)
+    base = collate(eps, PAD)
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = []
+    for layout in (pack_forecasts, plain_forecasts):
+        batch = layout(base, eps, chunks, PAD)
+        loss, _ = module.objectives[0](module(batch), batch)
+        got.append((loss, torch.autograd.grad(loss, params)))
+    ref = _reference_loss(model, eps, chunks)
+    ref_grads = torch.autograd.grad(ref, params)
+    for loss, grads in got:
+        assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_separate_step_is_an_sgd_step_on_the_weighted_loss():
+    """One forecast batch through training_step's math (forward, backward, clip, the optimizer at lr x lr_scale)
+    equals SGD applied by hand to coef x the hand-written loss: the same gradients, the same step. (SGD, not
+    AdamW, for the comparison: Adam's first step is lr x g / |g|, which turns float rounding of a tiny gradient
+    into a visible difference.)"""
+    eps = _episodes()
+    chunks = _chunks(eps)
+    coef, lr, scale, clip = 0.01, 1e-2, 3.0, 1.0
+    batch = collate_chunks(eps, chunks, PAD)
+    assert batch["kind"] == "forecast" and not batch["action_mask"].any()
+
+    model_a = _model()
+    module = AgentRLModule(Policy(model=model_a, tokenizer=None, chat=CHAT, source="t"),
+                           [PolicyGradient(), ForecastLoss(weight=coef, update="separate", lr_scale=scale)],
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=lr), temperature=0.7, gradient_clip_val=clip)
+    opt_a = module.configure_optimizers()
+    total, metrics = combine(module.objectives, module(batch), batch, step=0)  # what training_step's backward sums
+    assert "loss/pg" not in metrics and metrics["loss/forecast"] > 0  # the PG objective is not computed on it
+    total.backward()
+    torch.nn.utils.clip_grad_norm_(module.policy.trainable_parameters(), clip)
+    from cope.train.step_guard import lr_scaled
+
+    params_a = [p.detach().clone() for p in model_a.parameters() if p.requires_grad]
+    with lr_scaled(opt_a, scale):
+        opt_a.step()
+    moved = [p for p in model_a.parameters() if p.requires_grad]
+    assert any(not torch.equal(a, b) for a, b in zip(params_a, moved))
+    assert opt_a.param_groups[0]["lr"] == lr  # restored after the step
+
+    model_b = _model()
+    params_b = [p for p in model_b.parameters() if p.requires_grad]
+    opt_b = torch.optim.SGD(params_b, lr=lr * scale)
+    (coef * _reference_loss(model_b, eps, chunks)).backward()
+    torch.nn.utils.clip_grad_norm_(params_b, clip)
+    grads_a = [p.grad for p in model_a.parameters() if p.requires_grad]
+    for a, b in zip(grads_a, params_b):
+        torch.testing.assert_close(a, b.grad, atol=1e-7, rtol=1e-5)
+    opt_b.step()
+    for (na, a), (nb, b) in zip(model_a.named_parameters(), model_b.named_parameters()):
+        assert na == nb
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
+
+
+def test_an_empty_forecast_batch_trains_nothing():
+    """An idle DDP rank's padding batch: a forward and a zero-gradient backward."""
+    model = _model()
+    module = AgentRLModule(Policy(model=model, tokenizer=None, chat=CHAT, source="t"),
+                           [ForecastLoss(weight=0.01, update="separate")], optimizer=torch.optim.AdamW)
+    batch = collate_chunks([], [], PAD)
+    total, metrics = combine(module.objectives, module(batch), batch, step=0)
+    total.backward()
+    assert total.item() == 0.0 and metrics["loss/forecast"] == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
