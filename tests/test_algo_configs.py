@@ -29,6 +29,8 @@ CASES = {
     "cope-separate": (["algo=cope", *LEARNS], ("loss/pg", "loss/forecast", "forecast/grad_norm", *AUTHORS_KEYS)),
     "cope-joint": (["algo=cope", "cope.update=joint", *LEARNS], ("loss/pg", "loss/forecast", *AUTHORS_KEYS)),
     "cope-turns-mask": (["algo=cope", "cope.layout=turns", "cope.invalid=mask", *LEARNS], ("loss/forecast", *AUTHORS_KEYS)),
+    "cope-te": (["algo=cope", "cope.te.weight=0.1", "cope.te.warmup_steps=0", *LEARNS],
+                ("loss/te", "te/kl", "te/members_per_action", "te/positions", *AUTHORS_KEYS)),
     "cope_continuation": ([CONT], ("loss/pg", *COPE_KEYS)),
     # mask_invalid=true (default) with every episode a source: all-invalid chunks give no targets
     "cont-mask_invalid=true": ([CONT, "cope.min_score=-1"], COPE_KEYS),
@@ -83,6 +85,8 @@ def test_algo_trains_and_logs(case, run_train, read_metrics, tmp_path):
         steps = [math.ceil(n / 16) for n in cols["forecast/samples"]]
         assert all(n > 0 for n in cols["forecast/samples"]) and len(cols["forecast/grad_norm"]) == sum(steps), cols
         assert moved and all(v > 0 for v in cols["loss/forecast"])
+    if case == "cope-te":  # earlier forecasts of the epoch's actions: members, a KL that trains
+        assert max(cols["te/positions"]) > 0 and max(cols["te/members_per_action"]) >= 1 and max(cols["te/kl"]) > 0, cols
     if case == "cope-joint":  # summed into the policy step: no step of its own
         assert all(n > 0 for n in cols["forecast/samples"]) and not cols.get("forecast/grad_norm")
 

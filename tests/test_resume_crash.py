@@ -34,6 +34,7 @@ ALGOS = {
     "echo": ["algo=echo"],
     "cope_adaptive": ["algo=cope_continuation", "cope.normalize=adaptive"],
     "cope_separate": ["algo=cope", "cope.gate=all", "cope.minibatch_size=8"],  # the authors': forecast steps of its own
+    "cope_te": ["algo=cope", "cope.gate=all", "cope.te.weight=0.1", "cope.te.warmup_steps=2"],  # + the temporal ensemble
     "empg": ["algo=empg"],
 }
 TIMING = ("perf/",)  # wall-clock metrics: the only columns allowed to differ

@@ -128,3 +128,35 @@ def test_an_empty_forecast_batch_trains_nothing():
     total.backward()
     assert total.item() == 0.0 and metrics["loss/forecast"] == 0.0
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_te_rows_are_the_logits_that_predict_the_covered_tokens():
+    """The module's forward forms full predictive rows at ``te_position`` only: equal to the model's own logits at
+    column - 1, with gradient, whole-batch and micro-batched alike."""
+    from cope.algos.cope.te_loss import TemporalEnsembleLoss
+    from cope.train.backward import backward_microbatched
+
+    model, eps = _model(), _episodes()
+    module = AgentRLModule(Policy(model=model, tokenizer=None, chat=CHAT, source="t"),
+                           [TemporalEnsembleLoss(weight=1.0, warmup_steps=0)], optimizer=torch.optim.SGD, temperature=0.7)
+    batch = collate(eps, PAD)
+    pos = torch.tensor([[0, 12], [1, 15], [3, 9], [2, 20]])  # (row, column)
+    batch.update(te_position=pos, te_ids=torch.randint(0, 128, (4, 8)), te_probs=torch.full((4, 8), 0.05))
+    out = module(batch)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (N, T, V)
+    torch.testing.assert_close(out.te_rows, logits[pos[:, 0], pos[:, 1] - 1].float(), atol=1e-5, rtol=0)
+    assert out.te_rows.requires_grad  # untempered, whatever the sampling temperature
+    loss, m = module.objectives[0](out, batch)
+    assert loss.item() > 0 and m["te/positions"] == 4
+    module.max_tokens_per_microbatch = 2 * batch["input_ids"].shape[1]  # two rows at a time
+    module.manual_backward = lambda x: x.backward()  # no trainer: a plain backward
+    params = [p for p in model.parameters() if p.requires_grad]
+    split, total, _ = backward_microbatched(module, batch)
+    g_split = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    loss.backward()
+    assert total.item() == pytest.approx(loss.item(), abs=1e-6)
+    for a, p in zip(g_split, params):
+        torch.testing.assert_close(a, p.grad, atol=1e-6, rtol=0)

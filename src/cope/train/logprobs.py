@@ -109,8 +109,10 @@ def causal_lm_logprobs(
     temperature: float = 1.0,
     entropy_mask: torch.Tensor | None = None,
     chunk_elems: int = CHUNK_ELEMS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, entropy), both (N, T) fp32, 0 at t = 0 and wherever not computed.
+    rows_at: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """(log-probs, entropy), both (N, T) fp32, 0 at t = 0 and wherever not computed; with ``rows_at``, also the
+    untempered logits rows (P, V) fp32, with gradient, that predict the tokens at those positions.
 
     Args:
         model: causal LM (peft-wrapped or not).
@@ -119,6 +121,8 @@ def causal_lm_logprobs(
         temperature: the sampling temperature of the rollouts (<= 0: greedy, scored at 1).
         entropy_mask: (N, T) bool, positions whose predictive entropy is returned (no graph).
         chunk_elems: logits held at once (tokens per chunk = chunk_elems // vocab).
+        rows_at: (P, 2) long (row, column >= 1) of tokens whose full predictive row is wanted (CoPE's temporal
+            ensemble takes a KL over the whole vocabulary there): only those P rows of logits are formed.
     """
     N, T = input_ids.shape
     tau_value = float(temperature) if temperature and temperature > 0 else 1.0
@@ -135,7 +139,13 @@ def causal_lm_logprobs(
     else:
         lp, ent = _chunked_from_logits(h, targets, tau, ent_rows, max(1, chunk_elems // h.shape[-1]))
     zero = lp.new_zeros(N, 1)
-    return torch.cat([zero, lp.view(N, T - 1)], 1), torch.cat([zero, ent.view(N, T - 1)], 1)
+    out = torch.cat([zero, lp.view(N, T - 1)], 1), torch.cat([zero, ent.view(N, T - 1)], 1)
+    if rows_at is None:
+        return out
+    flat = rows_at[:, 0] * (T - 1) + rows_at[:, 1] - 1  # (P,): the flat index of the position before each token
+    sel = h[flat]  # (P, H) hidden states, or (P, V) logits on the fallback path
+    rows = (F.linear(sel, head.weight, head.bias) if head is not None else sel).float()  # (P, V)
+    return (*out, rows)
 
 
 def _head_input(model, input_ids, attention_mask, position_ids) -> tuple[torch.nn.Linear | None, torch.Tensor]:

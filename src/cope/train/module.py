@@ -26,9 +26,10 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from cope.models.policy import Policy
+from cope.train.backward import backward_microbatched
 from cope.train.batch import SEGMENT_KEYS, microbatch_plan, model_attention, row_lengths
 from cope.train.logprobs import causal_lm_logprobs, sampler_gap
-from cope.train.objectives import ROLLOUT, ForwardOut, Objective, batch_kind, combine
+from cope.train.objectives import ROLLOUT, ForwardOut, Objective, batch_kind
 from cope.train.seeding import seed_globals
 from cope.train.step_guard import StepGuard, lr_scaled
 
@@ -100,20 +101,32 @@ class AgentRLModule(pl.LightningModule):
                           position_ids=batch["position_ids"], use_cache=False).logits  # (N, T, V)
 
     def logprobs(self, batch: dict, rows: torch.Tensor | None = None, length: int | None = None,
-                 entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                 entropy: bool = True, te: bool = False) -> tuple[torch.Tensor, ...]:
         """Per-token (log-probs, entropy) of ``batch`` rows ``rows`` (all: None), first ``length`` columns;
-        action tokens at the sampling temperature, entropy at action tokens only (see :mod:`cope.train.logprobs`)."""
+        action tokens at the sampling temperature, entropy at action tokens only (see :mod:`cope.train.logprobs`).
+        With ``te`` and ``batch["te_position"]``, also (the full predictive rows of the positions that fall in this
+        part, their indices into ``te_position``): CoPE's temporal ensemble, from the same forward."""
+        at = sel = None
+        if te and "te_position" in batch:
+            te_pos = batch["te_position"].to(batch["input_ids"].device)  # (P, 2) [row, column]
+            first = 0 if rows is None else int(rows[0])
+            count = batch["input_ids"].shape[0] if rows is None else rows.numel()
+            inside = (te_pos[:, 0] >= first) & (te_pos[:, 0] < first + count)  # micro-batch rows are contiguous
+            if length is not None:
+                inside &= te_pos[:, 1] < length
+            sel = inside.nonzero().squeeze(-1)  # (P_live,)
+            at = te_pos[sel] - torch.tensor([first, 0], device=te_pos.device)
         keys = ("input_ids", "position_ids", "action_mask", "attention_mask", *(k for k in SEGMENT_KEYS if k in batch))
         part = {k: batch[k] if rows is None else batch[k][rows] for k in keys}  # only this micro-batch's rows
         if length is not None:
             part = {k: v[:, :length] if v.dim() == 2 else v[..., :length, :length] for k, v in part.items()}
         act, mask = part["action_mask"], self._attention(part)  # a segment mask only for these rows and columns
-        lp, ent = causal_lm_logprobs(self.model, part["input_ids"], mask, part["position_ids"], tempered=act,
-                                     temperature=self.temperature, entropy_mask=act if entropy else None)
+        lp, ent, *te_rows = causal_lm_logprobs(self.model, part["input_ids"], mask, part["position_ids"], tempered=act,
+                                               temperature=self.temperature, entropy_mask=act if entropy else None, rows_at=at)
         if part["attention_mask"].dim() == 2:  # right padding scores 0, whether or not a micro-batch cut it off
             pad = part["attention_mask"] == 0
             lp, ent = lp.masked_fill(pad, 0.0), ent.masked_fill(pad, 0.0)
-        return lp, ent
+        return (lp, ent, te_rows[0], sel) if at is not None else (lp, ent)
 
     def micro_batches(self, batch: dict) -> list[tuple[torch.Tensor | None, int | None]]:
         """(rows, length) of each micro-batch under ``max_tokens_per_microbatch``: consecutive rows whose
@@ -125,9 +138,9 @@ class AgentRLModule(pl.LightningModule):
                                                                                     self.max_tokens_per_microbatch)]
 
     def forward(self, batch: dict) -> ForwardOut:
-        lp, ent = self.logprobs(batch)
+        lp, ent, *te = self.logprobs(batch, te=True)
         ref = batch.get("ref_logprobs") if self.needs_ref else None
-        return ForwardOut(logprobs=lp, entropy=ent, ref_logprobs=ref)
+        return ForwardOut(logprobs=lp, entropy=ent, ref_logprobs=ref, te_rows=te[0] if te else None)
 
     def _precision_context(self):
         """The precision plugin's training context (e.g. bf16 autocast under ``bf16-mixed``): Lightning applies it
@@ -197,41 +210,7 @@ class AgentRLModule(pl.LightningModule):
         self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
 
     def _backward(self, batch: dict) -> tuple[ForwardOut, torch.Tensor, dict]:
-        """Forward + backward of every micro-batch. Returns the whole minibatch's forward output, its total
-        loss (detached) and the objectives' metrics, as one forward over every row gives them."""
-        parts = self.micro_batches(batch)
-        if len(parts) == 1 and parts[0][0] is None:
-            out = self(batch)
-            total, metrics = combine(self.objectives, out, batch, self.global_step)
-            self.manual_backward(total)
-            return ForwardOut(out.logprobs.detach(), out.entropy, out.ref_logprobs), total.detach(), metrics
-        ref = batch.get("ref_logprobs") if self.needs_ref else None
-        old = batch.get("old_logprobs")  # a forecast batch is not scored: any constant stands in for rows not live
-        lp = old.to(self.device, torch.float32).clone() if old is not None else torch.zeros(batch["input_ids"].shape, device=self.device)
-        ent = torch.zeros_like(lp)
-        blocker = self._backward_sync_blocker()
-        for j, (rows, n) in enumerate(parts):
-            live_lp, live_ent = self.logprobs(batch, rows, n)
-            full = lp.clone()
-            full[rows, :n] = live_lp  # differentiable on this micro-batch's rows only
-            total, _ = combine(self.objectives, ForwardOut(full, ent, ref), batch, self.global_step)
-            last = j == len(parts) - 1
-            with (blocker() if blocker is not None and not last else contextlib.nullcontext()):  # DDP: sync once
-                self.manual_backward(total)
-            lp[rows, :n], ent[rows, :n] = live_lp.detach(), live_ent
-        out = ForwardOut(lp, ent, ref)
-        with torch.no_grad():  # the logged losses: every row's log-probs at once
-            total, metrics = combine(self.objectives, out, batch, self.global_step)
-        return out, total, metrics
-
-    def _backward_sync_blocker(self):
-        """DDP's ``block_backward_sync`` (gradients all-reduced once per step, at the last micro-batch); None
-        without a strategy that has one (one process, or the module driven without a trainer, as tests do)."""
-        try:
-            strategy = self.trainer.strategy
-        except RuntimeError:  # not attached to a Trainer
-            return None
-        return getattr(strategy, "block_backward_sync", None)
+        return backward_microbatched(self, batch)
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         """One optimizer step on a rollout minibatch (the objectives of kind ``rollout``) or on one of CoPE's

@@ -31,6 +31,7 @@ class ForwardOut:
     logprobs: torch.Tensor  # (N, T)
     entropy: torch.Tensor  # (N, T), detached
     ref_logprobs: torch.Tensor | None = None  # (N, T) from the adapter-disabled model, when needed
+    te_rows: torch.Tensor | None = None  # (P, V) untempered logits predicting the tokens at batch["te_position"] (CoPE TE)
 
 
 SCHEDULES = ("constant", "linear", "power", "cutoff")

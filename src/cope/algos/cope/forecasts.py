@@ -14,8 +14,11 @@ prompted forecast samples (gate, look-past of invalid actions, group weights); t
   segments after their transcript, attending to it up to obs_t and to themselves, or ``plain`` rows, the
   reference), and the ``forecast`` objective is summed into the policy-gradient loss.
 
+With ``te_weight > 0`` it also gives the temporal-ensemble objective its targets: after the module's scoring pass
+the epoch's samples are scored for the members of every transcript action (:mod:`cope.algos.cope.te_loss`).
+
 The samples of an epoch are built once (the group weights are normalized over all of them) and the epoch's
-``forecast/*`` metrics are logged when its training starts.
+``forecast/*`` (and ``te/*``) metrics are logged when its training starts.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from lightning.pytorch import Callback
 
 from cope.algos.cope.layouts import LAYOUTS, collate_chunks
 from cope.algos.cope.prompted import PlanPrompt, build_prompted, check_prompted_args
+from cope.algos.cope.te_loss import ensemble_transform
 from cope.episode import Episode
 
 UPDATES = ("separate", "joint")
@@ -44,12 +48,15 @@ class CopeForecasts(Callback):
         packing: ``joint`` only: ``packed`` (segments in the transcript's row) or ``plain`` (a row per sample).
         minibatch_size: ``separate`` only: samples per optimizer step.
         max_context: samples longer than this are dropped and counted (None: no limit).
+        te_weight: lambda_TE of the temporal-ensemble objective (``algo.objectives.te``); > 0 makes this callback
+            score the members each epoch.
+        te_top_m: the vocabulary entries each member token keeps.
     """
 
     def __init__(self, K: int = 3, layout: str = "list", prompt: str | None = None, invalid: str = "skip",
                  mask_projected: bool = True, gate: str = "wins", success_threshold: float = 0.5,
                  group_weights: bool = True, update: str = "separate", packing: str = "packed",
-                 minibatch_size: int = 16, max_context: int | None = None):
+                 minibatch_size: int = 16, max_context: int | None = None, te_weight: float = 0.0, te_top_m: int = 64):
         check_prompted_args(K, invalid, gate)
         if update not in UPDATES:
             raise ValueError(f"cope.update must be one of {UPDATES}, got {update!r}")
@@ -61,6 +68,10 @@ class CopeForecasts(Callback):
         self.mask_projected, self.gate, self.success_threshold = mask_projected, gate, float(success_threshold)
         self.group_weights, self.update, self.packing = group_weights, update, packing
         self.minibatch_size, self.max_context = int(minibatch_size), max_context
+        if te_top_m < 1:
+            raise ValueError(f"cope.te.top_m must be >= 1, got {te_top_m}")
+        self.te_weight, self.te_top_m = float(te_weight), int(te_top_m)
+        self._te_metrics: dict[str, float] = {}
         self._plan: PlanPrompt | None = None
         self._chat, self._pad_id, self._datamodule = None, 0, None
         self._built: tuple[int, list, dict] | None = None  # (id of the epoch's episode list, chunks, metrics)
@@ -82,6 +93,10 @@ class CopeForecasts(Callback):
             dm.add_batch_source(self)
         else:
             dm.add_collate_transform(self.transform)
+        if self.te_weight > 0:
+            context = pl_module.trainer.precision_plugin.train_step_context  # the training forward's numerics
+            pl_module.add_scored_transform(ensemble_transform(lambda: pl_module.model, lambda eps: self.samples(eps)[0],
+                                                              context, self.te_top_m, self.minibatch_size, self._te_metrics))
         self._datamodule = dm
 
     def samples(self, episodes: list[Episode]) -> tuple[list, dict[str, float]]:
@@ -111,3 +126,7 @@ class CopeForecasts(Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if self._built is not None:
             pl_module.log_dict(self._built[2], on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._te_metrics:  # counted by the scored transform at the epoch's start (after this callback's hook)
+            pl_module.log_dict(dict(self._te_metrics), on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
