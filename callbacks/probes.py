@@ -1,8 +1,8 @@
 """Held-out world-model and forecasting probes, computed after each validation run.
 
 * ``probe/forecast_token_acc`` and ``probe/forecast_action_acc``: teacher-forced accuracy of
-  forecasting the next K actions (CoPE's chunks, plain layout) on the *successful* held-out
-  episodes of the validation run: token-level argmax accuracy, and the share of chunk actions whose
+  forecasting the next K actions on the *successful* held-out episodes of the validation run (``sample``:
+  ``prompted``, CoPE's sample as its authors built it, the default; ``continuation``, the earlier reading): token-level argmax accuracy, and the share of chunk actions whose
   every token is predicted exactly. ``probe/forecast_chunks`` says how many chunks were probed
   (0 early on: the probe needs held-out successes); ``probe/forecast_tokens`` and
   ``probe/forecast_actions`` are the two accuracies' denominators.
@@ -31,6 +31,7 @@ from lightning.pytorch import Callback
 
 from cope.algos.cope.chunks import build_chunks
 from cope.algos.cope.layouts import plain_forecasts
+from cope.algos.cope.prompted import PlanPrompt, build_prompted
 from cope.episode import Role
 from cope.records import val_record
 from cope.train.batch import collate
@@ -72,10 +73,13 @@ class HeldOutProbes(Callback):
             scored in the module's micro-batches.
     """
 
-    def __init__(self, K: int = 3, max_episodes: int = 32, batch_size: int = 16):
+    def __init__(self, K: int = 3, max_episodes: int = 32, batch_size: int = 16, sample: str = "prompted"):
         if K < 1 or max_episodes < 1 or batch_size < 1:
             raise ValueError("HeldOutProbes: K, max_episodes and batch_size must be >= 1")
-        self.K, self.max_episodes, self.batch_size = K, max_episodes, batch_size
+        if sample not in ("prompted", "continuation"):
+            raise ValueError(f"callbacks.probes.sample must be 'prompted' or 'continuation', got {sample!r}")
+        self.K, self.max_episodes, self.batch_size, self.sample = K, max_episodes, batch_size, sample
+        self._plan = None
 
     @staticmethod
     def _score(pl_module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +108,7 @@ class HeldOutProbes(Callback):
             for s in range(0, len(eps), self.batch_size):
                 part = eps[s: s + self.batch_size]
                 batch = collate(part, pad_id)
-                chunks, _ = build_chunks(part, chat, K=self.K, mask_invalid=True)
+                chunks = self._chunks(pl_module, part, chat)
                 out["forecast_chunks"] += len(chunks)
                 if chunks:
                     batch = plain_forecasts(batch, part, chunks, pad_id)
@@ -129,6 +133,13 @@ class HeldOutProbes(Callback):
         finally:
             model.train(was)
         return out
+
+    def _chunks(self, pl_module, episodes, chat) -> list:
+        if self.sample == "continuation":
+            return build_chunks(episodes, chat, K=self.K, mask_invalid=True)[0]
+        if self._plan is None:
+            self._plan = PlanPrompt(pl_module.policy.tokenizer)
+        return build_prompted(episodes, chat, self._plan, K=self.K, group_weights=False)[0]  # wins, invalid skipped
 
     def probe(self, pl_module, episodes, chat, pad_id: int) -> dict[str, float]:
         """The ``probe/*`` metrics of ``episodes`` in this process alone (no reduction over ranks)."""

@@ -38,7 +38,7 @@ CASES = {
     "cont-normalize=none": ([CONT, "cope.normalize=none", *FORCE_TARGETS], COPE_KEYS),
     "cont-normalize=per_step": ([CONT, "cope.normalize=per_step", *FORCE_TARGETS], COPE_KEYS),
     "cont-K=1": ([CONT, "cope.K=1", *FORCE_TARGETS], COPE_KEYS),
-    "cont-layout=plain": ([CONT, "cope.layout=plain", *FORCE_TARGETS], COPE_KEYS),
+    "cont-packing=plain": ([CONT, "cope.packing=plain", *FORCE_TARGETS], COPE_KEYS),
 }
 EPISODES = 2 * 2 * 4  # epochs * tasks_per_epoch * group_size (debug=fast)
 

@@ -222,7 +222,7 @@ SHIPPED = (
     + [["debug=fast", f"trainer={o}"] for o in _options("trainer")]
     + [["debug=fast", f"logger={o}"] for o in _options("logger")]
     + [["debug=fast", "algo=cope_continuation", *o] for o in (
-        ["cope.normalize=adaptive"], ["cope.normalize=per_step"], ["cope.K=1"], ["cope.layout=plain"], ["cope.anchors=sample"],
+        ["cope.normalize=adaptive"], ["cope.normalize=per_step"], ["cope.K=1"], ["cope.packing=plain"], ["cope.anchors=sample"],
         ["cope.min_score=-1", "cope.mask_invalid=false"])]
     + [["debug=fast", "algo=cope", *o] for o in (["cope.update=joint"], ["cope.update=joint", "cope.packing=plain"],
                                                   ["cope.layout=turns"], ["cope.gate=mixed"], ["cope.invalid=cut"],
@@ -277,8 +277,8 @@ def test_flash_attention_refuses_the_packed_forecast_layout(compose, tmp_path, a
     msg = str(err.value)
     assert len(err.value.problems) == 1, msg
     assert f"model.attn_implementation = '{attn}'" in msg and "algo.callbacks.forecast_targets.layout=packed" in msg, msg
-    assert "cope.layout=plain" in msg and "model.attn_implementation=sdpa" in msg, msg
-    check_config(compose(["algo=cope_continuation", f"model.attn_implementation={attn}", "cope.layout=plain"], tmp_path))
+    assert "cope.packing=plain" in msg and "model.attn_implementation=sdpa" in msg, msg
+    check_config(compose(["algo=cope_continuation", f"model.attn_implementation={attn}", "cope.packing=plain"], tmp_path))
     with pytest.raises(ConfigError, match=r"algo\.callbacks\.forecasts\.packing=packed \(update=joint\).*cope\.update=separate"):
         check_config(compose(["algo=cope", "cope.update=joint", f"model.attn_implementation={attn}"], tmp_path))
     check_config(compose(["algo=cope", f"model.attn_implementation={attn}"], tmp_path))  # separate: plain rows only

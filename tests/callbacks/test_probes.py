@@ -90,7 +90,7 @@ def obs_nll(model, eps):
 
 
 @torch.no_grad()
-def full_softmax_probe(model, eps, chat, pad_id, batch_size=16):
+def full_softmax_probe(model, eps, chat, pad_id, batch_size=16, chunks_of=None):
     """The probe as it was before chunking: full (N, T, V) logits of each collated batch, a full-vocabulary
     log-softmax per row and the argmax over the whole vocabulary (the reference values)."""
     correct = total = act_ok = act_n = n_chunks = nll_n = 0
@@ -98,7 +98,7 @@ def full_softmax_probe(model, eps, chat, pad_id, batch_size=16):
     for s in range(0, len(eps), batch_size):
         part = eps[s: s + batch_size]
         batch = collate(part, pad_id)
-        chunks, _ = build_chunks(part, chat, K=K, mask_invalid=True)
+        chunks = chunks_of(part) if chunks_of is not None else build_chunks(part, chat, K=K, mask_invalid=True)[0]
         n_chunks += len(chunks)
         if chunks:
             batch = plain_forecasts(batch, part, chunks, pad_id)
@@ -132,7 +132,7 @@ def full_softmax_probe(model, eps, chat, pad_id, batch_size=16):
 def test_probe_metrics(setup, batch_size):
     model, eps, chat, pad = setup.policy.model, setup.eps, setup.chat, setup.tok.pad_token_id
     model.train()
-    m = HeldOutProbes(K=K, batch_size=batch_size).probe(module(model), eps, chat, pad)
+    m = HeldOutProbes(sample="continuation", K=K, batch_size=batch_size).probe(module(model), eps, chat, pad)
     assert model.training and all(mod.training for mod in model.modules())  # mode restored
     assert set(m) == set(KEYS)
     chunks, _ = build_chunks(eps, chat, K=K, mask_invalid=True)
@@ -142,7 +142,7 @@ def test_probe_metrics(setup, batch_size):
     model.eval()
     ref = obs_nll(model, eps)
     assert m["probe/obs_nll"] > 0 and m["probe/obs_nll"] == pytest.approx(ref, rel=1e-4)
-    m2 = HeldOutProbes(K=K, batch_size=batch_size).probe(module(model), eps, chat, pad)
+    m2 = HeldOutProbes(sample="continuation", K=K, batch_size=batch_size).probe(module(model), eps, chat, pad)
     assert not model.training and not any(mod.training for mod in model.modules())
     assert m2 == pytest.approx(m, rel=1e-5)
 
@@ -154,7 +154,7 @@ def test_probe_equals_full_softmax(setup, fitted, budget):
     fitted far enough that both accuracies lie strictly between 0 and 1."""
     model, eps, chat, pad = fitted, setup.eps, setup.chat, setup.tok.pad_token_id
     ref = full_softmax_probe(model, eps, chat, pad)
-    m = HeldOutProbes(K=K).probe(module(model, budget), eps, chat, pad)
+    m = HeldOutProbes(sample="continuation", K=K).probe(module(model, budget), eps, chat, pad)
     assert set(m) == set(KEYS)
     for k in KEYS:
         assert m[k] == pytest.approx(ref[k], abs=1e-5), k
@@ -164,13 +164,13 @@ def test_probe_equals_full_softmax(setup, fitted, budget):
 def test_probe_without_successes(setup):
     model, chat, pad = setup.policy.model, setup.chat, setup.tok.pad_token_id
     failed = [setup.eps[3]]
-    m = HeldOutProbes(K=K).probe(module(model), failed, chat, pad)
+    m = HeldOutProbes(sample="continuation", K=K).probe(module(model), failed, chat, pad)
     assert set(m) == set(KEYS)  # the same keys: forecast values 0 over a count of 0
     forecast = [k for k in KEYS if k.startswith("probe/forecast_")]
     assert len(forecast) == 5 and all(m[k] == 0.0 for k in forecast)
     model.eval()
     assert m["probe/obs_tokens"] > 0 and m["probe/obs_nll"] == pytest.approx(obs_nll(model, failed), rel=1e-4)
-    assert HeldOutProbes(K=K).probe(module(model), [], chat, pad) == dict.fromkeys(KEYS, 0.0)
+    assert HeldOutProbes(sample="continuation", K=K).probe(module(model), [], chat, pad) == dict.fromkeys(KEYS, 0.0)
 
 
 class NextTokenOracle(torch.nn.Module):
@@ -188,7 +188,7 @@ class NextTokenOracle(torch.nn.Module):
 
 def test_perfect_forecaster_scores_one(setup):
     oracle = NextTokenOracle(len(setup.tok))
-    m = HeldOutProbes(K=K).probe(module(oracle, budget=500), setup.eps, setup.chat, setup.tok.pad_token_id)
+    m = HeldOutProbes(sample="continuation", K=K).probe(module(oracle, budget=500), setup.eps, setup.chat, setup.tok.pad_token_id)
     assert m["probe/forecast_token_acc"] == 1.0 and m["probe/forecast_action_acc"] == 1.0
     assert 0.0 <= m["probe/obs_nll"] < 1e-6 and oracle.training
 
@@ -225,8 +225,22 @@ def test_peak_bounded_at_152k_vocabulary(setup):
     assert N * T > 5000  # a few thousand positions: old full logits (N, T, V) would be N * T * V fp32
     rec = LargestOutput()
     with rec:
-        m = HeldOutProbes(K=K).probe(module(big, budget=1024), eps, chat, pad)
+        m = HeldOutProbes(sample="continuation", K=K).probe(module(big, budget=1024), eps, chat, pad)
     print(f"probe batch {N}x{T}, V={V}: largest op output {rec.numel:,} elements ({rec.nbytes / 2**20:.0f} MiB, {rec.op});"
           f" full logits would be {N * T * V:,} ({N * T * V * 4 / 2**30:.1f} GiB fp32)")
     assert rec.numel <= CHUNK_ELEMS and rec.numel * 20 < N * T * V, (rec.numel, rec.op)
     assert m["probe/forecast_tokens"] > 0 and m["probe/obs_tokens"] > 0 and 0 < m["probe/obs_nll"] < 20
+
+
+@pytest.mark.long
+def test_prompted_probe_equals_the_full_softmax_reference(setup):
+    """The default probe forecasts CoPE's prompted samples (the authors' sample: plan-ahead turn, listed actions)."""
+    from cope.algos.cope.prompted import PlanPrompt, build_prompted
+
+    model, eps, chat, pad = setup.policy.model.eval(), setup.eps, setup.chat, setup.tok.pad_token_id
+    m = HeldOutProbes(K=K).probe(module(model, budget=700), eps, chat, pad)
+    plan = PlanPrompt(tiny_tokenizer())
+    ref = full_softmax_probe(model, eps, chat, pad, chunks_of=lambda part: build_prompted(part, chat, plan, K=K, group_weights=False)[0])
+    assert m["probe/forecast_chunks"] == ref["probe/forecast_chunks"] > 0
+    for k, v in ref.items():
+        assert m[k] == pytest.approx(v, abs=1e-5), k

@@ -45,7 +45,7 @@ def _rank(rank: int, world: int, port: int, out: str, shares: list, everything: 
         record = ValidationRecord(epoch=0, episodes=shares[rank])
         trainer = SimpleNamespace(sanity_checking=False, datamodule=SimpleNamespace(val_record=record),
                                   strategy=DDPStrategy())
-        probes = HeldOutProbes(K=K)
+        probes = HeldOutProbes(sample="continuation", K=K)
         probes.on_validation_epoch_end(trainer, module)
         result = {"logged": [[m, {k: v for k, v in kw.items() if isinstance(v, (bool, int, float))}] for m, kw in logged],
                   "local": probes.probe(module, shares[rank], tiny_chat(), tiny_tokenizer().pad_token_id)}

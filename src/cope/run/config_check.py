@@ -241,7 +241,7 @@ class _Checker:
             if key is not None:
                 self.fail("model.attn_implementation", f" = {attn!r}: cannot take CoPE's packed forecast layout "
                           f"(algo.callbacks.{name}.{key}: segment attention, a (N, 1, T, T) mask per forward); "
-                          f"use {'cope.update=separate or cope.packing=plain' if key.startswith('packing') else 'cope.layout=plain'} "
+                          f"use {'cope.update=separate or cope.packing=plain' if key.startswith('packing') else 'cope.packing=plain'} "
                           "(2D masks only) or model.attn_implementation=sdpa")
 
 

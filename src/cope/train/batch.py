@@ -28,16 +28,20 @@ class RolloutBatch(TypedDict, total=False):
         aux_row (N,) bool: rows that are not episode transcripts (all False here; CoPE's plain forecast
             layout appends such rows): transcript-level objectives (ECHO, EMPG) skip them.
 
-    Added by CoPE's forecast targets (:mod:`cope.algos.cope.chunks` and :mod:`cope.algos.cope.layouts`): ``forecast_mask``,
-    ``forecast_chunk``, ``forecast_actions``, and for the packed layout the segment attention
-    ``attn_context_end`` / ``attn_segment_start`` (N, T) long (query i attends keys j < context_end[i]
-    and segment_start[i] <= j <= i; see :func:`segment_attention`).
+    Added by CoPE (:mod:`cope.algos.cope.layouts`): ``forecast_mask`` (N, T) bool, ``forecast_chunk`` (N, T)
+    long, ``forecast_actions`` (C,) long, ``forecast_weight`` (C,) float, and for the packed layout the segment
+    attention ``attn_context_end`` / ``attn_segment_start`` (N, T) long (query i attends keys j < context_end[i]
+    and segment_start[i] <= j <= i; see :func:`segment_attention`). CoPE's separate update trains batches of its
+    own, ``kind == "forecast"`` (:func:`cope.algos.cope.layouts.collate_chunks`; no ``kind``: a rollout
+    minibatch). The temporal ensemble's scored transform adds ``te_position`` (P, 2) long [row, column],
+    ``te_ids`` (P, M) long and ``te_probs`` (P, M) float.
 
     Filled by the module's scoring pass before any update (same shape as ``input_ids``):
     ``old_logprobs``, ``old_entropy``, and ``ref_logprobs`` when a KL term is on. EMPG's scored
     transform then rewrites ``advantages`` in place.
     """
 
+    kind: str
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
@@ -51,6 +55,10 @@ class RolloutBatch(TypedDict, total=False):
     forecast_mask: torch.Tensor
     forecast_chunk: torch.Tensor
     forecast_actions: torch.Tensor
+    forecast_weight: torch.Tensor
+    te_position: torch.Tensor
+    te_ids: torch.Tensor
+    te_probs: torch.Tensor
     attn_context_end: torch.Tensor
     attn_segment_start: torch.Tensor
     old_logprobs: torch.Tensor
