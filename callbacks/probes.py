@@ -3,7 +3,8 @@
 * ``probe/forecast_token_acc`` and ``probe/forecast_action_acc``: teacher-forced accuracy of
   forecasting the next K actions on the *successful* held-out episodes of the validation run (``sample``:
   ``prompted``, CoPE's sample as its authors built it, the default; ``continuation``, the earlier reading):
-  token-level argmax accuracy, and the share of chunk actions whose every token is predicted exactly. ``probe/forecast_chunks`` says how many chunks were probed
+  token-level argmax accuracy, and the share of chunk actions whose every token is predicted exactly.
+  ``probe/forecast_chunks`` says how many chunks were probed
   (0 early on: the probe needs held-out successes); ``probe/forecast_tokens`` and
   ``probe/forecast_actions`` are the two accuracies' denominators.
 * ``probe/obs_nll``: mean per-token negative log-likelihood of env-output tokens (role OBSERVATION)
