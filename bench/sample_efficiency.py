@@ -133,10 +133,11 @@ def _rows(path: Path) -> list[dict]:
 
 
 def _early_targets(path: Path, epochs: int) -> list[float | None]:
-    """``forecast/targets`` of epochs 0..epochs-1 from a CSVLogger metrics.csv (None where absent)."""
+    """CoPE's forecast targets of epochs 0..epochs-1 from a CSVLogger metrics.csv (None where absent):
+    ``forecast/samples`` (``algo=cope``, the authors' samples) or ``forecast/targets`` (``algo=cope_continuation``)."""
     out: list[float | None] = [None] * epochs
     for r in _rows(path):
-        e, t = r.get("epoch"), r.get("forecast/targets")
+        e, t = r.get("epoch"), next((r[k] for k in ("forecast/samples", "forecast/targets") if r.get(k) is not None), None)
         if e is not None and t is not None and int(e) < epochs and out[int(e)] is None:
             out[int(e)] = t
     return out

@@ -1,4 +1,4 @@
-"""Seconds per optimizer step of GRPO, CoPE (packed / plain), ECHO and CoPE+ECHO on identical rollouts.
+"""Seconds per optimizer step of GRPO, CoPE's continuation reading (packed / plain), ECHO and both on identical rollouts.
 
 What it measures: the cost of one full training step (forward, ``cope.train.objectives.combine``, backward,
 gradient clipping as the trainer config does it, AdamW step, zero_grad) for each algorithm, on
@@ -7,10 +7,14 @@ pass are outside the timer; so is the host-to-device copy (the batches are moved
 The variants differ only in what the algorithm adds to the batch and the loss:
 
 * GRPO: ``collate`` + PolicyGradient (the baseline; ratios are relative to it).
-* CoPE (packed): + forecast chunks of the successful episodes appended in the same rows (4D mask).
+* CoPE (packed): ``algo=cope_continuation``, + forecast chunks of the successful episodes appended in the same
+  rows (segment attention).
 * CoPE (plain): + one extra row per forecast chunk (the reference layout).
 * ECHO: + ObservationLoss on the same rows (no extra tokens).
-* CoPE+ECHO: packed CoPE and ECHO together.
+* CoPE+ECHO: packed CoPE (continuation) and ECHO together.
+
+(The authors' CoPE, ``algo=cope``, trains its forecast samples in steps of their own after the policy steps; its
+cost per epoch is not measured here yet.)
 
 Each variant starts from the same LoRA weights (a copy taken before anything runs) and owns its
 optimizer and its weights afterwards (its weights are swapped in before each of its steps, outside
@@ -48,10 +52,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {  # name: (algo config, forecast layout)
     "GRPO": ("grpo", None),
-    "CoPE (packed)": ("cope", "packed"),
-    "CoPE (plain)": ("cope", "plain"),
+    "CoPE (packed)": ("cope_continuation", "packed"),
+    "CoPE (plain)": ("cope_continuation", "plain"),
     "ECHO": ("echo", None),
-    "CoPE+ECHO": ("cope_echo", "packed"),
+    "CoPE+ECHO": ("cope_continuation_echo", "packed"),
 }
 
 

@@ -74,6 +74,9 @@ SPEC: dict[str, Regime] = {
                           ("grpo", "echo"), tuned_in="prior", by_size=None) for n in MAZE_SIZES},
 }
 DEFAULT_REGIMES = ("prior", "random")  # tuning (in prior) first, then prior's test runs, then random's
+# The algo config an arm runs. "cope" is the reading of the explainer this study measured (its records are the
+# committed runs); the authors' method (algo=cope since 2026-12-02) gets an arm of its own in the next study.
+ARM_ALGO = {"cope": "cope_continuation"}
 # Each arm's search: the same number of settings (label -> overrides). CoPE and ECHO add GRPO's chosen lr.
 GRID: dict[str, dict[str, tuple[str, ...]]] = {
     "grpo": {f"lr{lr}": (f"module.optimizer.lr={lr}",) for lr in ("3e-4", "1e-3", "3e-3")},
@@ -120,7 +123,7 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int, record
     def one(job: Job) -> dict:
         d, rec = job.dir(out), job.dir(records)
         restored = not finished(d) and study_records.restore(rec, d, job.overrides)
-        r = train_one(job.arm, job.seed, d, list(job.overrides), threads, force=False, resume=True)
+        r = train_one(ARM_ALGO.get(job.arm, job.arm), job.seed, d, list(job.overrides), threads, force=False, resume=True)
         if r["rc"] == 0 and not _complete(d, job.overrides):  # exit 0 without the last epoch (a SIGTERM'd run)
             (d / "done").unlink(missing_ok=True)
             r = {**r, "rc": -15}
