@@ -204,11 +204,12 @@ class RolloutDataModule(pl.LightningDataModule):
             groups += [g] * self.group_size
         return tasks, groups
 
-    def _reduce_sum(self, values: list[float]) -> list[float]:
+    def _reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        """``values`` reduced over DDP ranks (``sum`` or ``max``); as they are in one process."""
         if self.trainer is None or self.trainer.world_size == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.trainer.strategy.root_device)
-        return self.trainer.strategy.reduce(t, reduce_op="sum").tolist()
+        return self.trainer.strategy.reduce(t, reduce_op=op).tolist()
 
     def train_dataloader(self) -> DataLoader:
         # The epoch being started: Lightning's `processed` count (`current_epoch` still names the saved epoch while
@@ -236,7 +237,7 @@ class RolloutDataModule(pl.LightningDataModule):
         minibatches = cut_minibatches(eps, self.minibatch_size, self.pad_id, self._rng, self._collate_transforms)
         extra = self._extra_batches(eps)
         tokens = train_tokens(minibatches, self.pad_id, self.ppo_epochs) + train_tokens(extra, self.pad_id)
-        inc = self._reduce_sum([len(eps), stats.env_steps, stats.generated_tokens, tokens])
+        inc = self._reduce([len(eps), stats.env_steps, stats.generated_tokens, tokens])
         for k, v in zip(COUNTERS, inc):
             self.counters[k] += int(v)
         m = episode_metrics(eps, prefix="rollout")
@@ -261,15 +262,9 @@ class RolloutDataModule(pl.LightningDataModule):
         out = []
         for source in self._batch_sources:
             got = list(source.batches(episodes))
-            n = int(self._reduce_max(len(got)))
+            n = int(self._reduce([len(got)], "max")[0])
             out += got + [source.empty() for _ in range(n - len(got))]
         return out
-
-    def _reduce_max(self, value: int) -> int:
-        if self.trainer is None or self.trainer.world_size == 1:
-            return value
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.trainer.strategy.root_device)
-        return int(self.trainer.strategy.reduce(t, reduce_op="max").item())
 
     def _env_stats_delta(self) -> dict[str, int]:
         """Env-runtime events (restarts, timeouts, ...) since the last call."""
