@@ -3,8 +3,8 @@
 * :mod:`cope.algos.grpo`: the policy-gradient objective (GRPO / Dr.GRPO clipped ratio) and the KL penalty;
   every algorithm builds on it.
 * :mod:`cope.algos.echo`: ECHO's observation-token loss (arXiv 2605.24517).
-* :mod:`cope.algos.cope`: CoPE action forecasting (arXiv 2610.20597): targets and layouts, the loss with
-  its adaptive scale, the callbacks that wire them in.
+* :mod:`cope.algos.cope`: CoPE action forecasting (arXiv 2610.20597) as its authors built it (prompted samples,
+  a separate optimizer step, the temporal ensemble), and the earlier continuation reading.
 * :mod:`cope.algos.empg`: EMPG entropy-modulated advantages (arXiv 2509.09265): the math and its callback.
 
 Losses are pure functions (tensors in, ``(loss, metrics)`` out); objectives wrap them with a name and a
