@@ -74,7 +74,7 @@ class CopeForecasts(Callback):
         self._te_metrics: dict[str, float] = {}
         self._plan: PlanPrompt | None = None
         self._chat, self._pad_id, self._datamodule = None, 0, None
-        self._built: tuple[int, list, dict] | None = None  # (id of the epoch's episode list, chunks, metrics)
+        self._built: tuple[list, list, dict] | None = None  # (the epoch's episode list, its chunks, their metrics)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         dm = trainer.datamodule
@@ -101,12 +101,12 @@ class CopeForecasts(Callback):
 
     def samples(self, episodes: list[Episode]) -> tuple[list, dict[str, float]]:
         """The epoch's forecast samples (built once per epoch) and their metrics."""
-        if self._built is None or self._built[0] != id(episodes):
+        if self._built is None or self._built[0] is not episodes:  # the list object, not its id (ids are reused)
             chunks, metrics = build_prompted(
                 episodes, self._chat, self._plan, K=self.K, invalid=self.invalid, mask_projected=self.mask_projected,
                 gate=self.gate, success_threshold=self.success_threshold, group_weights=self.group_weights,
                 max_context=self.max_context)
-            self._built = (id(episodes), chunks, metrics)
+            self._built = (episodes, chunks, metrics)
         return self._built[1], self._built[2]
 
     # -- separate: a batch source --------------------------------------------------------------
