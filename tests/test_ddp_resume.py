@@ -73,7 +73,9 @@ def test_resumed_ddp_ranks_collect_what_the_straight_run_collected(train_script,
         assert _read(tmp_path / "trace_straight", 0)[0][e]["tasks"] != _read(tmp_path / "trace_straight", 1)[0][e]["tasks"]
         assert _read(tmp_path / "trace_resumed", 0)[0].get(e) != _read(tmp_path / "trace_resumed", 1)[0].get(e) or e < KILL_AT
     steps = _read(tmp_path / "trace_straight", 0)[1]
-    assert len(set(steps.values())) == EPOCHS, steps  # every step moved the adapter: the comparison is not vacuous
+    assert len(set(steps.values())) == len(steps) >= EPOCHS, steps  # every step moved the adapter: not vacuous
+    if case == "cope_microbatched":  # the authors' CoPE: forecast steps of its own after each epoch's policy step
+        assert len(steps) > EPOCHS, steps
     assert steps == _read(tmp_path / "trace_straight", 1)[1]  # ranks in sync
     assert _read(tmp_path / "trace_resumed", 0)[1] == _read(tmp_path / "trace_resumed", 1)[1]
     a = load_file(tmp_path / "straight/csv/adapter/adapter_model.safetensors")
