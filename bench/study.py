@@ -59,7 +59,7 @@ class Regime:
     title: str
     overrides: tuple[str, ...]
     threshold: float  # held-out success for "episodes to threshold", fixed before any run
-    arms: tuple[str, ...] = ("grpo", "cope", "echo")
+    arms: tuple[str, ...] = ("grpo", "cope", "cope_authors", "echo")
     tuned_in: str | None = None  # reuse another regime's tuning (None: tune here)
     by_size: tuple[int, ...] | None = MAZE_SIZES  # also report per maze size (the env's sizes; None: one size)
 
@@ -74,9 +74,9 @@ SPEC: dict[str, Regime] = {
                           ("grpo", "echo"), tuned_in="prior", by_size=None) for n in MAZE_SIZES},
 }
 DEFAULT_REGIMES = ("prior", "random")  # tuning (in prior) first, then prior's test runs, then random's
-# The algo config an arm runs. "cope" is the reading of the explainer this study measured (its records are the
-# committed runs); the authors' method (algo=cope since 2026-12-02) gets an arm of its own in the next study.
-ARM_ALGO = {"cope": "cope_continuation"}
+# The algo config an arm runs: "cope" is the reading of the explainer the first runs measured (algo=cope_continuation;
+# its records are committed), "cope_authors" CoPE as its authors built it (algo=cope since 2026-12-02).
+ARM_ALGO = {"cope": "cope_continuation", "cope_authors": "cope"}
 # Each arm's search: the same number of settings (label -> overrides). CoPE and ECHO add GRPO's chosen lr.
 GRID: dict[str, dict[str, tuple[str, ...]]] = {
     "grpo": {f"lr{lr}": (f"module.optimizer.lr={lr}",) for lr in ("3e-4", "1e-3", "3e-3")},
@@ -85,6 +85,8 @@ GRID: dict[str, dict[str, tuple[str, ...]]] = {
         "w0.3_K2": ("cope.weight=0.3", "cope.K=2"),
         "gradnorm0.3_K3": ("cope.normalize=gradnorm", "cope.weight=1.0", "cope.adaptive_ratio=0.3", "cope.K=3"),
     },
+    # the authors' separate forecast step: Adam normalizes the coefficient away, the learning-rate scale sizes it
+    "cope_authors": {f"lrs{s}": (f"cope.lr_scale={s}",) for s in ("0.3", "1.0", "3.0")},
     "echo": {f"lam{lam}": (f"algo.objectives.echo.weight={lam}",) for lam in ("0.005", "0.02", "0.05")},
 }
 
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                     choice[(r, a)] = (label, (*base.get(r, ()), *grid[a][label]))
 
     tune(["grpo"], {})
-    tune(["cope", "echo"], {r: choice[(r, "grpo")][1] for r in tuned})  # the aux arms at GRPO's chosen lr
+    tune(["cope", "cope_authors", "echo"], {r: choice[(r, "grpo")][1] for r in tuned})  # the aux arms at GRPO's chosen lr
     tests = [Job(r, "test", a, choice[(SPEC[r].tuned_in or r, a)][0], s,
                  _overrides(SPEC[r], "test", a, choice[(SPEC[r].tuned_in or r, a)][1], args.smoke))
              for r in regimes for a in SPEC[r].arms for s in seeds_test]

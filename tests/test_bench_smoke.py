@@ -39,6 +39,20 @@ def test_step_overhead_smoke(tmp_path):
     assert all(len(v["times_s"]) == 2 and v["mean_s"] > 0 for v in report["variants"].values())
 
 
+def test_cope_update_cost_smoke(tmp_path):
+    out = tmp_path / "cuc.md"
+    _run("cope_update_cost.py", ["--model-overrides", "debug=fast", "model.warm_start_steps=150", "env.sizes=[5]",
+                                 "env.min_distance=1", "--episodes", "8", "--epochs", "1", "--warmup", "0", "--out", str(out)])
+    text = out.read_text()
+    for name in ("GRPO", "CoPE (separate)", "CoPE (joint, packed)"):
+        assert f"| {name} |" in text
+    report = json.loads(out.with_suffix(".json").read_text())
+    v = report["variants"]
+    assert v["GRPO"]["ratio"] == pytest.approx(1.0) and all(x["mean_s"] > 0 for x in v.values())
+    assert v["CoPE (joint, packed)"]["steps"] == v["GRPO"]["steps"]  # joint: no step of its own
+    assert v["CoPE (separate)"]["steps"] == v["GRPO"]["steps"] + -(-report["samples"] // 16)  # + one per 16 samples
+
+
 def test_step_vs_raw_smoke(tmp_path):
     out = tmp_path / "svr.json"
     proc = _run("step_vs_raw.py", ["--quick", "--json", str(out)])
