@@ -59,7 +59,7 @@ class Regime:
     title: str
     overrides: tuple[str, ...]
     threshold: float  # held-out success for "episodes to threshold", fixed before any run
-    arms: tuple[str, ...] = ("grpo", "cope", "cope_authors", "echo")
+    arms: tuple[str, ...] = ("grpo", "cope", "echo")
     tuned_in: str | None = None  # reuse another regime's tuning (None: tune here)
     by_size: tuple[int, ...] | None = MAZE_SIZES  # also report per maze size (the env's sizes; None: one size)
 
@@ -73,6 +73,11 @@ SPEC: dict[str, Regime] = {
     **{f"echo{n}": Regime(f"ECHO's maze: ~10M model, {n}x{n} mazes", (*TEN_M, f"env.sizes=[{n}]"), 0.15,
                           ("grpo", "echo"), tuned_in="prior", by_size=None) for n in MAZE_SIZES},
 }
+# The CoPE study of 2026-12-02 (issue 22): the prior regime's budget and panels, GRPO against CoPE as its authors
+# built it and the continuation reading, all three on today's code (its own --out/--records: the runs above were
+# made before the task streams became per (seed, rank, epoch), so they cannot be paired with new runs).
+SPEC["cope"] = Regime("(b') prior warm start: GRPO vs CoPE (authors') vs CoPE (continuation)", SPEC["prior"].overrides,
+                      SPEC["prior"].threshold, ("grpo", "cope_authors", "cope"))
 DEFAULT_REGIMES = ("prior", "random")  # tuning (in prior) first, then prior's test runs, then random's
 # The algo config an arm runs: "cope" is the reading of the explainer the first runs measured (algo=cope_continuation;
 # its records are committed), "cope_authors" CoPE as its authors built it (algo=cope since 2026-12-02).

@@ -26,7 +26,7 @@ def test_study_smoke(tmp_path):
     proc = _study(out, "prior", "echo6")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "study.json").read_text())
-    assert set(report["meta"]["choice"]) == {"prior/grpo", "prior/cope", "prior/cope_authors", "prior/echo"}
+    assert set(report["meta"]["choice"]) == {"prior/grpo", "prior/cope", "prior/echo"}
     test = report["test"]
     assert set(test) == {"prior", "echo6"} and set(test["echo6"]) == {"grpo", "echo"}
     for arm, row in test["prior"].items():
