@@ -6,7 +6,8 @@ here: no weights, no tokenizer, no download), constructed directly in bf16 on th
 LoRA config, r=32 / alpha 64 on all 7 projections, via peft; gradient checkpointing; sdpa). Settings the
 step reads come from the project's configs too: AdamW lr / weight decay, the gradient clip and the
 sampling temperature (``conf/config.yaml``), PolicyGradient's arguments (``conf/algo/grpo.yaml``), CoPE's
-K, weight, normalization, masking and layout (``conf/algo/cope.yaml``).
+K, weight, normalization, masking and packing of the continuation reading (``conf/algo/cope_continuation.yaml``: its
+packed layout is the heaviest forward; the authors' separate forecast step trains plain rows, cheaper).
 
 What it runs, through the project's own code: synthetic episodes (``cope.episode.Episode`` with a ChatML
 scaffold of Qwen2.5's ids and random content ids; half of each group of 8 successful, 10% invalid steps),
@@ -148,7 +149,7 @@ def project_settings() -> dict:
         return yaml.safe_load((REPO / rel).read_text())
 
     model, root = load("conf/model/qwen2.5-7b.yaml"), load("conf/config.yaml")
-    grpo, cope = load("conf/algo/grpo.yaml"), load("conf/algo/cope.yaml")
+    grpo, cope = load("conf/algo/grpo.yaml"), load("conf/algo/cope_continuation.yaml")
     opt = root["module"]["optimizer"]
     return {
         "lora": {k: v for k, v in model["lora"].items() if k != "_target_"},
@@ -290,8 +291,8 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
         # the ForecastTargets callback's call: every knob of the `cope:` node that build_chunks takes
         known = inspect.signature(build_chunks).parameters
         chunks, _ = build_chunks(episodes, chat, rng=random.Random(0), **{k: v for k, v in cope.items() if k in known})
-        mb = LAYOUTS[cope["layout"]](mb, episodes, chunks, pad)
-        res.update(chunks=len(chunks), layout=cope["layout"], K=int(cope["K"]))
+        mb = LAYOUTS[cope["packing"]](mb, episodes, chunks, pad)
+        res.update(chunks=len(chunks), layout=cope["packing"], K=int(cope["K"]))
     res["rows"], res["width"] = int(mb["input_ids"].shape[0]), int(mb["input_ids"].shape[1])
     opt_factory = functools.partial(torch.optim.AdamW, lr=settings["lr"], weight_decay=settings["weight_decay"])
     module = AgentRLModule(policy, objectives, optimizer=opt_factory, temperature=settings["temperature"],
@@ -466,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     from cope.algos.cope.loss import ForecastLoss
     from cope.algos.grpo import PolicyGradient
 
-    c = settings["cope"]  # as conf/algo/cope.yaml builds the objective (no LossBalance callback: an adaptive scale stays 1)
+    c = settings["cope"]  # as conf/algo/cope_continuation.yaml builds the objective (no LossBalance callback: an adaptive scale stays 1)
     forecast = ForecastLoss(weight=float(c["weight"]), normalize=c["normalize"], adaptive_target=c.get("adaptive_ratio"))
     train = functools.partial(run_training, policy=policy, pad=pad, episodes=episodes, settings=settings, sizes=sizes, device=device,
                               deadline=deadline)
