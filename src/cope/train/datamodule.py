@@ -4,7 +4,8 @@
 ``reload_dataloaders_every_n_epochs=1``) samples ``tasks_per_epoch`` tasks, asks the rollout engine
 (:mod:`cope.rollout.engine`) for ``group_size`` episodes per task, hands them to
 :mod:`cope.train.experience` (advantages, minibatches, the registered collate transforms such as
-CoPE's targets) and publishes the epoch as one :class:`~cope.records.EpochRecord` (``train_record``). It
+CoPE's joint targets) and to the registered batch sources (CoPE's separate forecast batches, served after
+the minibatches), and publishes the epoch as one :class:`~cope.records.EpochRecord` (``train_record``). It
 never touches the LightningModule: the module scores the record's minibatches at the start of the
 epoch (old/reference log-probs, then its scored transforms). Validation: the module calls
 :meth:`RolloutDataModule.evaluate` per chunk of the fixed held-out panel; the episodes are gathered

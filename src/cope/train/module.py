@@ -5,15 +5,15 @@ pass gives every objective the per-token log-probs and entropy (:mod:`cope.train
 the vocabulary, action tokens at the sampling temperature); the objectives are summed in
 :func:`cope.train.objectives.combine`. The KL reference is the same model with its adapter disabled.
 
-One optimizer step per minibatch, written out here (Lightning's manual optimization): zero the
-gradients, forward + backward over micro-batches of at most ``max_tokens_per_microbatch`` tokens
-(rows of the minibatch), clip, step the optimizer and the scheduler. Micro-batching gives the same
-loss and gradients as one forward of the whole minibatch: objectives are sums of per-row terms with
-normalizers read from the masks (never from other rows' log-probs), so micro-batch ``j``'s backward
-runs the full-minibatch objectives on log-probs that are live on its rows and constant elsewhere;
-the logged losses come from one more (gradient-free, cheap) pass of the objectives over every
-row's log-probs. Checkpoints hold only trainable (adapter) weights, plus optimizer, scheduler,
-counters (in the DataModule's state) and RNG state; the frozen base is never written.
+One optimizer step per batch, written out here (Lightning's manual optimization): zero the gradients,
+forward + backward over micro-batches of at most ``max_tokens_per_microbatch`` tokens (rows of the
+batch; :mod:`cope.train.backward`, exact), clip, skip a non-finite step (:mod:`cope.train.step_guard`),
+step the optimizer and the scheduler. A batch is a rollout minibatch, or one of CoPE's separate forecast
+batches (kind ``forecast``: only the objectives of that kind, the learning rate times their ``lr_scale``,
+the schedule not advanced). Step metrics go straight to the loggers. Checkpoints hold only trainable
+(adapter) weights, plus optimizer, scheduler, counters (in the DataModule's state), the objectives' state
+and the skipped-step count; no RNG state (each epoch's generators are derived from the seed, the rank and
+the epoch); the frozen base is never written.
 """
 from __future__ import annotations
 
