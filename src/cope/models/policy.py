@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,6 +77,8 @@ def load_pretrained(
     attn_implementation: str = "sdpa",
     local_files_only: bool = True,
     trust_remote_code: bool = False,
+    adapter: str | None = None,
+    source_is_cache_key: bool = False,
     env_factory: Any = None,  # unused: accepted so every model config has the same call signature
 ) -> Policy:
     """Load a causal LM + tokenizer from a local folder or the HF cache and add a LoRA adapter.
@@ -90,12 +93,17 @@ def load_pretrained(
         attn_implementation: ``sdpa`` (default; needed for packed CoPE forecasts on CPU), ``eager``, or
             ``flash_attention_2`` (not with CoPE's packed layout: the config check refuses it).
         local_files_only: never reach the network at run time.
+        adapter: a peft LoRA folder to start from (an export's ``csv/adapter``, an SFT adapter, a colleague's): its
+            weights and config, trainable; None: a fresh adapter from ``lora``. Its base model (``cope_export.json``,
+            else ``adapter_config.json``) must be this one and its rank ``lora.r`` (checked in :func:`attach_lora`).
+        source_is_cache_key: the folder's name identifies the model (the tiny and GGUF caches): an adapter recorded
+            under the same name in another cache root counts as made on this base.
     """
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"model.quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    from peft import get_peft_model, prepare_model_for_kbit_training
+    from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     files = resolve_model_path(path, local_files_only)  # a hub id: its snapshot folder in the HF cache
@@ -129,8 +137,57 @@ def load_pretrained(
         model.config.use_cache = False
     # the scaffold from the model's own chat template; every eos id of its generation config ends a turn
     chat = ChatFormat.from_template(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-    model = get_peft_model(model, lora)
+    model = attach_lora(model, lora, adapter, str(path), source_is_cache_key)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in model.parameters())
     log.info("policy %s: %d trainable / %d parameters (LoRA r=%s)", path, n_train, n_all, getattr(lora, "r", "?"))
     return Policy(model=model, tokenizer=tokenizer, chat=chat, source=str(path))
+
+
+def adapter_base(folder: Path) -> str | None:
+    """The base model an adapter folder was made on: ``cope_export.json``'s ``base_model`` (our exports), else
+    peft's ``adapter_config.json`` ``base_model_name_or_path``; None when neither says."""
+    import json
+
+    for name, key in (("cope_export.json", "base_model"), ("adapter_config.json", "base_model_name_or_path")):
+        f = folder / name
+        if f.is_file():
+            value = json.loads(f.read_text()).get(key)
+            if value:
+                return str(value)
+    return None
+
+
+def check_adapter(adapter: str, source: str, lora: Any, source_is_cache_key: bool = False) -> Path:
+    """The adapter folder, or one clear error: no peft adapter there, made on another base model than ``source``, or
+    of another LoRA rank than ``lora.r``. Runs before any model is loaded (the config check calls it too)."""
+    import json
+
+    folder = Path(adapter).expanduser()
+    if not (folder / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"model.adapter={adapter!r}: no adapter_config.json there (a peft LoRA folder, e.g. an "
+                                "earlier run's <run>/csv/adapter)")
+    base = adapter_base(folder)
+    same = base is None or base == source or (source_is_cache_key and Path(base).name == Path(source).name) or \
+        (Path(base).expanduser().exists() and Path(base).expanduser().resolve() == Path(source).expanduser().resolve())
+    if not same:
+        raise ValueError(f"model.adapter={adapter!r} was made on base model {base!r}, but this run's base is {source!r} "
+                         "(model.path or the model settings): start from an adapter of this base, or change the model")
+    r = json.loads((folder / "adapter_config.json").read_text()).get("r")
+    want = getattr(lora, "r", None)
+    if r is not None and want is not None and int(r) != int(want):
+        raise ValueError(f"model.adapter={adapter!r} has LoRA rank r={r}, model.lora.r={want}: set model.lora.r={r} "
+                         "(the adapter's shape is what is loaded)")
+    return folder
+
+
+def attach_lora(model, lora: Any, adapter: str | None = None, source: str = "", source_is_cache_key: bool = False):
+    """``model`` with a trainable LoRA adapter: a fresh one from ``lora``, or the one in ``adapter`` (checked by
+    :func:`check_adapter`). The KL reference stays the adapter-disabled base either way."""
+    from peft import PeftModel, get_peft_model
+
+    if adapter is None:
+        return get_peft_model(model, lora)
+    folder = check_adapter(adapter, source, lora, source_is_cache_key)
+    log.info("starting from the adapter in %s", folder)
+    return PeftModel.from_pretrained(model, str(folder), is_trainable=True)

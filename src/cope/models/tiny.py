@@ -229,8 +229,10 @@ def tiny_policy(
     quantization: str | None = None,
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
+    adapter: str | None = None,
 ) -> Policy:
-    """Build (once, cached) and load the tiny warm-started policy for the env of ``env_factory``.
+    """Build (once, cached) and load the tiny warm-started policy for the env of ``env_factory``; ``adapter``: a
+    LoRA folder to start from (see :func:`cope.models.policy.load_pretrained`).
 
     ``warm_start_policy``: ``random`` (format-only walks) or ``expert`` (noisy expert walks: the env's
     ``expert_action()`` with probability ``warm_start_expert_prob``, else a random admissible action).
@@ -253,4 +255,5 @@ def tiny_policy(
 
     build_once(out, build)  # concurrent runs (a study's parallel jobs, DDP ranks) wait for one build
     return load_pretrained(str(out), lora=lora, dtype=dtype, quantization=quantization,
-                           gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation)
+                           gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation,
+                           adapter=adapter, source_is_cache_key=True)

@@ -87,6 +87,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model_factory = instantiate_plain(cfg.model)  # a partial: nothing is loaded yet
     if ckpt_path is not None:  # the checkpoint's base model and LoRA rank against this config's, before the build
         check_resume_matches(ckpt_path, base_model_of(model_factory, env_factory), _lora_rank(cfg.model))
+    if cfg.model.get("adapter"):  # the adapter to start from against this config's base and rank, before the build
+        from cope.models.policy import check_adapter
+
+        base = base_model_of(model_factory, env_factory)
+        check_adapter(cfg.model.adapter, base.source if base else "", model_factory.keywords.get("lora"),
+                      bool(base and base.keyed))
     datamodule = instantiate_plain(cfg.data, env=env_factory)
     objectives = _instantiate_named(cfg.algo.objectives, "algo.objectives")
     callbacks = _instantiate_named(cfg.callbacks, "callbacks") + _instantiate_named(cfg.algo.get("callbacks"), "algo.callbacks")
