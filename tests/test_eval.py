@@ -1,0 +1,85 @@
+"""``eval.py``: an exported adapter reproduces its training run's last held-out numbers on the same panel; the base
+model differs; the same command gives the same per-task CSV; a rerun resumes; bad input fails before the model loads."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+RUN = ["trainer.max_epochs=2", "model.warm_start_steps=150", "env.sizes=[5]", "env.min_distance=1"]
+
+
+def _eval(overrides: list[str], out: Path) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    from cope.run.evaluate import evaluate
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="test"):
+        cfg = compose("eval", overrides=["debug=fast", *RUN[1:], f"paths.output_dir={out}", f"eval.out={out}", *overrides])
+    return evaluate(cfg)
+
+
+def _rows(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def trained(run_train, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    result = run_train(RUN, out)
+    return out, result
+
+
+@pytest.mark.long
+def test_the_exported_adapter_reproduces_the_last_validation(trained, tmp_path):
+    run, result = trained
+    panel = ["eval.start=0", "eval.count=8"]  # debug=fast's held-out panel: test tasks 0..7
+    s = _eval([f"adapter={run / 'csv' / 'adapter'}", *panel], tmp_path / "a")
+    assert s["complete"] and s["tasks"] == 8 and s["success"] == result["val/success"]
+    last = sorted((run / "csv" / "val_episodes").glob("episodes*.csv"), key=lambda p: int(p.stem[8:]))[-1]
+    keys = ("index", "success", "steps", "invalid", "end_reason")
+    assert [{k: r[k] for k in keys} for r in _rows(tmp_path / "a" / "episodes.csv")] == [{k: r[k] for k in keys} for r in _rows(last)]
+    assert {"pass@1", "success_ci95", "invalid_rate", "score", "steps"} <= set(s)
+    again = _eval([f"adapter={run / 'csv' / 'adapter'}", *panel], tmp_path / "b")  # deterministic
+    assert (tmp_path / "a" / "episodes.csv").read_text() == (tmp_path / "b" / "episodes.csv").read_text() and again == s
+    resumed = _eval([f"adapter={run / 'csv' / 'adapter'}", *panel], tmp_path / "a")  # the same folder: nothing to run
+    assert resumed == s and len(_rows(tmp_path / "a" / "episodes.csv")) == 8
+    base = _eval(panel, tmp_path / "base")  # the base model, without the adapter: other trajectories
+    assert (tmp_path / "base" / "trajectories.jsonl").read_text() != (tmp_path / "a" / "trajectories.jsonl").read_text()
+    assert json.loads((tmp_path / "base" / "summary.json").read_text())["adapter"] is None
+
+
+@pytest.mark.long
+def test_sampling_n_per_task_gives_pass_at_k(trained, tmp_path):
+    run, _ = trained
+    s = _eval([f"adapter={run / 'csv' / 'adapter'}", "eval.count=4", "eval.n=3", "eval.temperature=1.0"], tmp_path)
+    assert s["episodes"] == 12 and s["samples_per_task"] == 3 and s["pass@1"] <= s["pass@3"] <= 1.0
+
+
+def test_pass_at_k_and_the_summary():
+    from cope.run.evaluate import pass_at_k, summarize
+
+    assert pass_at_k(5, 0, 1) == 0.0 and pass_at_k(5, 5, 3) == 1.0 and pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2)
+    rows = [{"index": i, "sample": j, "success": int(i == 0 or j == 0), "score": 0, "steps": 2, "invalid": 1}
+            for i in range(2) for j in range(2)]
+    s = summarize(rows, 2, 2)
+    assert s["complete"] and s["success"] == 0.75 and s["pass@1"] == 0.75 and s["pass@2"] == 1.0 and s["invalid_rate"] == 0.5
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["adapter=/nonexistent/adapter"], "model.adapter=.*no adapter_config.json"),
+    (["eval.split=valid"], "eval.split='valid'"),
+    (["eval.start=5", "eval.count=1000"], "are not in the 'test' split"),
+    (["ckpt_path=/nonexistent.ckpt"], "no such checkpoint file"),
+])
+def test_bad_input_fails_before_the_model_loads(tmp_path, monkeypatch, overrides, match):
+    import cope.models.tiny as tiny
+
+    monkeypatch.setattr(tiny, "build_once", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a model was built")))
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        _eval(overrides, tmp_path)
