@@ -48,7 +48,7 @@ def test_the_exported_adapter_reproduces_the_last_validation(trained, tmp_path):
     assert (tmp_path / "a" / "episodes.csv").read_text() == (tmp_path / "b" / "episodes.csv").read_text() and again == s
     resumed = _eval([f"adapter={run / 'csv' / 'adapter'}", *panel], tmp_path / "a")  # the same folder: nothing to run
     assert resumed == s and len(_rows(tmp_path / "a" / "episodes.csv")) == 8
-    base = _eval(panel, tmp_path / "base")  # the base model, without the adapter: other trajectories
+    _eval(panel, tmp_path / "base")  # the base model, without the adapter: other trajectories
     assert (tmp_path / "base" / "trajectories.jsonl").read_text() != (tmp_path / "a" / "trajectories.jsonl").read_text()
     assert json.loads((tmp_path / "base" / "summary.json").read_text())["adapter"] is None
 
