@@ -51,6 +51,8 @@ def test_the_exported_adapter_reproduces_the_last_validation(trained, tmp_path):
     _eval(panel, tmp_path / "base")  # the base model, without the adapter: other trajectories
     assert (tmp_path / "base" / "trajectories.jsonl").read_text() != (tmp_path / "a" / "trajectories.jsonl").read_text()
     assert json.loads((tmp_path / "base" / "summary.json").read_text())["adapter"] is None
+    metrics = _rows(tmp_path / "a" / "csv" / "metrics.csv")  # the configured logger (csv) got the summary
+    assert float(metrics[-1]["eval/success"]) == s["success"] and "eval/pass@1" in metrics[-1]
 
 
 @pytest.mark.long
@@ -83,3 +85,22 @@ def test_bad_input_fails_before_the_model_loads(tmp_path, monkeypatch, overrides
     monkeypatch.setattr(tiny, "build_once", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a model was built")))
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         _eval(overrides, tmp_path)
+
+
+def test_wandb_gets_the_metrics_and_an_episode_table(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    from cope.run.evaluate import _log, summarize
+
+    logger = WandbLogger(offline=True, save_dir=str(tmp_path))
+    seen = {}
+    monkeypatch.setattr(logger, "log_metrics", lambda m, step=None: seen.update(metrics=m))
+    monkeypatch.setattr(logger, "log_table", lambda key, columns, data, step=None: seen.update(table=(key, columns, data)))
+    monkeypatch.setattr(logger, "finalize", lambda status: None)
+    rows = [{"split": "test", "index": i, "sample": 0, "success": i % 2, "score": 0.0, "reward": 0.0, "steps": 3,
+             "invalid": 0, "end_reason": "done"} for i in range(4)]
+    _log(logger, summarize(rows, 1, 4), rows)
+    assert seen["metrics"]["eval/success"] == 0.5 and "eval/success_ci95_low" in seen["metrics"]
+    key, columns, data = seen["table"]
+    assert key == "eval/episodes" and len(data) == 4 and columns[:3] == ["split", "index", "sample"]

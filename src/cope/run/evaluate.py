@@ -9,7 +9,9 @@ default), ``n`` episodes each, sampled at ``temperature`` (greedy by default), w
 * ``trajectories.jsonl``: each episode's actions and observations (decoded, for reading);
 * ``summary.json``: success, score, steps and invalid-action rate (means over episodes), pass@1 and pass@k (k = n,
   the unbiased estimator of Chen et al. 2021) over tasks, a 95% interval of the per-task success over tasks
-  (percentile bootstrap, 2000 resamples, seed 0), the counts, and whether the evaluation is complete.
+  (percentile bootstrap, 2000 resamples, seed 0), the counts, and whether the evaluation is complete;
+* the configured logger (``logger=csv|wandb``, ``logger=null`` for none): the summary's numbers as ``eval/*``
+  metrics, and with W&B the episodes as a table (``eval/episodes``).
 
 Resumable and SIGTERM-safe: episodes are appended after every wave, a rerun with the same ``eval.out`` skips the
 finished tasks, and a SIGTERM ends the evaluation after the current wave with ``complete: false`` in the summary.
@@ -142,8 +144,22 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     summary = {**summarize(rows, int(e.n), len(tasks)), "split": e.split, "adapter": adapter, "ckpt_path": ckpt,
                "base_model": str(policy.source), "temperature": float(e.temperature)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if cfg.get("logger"):
+        _log(instantiate_plain(cfg.logger), summary, rows)
     print(_table(summary), flush=True)
     return summary
+
+
+def _log(logger, summary: dict, rows: list[dict]) -> None:
+    """The summary's numbers as ``eval/*`` metrics; with W&B also the episodes as a table."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    numbers = {f"eval/{k}": float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    numbers.update({"eval/success_ci95_low": summary["success_ci95"][0], "eval/success_ci95_high": summary["success_ci95"][1]})
+    logger.log_metrics(numbers, step=0)
+    if isinstance(logger, WandbLogger):
+        logger.log_table(key="eval/episodes", columns=COLUMNS, data=[[r[c] for c in COLUMNS] for r in rows], step=0)
+    logger.finalize("success")
 
 
 def _load_checkpoint_adapter(policy, path: str) -> None:
