@@ -12,7 +12,8 @@ experience counters at export time.
 
 ``merged=true`` also writes, at the end of fit, ``<log_dir>/<merged_dirname>``: the base model with the
 adapter merged in (W + scale B A per LoRA layer, added in fp32 and cast back to the base's dtype), loadable
-by plain ``AutoModelForCausalLM.from_pretrained`` and by ``vllm serve`` without LoRA; no adapter file.
+by plain ``AutoModelForCausalLM.from_pretrained`` (a plain model folder, the format ``vllm serve`` takes without
+LoRA); no adapter file.
 Computed from a state dict: the training model is not touched (a merge and unmerge would not round-trip
 exactly). A quantized (4-bit or 8-bit) base is refused: merging into nf4 rounds the adapter away.
 

@@ -119,6 +119,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     dm.connect(policy)
     stop = {"now": False}
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(todo) * int(e.n), desc="evaluation", unit="episode", dynamic_ncols=True, disable=not e.progress)
     try:
         size = max(1, int(e.batch_size) // int(e.n))
         for s in range(0, len(todo), size):
@@ -131,13 +134,14 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             seed = random.Random(f"{e.seed}/{wave[0]}").randrange(2**31)  # the same wave draws the same, also resumed
             sampling = Sampling(temperature=float(e.temperature), top_p=float(e.top_p),
                                 max_action_tokens=dm.sampling.max_action_tokens, seed=seed)
-            episodes, _ = dm.engine.rollout(batch, list(range(len(batch))), sampling)
+            episodes, _ = dm.engine.rollout(batch, list(range(len(batch))), sampling, progress=bar.update)
             new = [_row(ep, j % int(e.n)) for j, ep in enumerate(episodes)]
             _append(out / "episodes.csv", new)
             _append_jsonl(out / "trajectories.jsonl", episodes, policy.tokenizer)
             rows += new
-            print(f"evaluated {len({int(r['index']) for r in rows})}/{len(tasks)} tasks", flush=True)
+            log.info("evaluated %d/%d tasks", len({int(r["index"]) for r in rows}), len(tasks))
     finally:
+        bar.close()
         signal.signal(signal.SIGTERM, previous)
         dm.engine.close()
     rows = [r for r in _read(out / "episodes.csv") if int(r["index"]) in set(tasks)]
