@@ -104,3 +104,34 @@ def test_wandb_gets_the_metrics_and_an_episode_table(tmp_path, monkeypatch):
     assert seen["metrics"]["eval/success"] == 0.5 and "eval/success_ci95_low" in seen["metrics"]
     key, columns, data = seen["table"]
     assert key == "eval/episodes" and len(data) == 4 and columns[:3] == ["split", "index", "sample"]
+
+
+@pytest.mark.long
+def test_sigterm_keeps_the_finished_waves_and_a_rerun_completes(trained, tmp_path):
+    """SIGTERM ends the evaluation after its current wave: the written episodes stay, the summary says incomplete, and
+    the same command finishes the rest."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run, _ = trained
+    out = tmp_path / "eval"
+    cmd = [sys.executable, str(CONF.parent / "eval.py"), "debug=fast", *RUN[1:], f"adapter={run / 'csv' / 'adapter'}",
+           "eval.count=32", "eval.batch_size=4", "eval.progress=false", f"eval.out={out}", f"hydra.run.dir={tmp_path}",
+           "~logger"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (out / "episodes.csv").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-3000:]
+    first = json.loads((out / "summary.json").read_text())
+    assert not first["complete"] and 0 < first["tasks"] < 32 and "INCOMPLETE" in output, output[-2000:]
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    done = json.loads((out / "summary.json").read_text())
+    assert done["complete"] and done["tasks"] == 32 and len(_rows(out / "episodes.csv")) == 32

@@ -10,7 +10,7 @@ default), ``n`` episodes each, sampled at ``temperature`` (greedy by default), w
 * ``summary.json``: success, score, steps and invalid-action rate (means over episodes), pass@1 and pass@k (k = n,
   the unbiased estimator of Chen et al. 2021) over tasks, a 95% interval of the per-task success over tasks
   (percentile bootstrap, 2000 resamples, seed 0), the counts, and whether the evaluation is complete;
-* the configured logger (``logger=csv|wandb``, ``logger=null`` for none): the summary's numbers as ``eval/*``
+* the configured logger (``logger=csv|wandb``, ``~logger`` for none): the summary's numbers as ``eval/*``
   metrics, and with W&B the episodes as a table (``eval/episodes``).
 
 Resumable and SIGTERM-safe: episodes are appended after every wave, a rerun with the same ``eval.out`` skips the
