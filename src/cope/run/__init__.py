@@ -1,6 +1,7 @@
 """Run plumbing: from a composed config to a finished (or resumable) fit.
 
 * :mod:`~cope.run.train`: ``train(cfg)``, what ``train.py`` calls.
+* :mod:`~cope.run.evaluate`: ``evaluate(cfg)``, what ``eval.py`` calls.
 * :mod:`~cope.run.config_check`: the config checked against the constructors before any work.
 * :mod:`~cope.run.signatures`: signature and annotation matching for that check.
 * :mod:`~cope.run.checkpoint_io`: atomic checkpoint writes, free-space checks.
