@@ -248,7 +248,8 @@ class AgentRLModule(pl.LightningModule):
         ``self.log``: Lightning reports a key logged on an earlier step of the epoch again on every later step
         that does not log it, so the policy steps' losses reappeared on the rows of CoPE's forecast steps."""
         if self.trainer.is_global_zero:
-            row = {k: float(v) for k, v in metrics.items()}
+            # with the epoch, as Lightning adds it to its own rows: a resumed run's logger rewinds by it
+            row = {**{k: float(v) for k, v in metrics.items()}, "epoch": self.current_epoch}
             for logger in self.trainer.loggers:
                 logger.log_metrics(row, step=step)
 
