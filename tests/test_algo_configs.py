@@ -29,6 +29,7 @@ CASES = {
     "cope-separate": (["algo=cope", *LEARNS], ("loss/pg", "loss/forecast", "forecast/grad_norm", *AUTHORS_KEYS)),
     "cope-joint": (["algo=cope", "cope.update=joint", *LEARNS], ("loss/pg", "loss/forecast", *AUTHORS_KEYS)),
     "cope-turns-mask": (["algo=cope", "cope.layout=turns", "cope.invalid=mask", *LEARNS], ("loss/forecast", *AUTHORS_KEYS)),
+    "cope-te-cold": (["algo=cope", "cope.te.weight=0.1", "cope.te.warmup_steps=0"], AUTHORS_KEYS),  # no sample: no member
     "cope-te": (["algo=cope", "cope.te.weight=0.1", "cope.te.warmup_steps=0", *LEARNS],
                 ("loss/te", "te/kl", "te/members_per_action", "te/positions", *AUTHORS_KEYS)),
     "cope_continuation": ([CONT], ("loss/pg", *COPE_KEYS)),
