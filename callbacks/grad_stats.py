@@ -8,6 +8,16 @@ give each objective's gradient (:func:`cope.train.grad_stats.measure_gradients`)
 ``grad/ratio_<name>_<reference>`` and ``grad/total_norm`` (:func:`cope.train.grad_stats.gradient_metrics`).
 The metrics describe the step's update: every scale an objective carries is already fixed for the step.
 
+CoPE's separate update (``cope.update=separate``: forecast batches with their own optimizer steps after the
+epoch's policy steps) is measured too: the first forecast step after a measured policy step logs, on its own
+step, ``grad/<forecast>_norm`` (weight x gradient, on that forecast batch) and its cosine and ratio with the
+policy gradient *kept from that measured policy step* (``grad/cos_<forecast>_<reference>``,
+``grad/ratio_<forecast>_<reference>``): does the forecast step push where the policy gradient pushed? Those two
+gradients are taken at different parameters (the policy steps in between moved them) and on different rows;
+a separate step's learning rate is also scaled by its ``lr_scale``, which the norms leave out. The kept gradient
+is dropped at each epoch's start (an epoch without forecast batches leaves nothing stale behind) and is not
+checkpointed (after a resume the first forecast measurement waits for the next measured policy step).
+
 It feeds nothing: turning it on or off does not change training. CoPE's ``normalize=gradnorm`` scale is fed by
 CoPE's own ``LossBalance`` callback (:mod:`cope.algos.cope.loss_balance`, with the same measurement).
 
@@ -32,7 +42,7 @@ from collections.abc import Mapping
 import torch
 from lightning.pytorch import Callback
 
-from cope.train.grad_stats import gradient_metrics, mean_over_ranks, measure_gradients
+from cope.train.grad_stats import ObjectiveGradient, gradient_metrics, mean_over_ranks, measure_gradients
 from cope.train.objectives import ROLLOUT, batch_kind
 
 
@@ -48,17 +58,34 @@ class GradientStats(Callback):
         if every_n_steps < 0:
             raise ValueError(f"callbacks.grad_stats.every_n_steps must be >= 0 (0: off), got {every_n_steps}")
         self.every_n_steps, self.reference = int(every_n_steps), reference
+        self._kept: ObjectiveGradient | None = None  # the last measured policy step's reference gradient (this rank's)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         names = [o.name for o in getattr(pl_module, "objectives", [])]
         if self.every_n_steps >= 1 and self.reference not in names:
             raise ValueError(f"callbacks.grad_stats.reference {self.reference!r} is not among the module's objectives {names}")
 
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._kept = None
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if (self.every_n_steps < 1 or trainer.global_step % self.every_n_steps != 0 or not isinstance(batch, Mapping)
-                or batch_kind(batch) != ROLLOUT):  # CoPE's separate forecast steps have one objective: nothing to compare
+        if self.every_n_steps < 1 or not isinstance(batch, Mapping):
             return
-        metrics, _ = gradient_metrics(measure_gradients(trainer, pl_module, batch, pl_module.objectives), self.reference)
+        if batch_kind(batch) == ROLLOUT:
+            if trainer.global_step % self.every_n_steps != 0:
+                return
+            grads = measure_gradients(trainer, pl_module, batch, pl_module.objectives)
+            if any(o.batch_kind != ROLLOUT for o in pl_module.objectives):  # kept only for a separate step to come
+                self._kept = grads.get(self.reference)
+            metrics, _ = gradient_metrics(grads, self.reference)
+        elif self._kept is not None:  # the first separate forecast step after a measured policy step
+            grads = measure_gradients(trainer, pl_module, batch, pl_module.objectives)  # the forecast objectives only
+            metrics, _ = gradient_metrics({self.reference: self._kept, **grads}, self.reference)
+            # the policy step's norm was logged on its own step; a sum of the two steps' gradients is no update
+            metrics = {k: v for k, v in metrics.items() if k not in (f"grad/{self.reference}_norm", "grad/total_norm")}
+            self._kept = None
+        else:
+            return
         if metrics:
             names = sorted(metrics)
             values = mean_over_ranks(trainer, torch.stack([metrics[k].detach().float() for k in names]))  # (K,)

@@ -160,3 +160,59 @@ def test_te_rows_are_the_logits_that_predict_the_covered_tokens():
     assert total.item() == pytest.approx(loss.item(), abs=1e-6)
     for a, p in zip(g_split, params):
         torch.testing.assert_close(a, p.grad, atol=1e-6, rtol=0)
+
+
+def test_grad_diagnostics_measure_the_separate_forecast_step_against_the_policy_step():
+    """GradientStats on a policy step then a separate forecast step (SGD at lr 0: both at the same parameters):
+    the policy step logs the PG gradient alone (the forecast loss is not computed on a rollout batch); the
+    forecast step logs its own gradient's norm and its cosine and ratio with the policy step's gradient, each
+    equal to a hand computation."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import Logger
+
+    from cope.callbacks.grad_stats import GradientStats
+
+    class Capture(Logger):
+        name, version = "capture", 0
+
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def log_metrics(self, metrics, step=None):
+            if any(k.startswith("grad/") for k in metrics):
+                self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    model, eps = _model(), _episodes()
+    for e, a in zip(eps, [0.9, -0.4, 0.7, -1.1]):
+        e.advantage = a
+    chunks = _chunks(eps)
+    coef = 0.01
+    objectives = [PolicyGradient(), ForecastLoss(weight=coef, update="separate", lr_scale=3.0)]
+    module = AgentRLModule(Policy(model=model, tokenizer=None, chat=CHAT, source="t"), objectives,
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
+    rollout, forecast = collate(eps, PAD), collate_chunks(eps, chunks, PAD)
+    module.score_minibatches([rollout])
+    capture = Capture()
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=[capture], callbacks=[GradientStats(every_n_steps=2)],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    # step 0 measured (a multiple of 2); step 1, the forecast batch, measured against it although 1 is not
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([rollout, forecast, forecast], batch_size=None))
+    assert [s for s, _ in capture.rows] == [0, 1], capture.rows  # the third batch: nothing kept any more
+    (_, pg_row), (_, fc_row) = capture.rows
+    assert set(pg_row) == {"grad/pg_norm", "grad/total_norm"}
+    assert set(fc_row) == {"grad/forecast_norm", "grad/cos_forecast_pg", "grad/ratio_forecast_pg"}
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    pg_loss, _ = objectives[0](module(rollout), rollout)
+    g_pg = torch.cat([g.reshape(-1) for g in torch.autograd.grad(pg_loss, params)])
+    fc_loss, _ = objectives[1](module(forecast), forecast)
+    g_fc = torch.cat([g.reshape(-1) for g in torch.autograd.grad(fc_loss, params)])
+    assert pg_row["grad/pg_norm"] == pytest.approx(g_pg.norm().item(), rel=1e-4)
+    assert fc_row["grad/forecast_norm"] == pytest.approx(coef * g_fc.norm().item(), rel=1e-4)
+    cos = torch.dot(g_fc, g_pg) / (g_fc.norm() * g_pg.norm())
+    assert fc_row["grad/cos_forecast_pg"] == pytest.approx(cos.item(), abs=1e-4)
+    assert fc_row["grad/ratio_forecast_pg"] == pytest.approx(coef * g_fc.norm().item() / g_pg.norm().item(), rel=1e-4)

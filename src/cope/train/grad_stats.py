@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cope.train.objectives import ForwardOut, Objective
+from cope.train.objectives import ForwardOut, Objective, batch_kind
 
 
 class ObjectiveGradient(NamedTuple):
@@ -46,7 +46,8 @@ def objective_gradients(
 
     Args:
         objectives: the module's objectives; those whose ``weight_at(step)`` is 0 are skipped (off, as in
-            :func:`~cope.train.objectives.combine`).
+            :func:`~cope.train.objectives.combine`), and so are those of another batch kind than ``batch``'s
+            (CoPE's separate forecast loss on a rollout batch, the policy gradient on a forecast batch).
         out: a forward output whose ``logprobs`` are live (attached to the graph of ``params``).
         batch: the minibatch the objectives read.
         step: the optimizer step (for scheduled weights).
@@ -58,7 +59,8 @@ def objective_gradients(
         no ``.grad`` of ``params`` is written; the graph is kept until the last objective.
     """
     params = list(params)
-    active = [(o, w) for o in objectives if (w := o.weight_at(step)) != 0.0]
+    kind = batch_kind(batch)
+    active = [(o, w) for o in objectives if o.batch_kind == kind and (w := o.weight_at(step)) != 0.0]
     result: dict[str, ObjectiveGradient] = {}
     for i, (obj, w) in enumerate(active):
         loss, _ = obj(out, batch)
@@ -128,7 +130,9 @@ def first_microbatch_forward(pl_module: Any, batch: Mapping[str, torch.Tensor]) 
     if rows is None:
         return pl_module(batch)
     live_lp, live_ent = pl_module.logprobs(batch, rows, n)  # (R, n) each
-    lp = batch["old_logprobs"].to(pl_module.device, torch.float32).clone()  # (N, T), constant elsewhere
+    old = batch.get("old_logprobs")  # a forecast batch is not scored: any constant stands in (its loss reads its rows)
+    lp = (old.to(pl_module.device, torch.float32).clone() if old is not None
+          else torch.zeros(batch["input_ids"].shape, device=pl_module.device))  # (N, T), constant elsewhere
     ent = torch.zeros_like(lp)  # (N, T)
     lp[rows, :n], ent[rows, :n] = live_lp, live_ent
     return ForwardOut(lp, ent, batch.get("ref_logprobs") if pl_module.needs_ref else None)
