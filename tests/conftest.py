@@ -64,12 +64,13 @@ def train_in_process(overrides: list[str], tmp_path: Path) -> dict[str, float]:
 
 
 def run_train_script(args: list[str], tmp_path: Path, timeout: float = 240, env: dict | None = None,
-                     ) -> subprocess.CompletedProcess:
-    """``python train.py <args>`` with cwd ``tmp_path`` (nothing lands in the repo) and one thread.
+                     script: Path = TRAIN_PY) -> subprocess.CompletedProcess:
+    """``python train.py <args>`` (or another entry point, e.g. ``eval.py``) with cwd ``tmp_path`` (nothing lands in
+    the repo) and one thread.
 
     Pass ``hydra.run.dir=...`` in ``args`` for runs that get past composition."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0", **(env or {})}
-    return subprocess.run([sys.executable, str(TRAIN_PY), *args], cwd=tmp_path, env=full_env, capture_output=True,
+    return subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -13,8 +13,9 @@ from vllm_fixtures import SERVER_KW
 
 pytestmark = pytest.mark.slow
 
-OVERRIDES = ["debug=fast", "rollout=vllm", "model.hidden_size=64", "trainer.max_epochs=1",
-             f"data.engine.threads={SERVER_KW['threads']}", f"data.engine.kv_cache_gb={SERVER_KW['kv_cache_gb']}"]
+VLLM = ["rollout=vllm", f"data.engine.threads={SERVER_KW['threads']}", f"data.engine.kv_cache_gb={SERVER_KW['kv_cache_gb']}"]
+OVERRIDES = ["debug=fast", "model.hidden_size=64", "trainer.max_epochs=1", *VLLM]
+EVAL_PY = Path(__file__).resolve().parents[2] / "eval.py"
 
 
 def servers_of(model_dir: str) -> list[int]:
@@ -96,3 +97,55 @@ def test_sampler_gap_stays_at_fp32_noise_after_every_adapter_reload(vllm_python,
     assert any(abs(v) > 0 for v in cols["loss/pg"]), "no policy gradient: the adapter never changed, nothing was tested"
     log = (run_dir / "vllm" / "server.log").read_text()  # vLLM logs each load and removal by name
     assert "name 'cope-rank0-v0'" in log and "Removed LoRA adapter: name 'cope-rank0-v0'" in log, log[-3000:]
+
+
+def _eval(train_script, vllm_python, args: list[str], out: Path) -> list[tuple]:
+    """``eval.py`` greedy on the held-out panel's first 4 tasks; its trajectories (task, success, actions)."""
+    proc = train_script(["debug=fast", "eval.count=4", "eval.progress=false", "~logger", f"eval.out={out}",
+                         f"hydra.run.dir={out}/run", *args], out.parent, timeout=900, env={"COPE_VLLM_PYTHON": vllm_python},
+                        script=EVAL_PY)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    assert json.loads((out / "summary.json").read_text())["complete"]
+    lines = [json.loads(x) for x in (out / "trajectories.jsonl").read_text().splitlines()]
+    return [(t["task"], t["success"], [s["action"] for s in t["turns"]]) for t in lines]
+
+
+def _moved_adapter(compose, run_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """The run's exported adapter with seeded noise on its lora_B weights (a debug=fast epoch barely moves it: the
+    greedy walks stay the base model's, which could not tell a served adapter from none), and the base with that
+    adapter merged in (``export_merged``, as ``callbacks.adapter_export.merged=true`` writes it)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from cope.callbacks.adapter_export import export_merged
+    from cope.run.train import instantiate_plain
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(run_dir / "csv" / "adapter", adapter)
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    moved = {k: w + 0.3 * torch.randn(w.shape, generator=gen) if "lora_B" in k else w for k, w in weights.items()}
+    save_file(moved, str(adapter / "adapter_model.safetensors"))
+    cfg = compose(["model.hidden_size=64"], tmp_path)
+    policy = instantiate_plain(cfg.model)(env_factory=instantiate_plain(cfg.env), adapter=str(adapter))
+    return adapter, export_merged(policy, tmp_path / "merged")
+
+
+def test_eval_through_vllm_and_the_merged_folder_match_the_adapter_in_process(managed_run, vllm_python, train_script, compose,
+                                                                              tmp_path):
+    """What a user runs after training, through the real server: ``eval.py rollout=vllm adapter=<export>`` and the
+    merged export served as a plain model (``model.path=<run>/csv/merged``, no trained LoRA) give the greedy
+    trajectories of ``eval.py rollout=hf adapter=<export>`` (fp32)."""
+    adapter, merged = _moved_adapter(compose, managed_run[1], tmp_path)
+    tiny = ["model.hidden_size=64", f"adapter={adapter}"]
+    hf = _eval(train_script, vllm_python, tiny, tmp_path / "hf")
+    assert len(hf) == 4 and all(actions for _, _, actions in hf)
+    # the moved adapter acts differently from the base model: else a server ignoring it would pass
+    assert _eval(train_script, vllm_python, ["model.hidden_size=64"], tmp_path / "base") != hf
+    assert _eval(train_script, vllm_python, [*tiny, *VLLM], tmp_path / "vllm") == hf
+    # the merged folder as a pretrained model: a fresh LoRA (B = 0) on it changes nothing
+    plain = ["model=qwen2.5-7b", f"model.path={merged}", "model.dtype=fp32", "model.gradient_checkpointing=false",
+             "model.lora.r=16", "model.lora.target_modules=all-linear"]
+    assert _eval(train_script, vllm_python, [*plain, *VLLM], tmp_path / "merged") == hf
