@@ -49,9 +49,11 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
     if aux:
         # steps where either gradient is 0 (no group with a reward spread: no PG gradient; no forecast
         # target) log a cosine of 0 by convention: they are no measurement of the angle, so they are left out
+        # (the ratio is > 0 exactly when both are non-zero). CoPE's separate forecast steps log theirs on their own
+        # step, against the kept PG gradient of the last measured policy step: no grad/pg_norm on that row.
         every = grad_every(d)
-        measured = [r for r in metrics if (r.get("grad/pg_norm") or 0) > 0 and (r.get(f"grad/{aux}_norm") or 0) > 0
-                    and (every is None or r.get("step") is None or int(r["step"]) % every == 0)]
+        measured = [r for r in metrics if (r.get(f"grad/ratio_{aux}_pg") or 0) > 0 and (r.get(f"grad/{aux}_norm") or 0) > 0
+                    and (r.get("grad/pg_norm") is None or every is None or r.get("step") is None or int(r["step"]) % every == 0)]
         out["grad/measured_steps"] = len(measured)
         for key in DIAG:
             k = key.format(aux=aux)
@@ -61,6 +63,9 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
     for k in PROBES:
         vals = [r[k] for r in metrics if r.get(k) is not None]
         out[k + "/last"] = vals[-1] if vals else None
+    chunks = [r["probe/forecast_chunks"] for r in metrics if r.get("probe/forecast_chunks") is not None]
+    if chunks and chunks[-1] == 0:  # no held-out success to probe: the logged 0 is no accuracy
+        out["probe/forecast_action_acc/last"] = None
     out["invalid_rate"] = invalid_rate(d)
     done = d / "done"
     out["wall_s"] = json.loads(done.read_text())["wall_s"] if done.exists() else None

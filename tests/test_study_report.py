@@ -80,6 +80,23 @@ def test_gradient_diagnostics_read_only_the_measured_steps(tmp_path):
     assert run_curve(tmp_path, aux="echo")["grad/measured_steps"] == 8
 
 
+def test_separate_forecast_steps_are_read_on_their_own_rows(tmp_path):
+    """CoPE's separate update: the policy step (a multiple of every_n_steps) logs grad/pg_norm; the forecast step
+    after it logs its norm, cosine and ratio against the kept PG gradient on its own (odd) step, with no pg norm.
+    A forecast row whose ratio is 0 (a zero PG gradient kept) is no measurement of the angle."""
+    from study_report import run_curve
+
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra/config.yaml").write_text("callbacks:\n  grad_stats:\n    every_n_steps: 4\n")
+    (tmp_path / "csv").mkdir()
+    rows = ["step,grad/pg_norm,grad/total_norm,grad/forecast_norm,grad/cos_forecast_pg,grad/ratio_forecast_pg",
+            "0,1.0,1.0,,,", "5,,,0.5,0.3,0.5", "8,2.0,2.0,,,", "13,,,0.5,-0.1,0.25", "16,0.0,0.0,,,", "21,,,0.5,0.0,0.0"]
+    (tmp_path / "csv/metrics.csv").write_text("\n".join(rows) + "\n")
+    c = run_curve(tmp_path, aux="forecast")
+    assert c["grad/measured_steps"] == 2 and [s for s, _ in c["grad/cos_forecast_pg"]] == [5, 13]
+    assert c["grad/cos_forecast_pg/mean"] == pytest.approx(0.1) and c["grad/ratio_forecast_pg/mean"] == pytest.approx(0.375)
+
+
 def test_invalid_rate_is_read_from_the_last_validation(tmp_path):
     from study_report import invalid_rate
 
