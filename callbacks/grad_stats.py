@@ -16,7 +16,8 @@ policy gradient *kept from that measured policy step* (``grad/cos_<forecast>_<re
 gradients are taken at different parameters (the policy steps in between moved them) and on different rows;
 a separate step's learning rate is also scaled by its ``lr_scale``, which the norms leave out. The kept gradient
 is dropped at each epoch's start (an epoch without forecast batches leaves nothing stale behind) and is not
-checkpointed (after a resume the first forecast measurement waits for the next measured policy step).
+checkpointed (after a resume the first forecast measurement waits for the next measured policy step). Holding it
+costs 4 bytes per trainable parameter on the device, between the two steps, and only with a separate update.
 
 It feeds nothing: turning it on or off does not change training. CoPE's ``normalize=gradnorm`` scale is fed by
 CoPE's own ``LossBalance`` callback (:mod:`cope.algos.cope.loss_balance`, with the same measurement).
