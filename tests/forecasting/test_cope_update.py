@@ -162,11 +162,10 @@ def test_te_rows_are_the_logits_that_predict_the_covered_tokens():
         torch.testing.assert_close(a, p.grad, atol=1e-6, rtol=0)
 
 
-def test_grad_diagnostics_measure_the_separate_forecast_step_against_the_policy_step():
-    """GradientStats on a policy step then a separate forecast step (SGD at lr 0: both at the same parameters):
-    the policy step logs the PG gradient alone (the forecast loss is not computed on a rollout batch); the
-    forecast step logs its own gradient's norm and its cosine and ratio with the policy step's gradient, each
-    equal to a hand computation."""
+
+def _diagnosed_fit(batches: list[str], every_n_steps: int, epochs: int = 1):
+    """SGD at lr 0 (every step at the same parameters) over ``batches`` ("rollout"/"forecast") each epoch, with
+    GradientStats; returns (the grad/* rows as (step, metrics), objectives, module, rollout batch, forecast batch)."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import Logger
 
@@ -181,7 +180,7 @@ def test_grad_diagnostics_measure_the_separate_forecast_step_against_the_policy_
 
         def log_metrics(self, metrics, step=None):
             if any(k.startswith("grad/") for k in metrics):
-                self.rows.append((step, {k: float(v) for k, v in metrics.items()}))
+                self.rows.append((step, {k: float(v) for k, v in metrics.items() if k.startswith("grad/")}))
 
         def log_hyperparams(self, *args, **kwargs):
             pass
@@ -189,24 +188,33 @@ def test_grad_diagnostics_measure_the_separate_forecast_step_against_the_policy_
     model, eps = _model(), _episodes()
     for e, a in zip(eps, [0.9, -0.4, 0.7, -1.1]):
         e.advantage = a
-    chunks = _chunks(eps)
-    coef = 0.01
-    objectives = [PolicyGradient(), ForecastLoss(weight=coef, update="separate", lr_scale=3.0)]
+    objectives = [PolicyGradient(), ForecastLoss(weight=0.01, update="separate", lr_scale=3.0)]
     module = AgentRLModule(Policy(model=model, tokenizer=None, chat=CHAT, source="t"), objectives,
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
-    rollout, forecast = collate(eps, PAD), collate_chunks(eps, chunks, PAD)
-    module.score_minibatches([rollout])
+    made = {"rollout": collate(eps, PAD), "forecast": collate_chunks(eps, _chunks(eps), PAD)}
+    module.score_minibatches([made["rollout"]])
     capture = Capture()
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=[capture], callbacks=[GradientStats(every_n_steps=2)],
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=[capture], enable_checkpointing=False,
+                         callbacks=[GradientStats(every_n_steps=every_n_steps)], enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([made[b] for b in batches], batch_size=None))
+    return capture.rows, objectives, module, made["rollout"], made["forecast"]
+
+
+def test_grad_diagnostics_measure_the_separate_forecast_step_against_the_policy_step():
+    """GradientStats on a policy step then a separate forecast step (SGD at lr 0: both at the same parameters):
+    the policy step logs the PG gradient alone (the forecast loss is not computed on a rollout batch); the
+    forecast step logs its own gradient's norm and its cosine and ratio with the policy step's gradient, each
+    equal to a hand computation."""
     # step 0 measured (a multiple of 2); step 1, the forecast batch, measured against it although 1 is not
-    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([rollout, forecast, forecast], batch_size=None))
-    assert [s for s, _ in capture.rows] == [0, 1], capture.rows  # the third batch: nothing kept any more
-    (_, pg_row), (_, fc_row) = capture.rows
+    rows, objectives, module, rollout, forecast = _diagnosed_fit(["rollout", "forecast", "forecast"], every_n_steps=2)
+    assert [s for s, _ in rows] == [0, 1], rows  # the third batch: nothing kept any more
+    (_, pg_row), (_, fc_row) = rows
     assert set(pg_row) == {"grad/pg_norm", "grad/total_norm"}
     assert set(fc_row) == {"grad/forecast_norm", "grad/cos_forecast_pg", "grad/ratio_forecast_pg"}
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    coef = objectives[1].weight
+    params = module.policy.trainable_parameters()
     pg_loss, _ = objectives[0](module(rollout), rollout)
     g_pg = torch.cat([g.reshape(-1) for g in torch.autograd.grad(pg_loss, params)])
     fc_loss, _ = objectives[1](module(forecast), forecast)
@@ -216,3 +224,12 @@ def test_grad_diagnostics_measure_the_separate_forecast_step_against_the_policy_
     cos = torch.dot(g_fc, g_pg) / (g_fc.norm() * g_pg.norm())
     assert fc_row["grad/cos_forecast_pg"] == pytest.approx(cos.item(), abs=1e-4)
     assert fc_row["grad/ratio_forecast_pg"] == pytest.approx(coef * g_fc.norm().item() / g_pg.norm().item(), rel=1e-4)
+
+
+def test_grad_diagnostics_keep_no_policy_gradient_across_epochs():
+    """Each epoch is [forecast, rollout], every step measured where it can be: epoch 0's policy step (step 1) is
+    measured and kept, but epoch 1's forecast step (step 2) must not be compared with it (another epoch's rollout
+    batch): the kept gradient is dropped at the epoch's start. Steps 1 and 3 log; 2 does not."""
+    rows, *_ = _diagnosed_fit(["forecast", "rollout"], every_n_steps=1, epochs=2)
+    assert [s for s, _ in rows] == [1, 3], [(s, sorted(m)) for s, m in rows]
+    assert all("grad/pg_norm" in m for _, m in rows)
