@@ -62,6 +62,7 @@ class Regime:
     arms: tuple[str, ...] = ("grpo", "cope", "echo")
     tuned_in: str | None = None  # reuse another regime's tuning (None: tune here)
     by_size: tuple[int, ...] | None = MAZE_SIZES  # also report per maze size (the env's sizes; None: one size)
+    fixed: tuple[tuple[str, str], ...] = ()  # (arm, GRID label) per arm: settings chosen by an earlier tuning, not tuned again
 
 
 SPEC: dict[str, Regime] = {
@@ -78,10 +79,18 @@ SPEC: dict[str, Regime] = {
 # made before the task streams became per (seed, rank, epoch), so they cannot be paired with new runs).
 SPEC["cope"] = Regime("(b') prior warm start: GRPO vs CoPE (authors') vs CoPE (continuation)", SPEC["prior"].overrides,
                       SPEC["prior"].threshold, ("grpo", "cope_authors", "cope"))
+# The re-check of issue 27: study2's regime on the code whose default no longer collapses (pg.agg seq-mean-token-mean),
+# with study2's tuned settings (GRPO lr 1e-3, CoPE lr_scale 0.3; no re-tuning), the turns layout in place of the
+# continuation arm. Run on its own: --regimes cope_recheck --out outputs/study3 --records bench/results/study3/runs
+# --results bench/results/study3.
+SPEC["cope_recheck"] = Regime("(b'') prior warm start, after the fix of issue 27: GRPO vs CoPE (authors', list) vs CoPE "
+                              "(authors', turns)", SPEC["prior"].overrides, SPEC["prior"].threshold,
+                              ("grpo", "cope_authors", "cope_turns"),
+                              fixed=(("grpo", "lr1e-3"), ("cope_authors", "lrs0.3"), ("cope_turns", "lrs0.3")))
 DEFAULT_REGIMES = ("prior", "random")  # tuning (in prior) first, then prior's test runs, then random's
 # The algo config an arm runs: "cope" is the reading of the explainer the first runs measured (algo=cope_continuation;
 # its records are committed), "cope_authors" CoPE as its authors built it (algo=cope since 2026-12-02).
-ARM_ALGO = {"cope": "cope_continuation", "cope_authors": "cope"}
+ARM_ALGO = {"cope": "cope_continuation", "cope_authors": "cope", "cope_turns": "cope"}
 # Each arm's search: the same number of settings (label -> overrides). CoPE and ECHO add GRPO's chosen lr.
 GRID: dict[str, dict[str, tuple[str, ...]]] = {
     "grpo": {f"lr{lr}": (f"module.optimizer.lr={lr}",) for lr in ("3e-4", "1e-3", "3e-3")},
@@ -92,6 +101,7 @@ GRID: dict[str, dict[str, tuple[str, ...]]] = {
     },
     # the authors' separate forecast step: Adam normalizes the coefficient away, the learning-rate scale sizes it
     "cope_authors": {f"lrs{s}": (f"cope.lr_scale={s}",) for s in ("0.3", "1.0", "3.0")},
+    "cope_turns": {f"lrs{s}": (f"cope.lr_scale={s}", "cope.layout=turns") for s in ("0.3", "1.0", "3.0")},  # same, turns layout
     "echo": {f"lam{lam}": (f"algo.objectives.echo.weight={lam}",) for lam in ("0.005", "0.02", "0.05")},
 }
 
@@ -206,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     regimes = [r for r in args.regimes if SPEC[r].tuned_in is None or SPEC[r].tuned_in in args.regimes]
     for r in set(args.regimes) - set(regimes):
         p.error(f"regime {r} reuses the tuning of {SPEC[r].tuned_in}: add it to --regimes")
-    tuned = [r for r in regimes if SPEC[r].tuned_in is None]
+    tuned = [r for r in regimes if SPEC[r].tuned_in is None and not SPEC[r].fixed]
     results: list[dict] = []
     choice: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
 
@@ -222,8 +232,13 @@ def main(argv: list[str] | None = None) -> int:
                     label = best_setting(done, r, a, grid[a])
                     choice[(r, a)] = (label, (*base.get(r, ()), *grid[a][label]))
 
+    for r in regimes:  # settings fixed by an earlier tuning: GRPO's, and each other arm's on top of GRPO's lr
+        fixed = dict(SPEC[r].fixed)
+        base = grid["grpo"][fixed["grpo"]] if "grpo" in fixed else ()
+        for a, label in fixed.items():
+            choice[(r, a)] = (label, grid[a][label] if a == "grpo" else (*base, *grid[a][label]))
     tune(["grpo"], {})
-    tune(["cope", "cope_authors", "echo"], {r: choice[(r, "grpo")][1] for r in tuned})  # the aux arms at GRPO's chosen lr
+    tune(["cope", "cope_authors", "cope_turns", "echo"], {r: choice[(r, "grpo")][1] for r in tuned})  # the aux arms at GRPO's chosen lr
     tests = [Job(r, "test", a, choice[(SPEC[r].tuned_in or r, a)][0], s,
                  _overrides(SPEC[r], "test", a, choice[(SPEC[r].tuned_in or r, a)][1], args.smoke))
              for r in regimes for a in SPEC[r].arms for s in seeds_test]

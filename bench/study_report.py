@@ -21,9 +21,11 @@ from pathlib import Path
 
 from study_stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t, separates
 
-NAMES = {"grpo": "GRPO", "cope": "CoPE (continuation)", "cope_authors": "CoPE (authors')", "echo": "ECHO"}
-COLORS = {"grpo": "C0", "cope": "C1", "echo": "C2", "cope_authors": "C3"}  # the same colour for an arm in every panel
-AUX = {"cope": "forecast", "cope_authors": "forecast", "echo": "echo"}  # the arm's auxiliary objective (its grad/* name)
+NAMES = {"grpo": "GRPO", "cope": "CoPE (continuation)", "cope_authors": "CoPE (authors')", "echo": "ECHO",
+         "cope_turns": "CoPE (authors', turns)"}
+COLORS = {"grpo": "C0", "cope": "C1", "echo": "C2", "cope_authors": "C3", "cope_turns": "C4"}  # an arm's colour in every panel
+# the arm's auxiliary objective (its grad/* name)
+AUX = {"cope": "forecast", "cope_authors": "forecast", "cope_turns": "forecast", "echo": "echo"}
 DIAG = ("grad/cos_{aux}_pg", "grad/ratio_{aux}_pg")
 PROBES = ("probe/forecast_action_acc", "probe/obs_nll")
 

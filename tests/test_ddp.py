@@ -23,6 +23,8 @@ def test_ddp_two_cpu_ranks(train_script, read_metrics, tmp_path):
     # cumulative episodes after epoch e, summed over both ranks
     assert cols["counters/episodes"] == [RANKS * TASKS * GROUP * (e + 1) for e in range(EPOCHS)], report
     assert cols["counters/env_steps"][-1] >= cols["counters/episodes"][-1]
+    # StopTokenStats pools its sums over the ranks (one collective per epoch and per validation run)
+    assert len(cols["stop/prob"]) == EPOCHS and len(cols["stop/prob_val"]) == EPOCHS + 1, report
     # rank 0 alone prints the summary, with the summed count
     assert proc.stdout.count("=== cope-trainer run summary ===") == 1, report
     assert f"episodes {RANKS * TASKS * GROUP * EPOCHS}," in proc.stdout, report

@@ -25,7 +25,8 @@ from cope.train.batch import collate, row_lengths  # noqa: E402
 from cope.train.module import AgentRLModule  # noqa: E402
 
 OBJECTIVES = {
-    "pg token-mean": lambda: [PolicyGradient()],
+    "pg token-mean": lambda: [PolicyGradient(agg="token-mean")],
+    "pg seq-mean-token-mean": lambda: [PolicyGradient()],
     "pg seq-mean + kl": lambda: [PolicyGradient(agg="seq-mean-token-mean"), KLPenalty(weight=0.1)],
     "pg sum-norm + echo": lambda: [PolicyGradient(agg="seq-mean-token-sum-norm", norm_len=16), ObservationLoss(weight=0.5)],
     "cope packed": lambda: [PolicyGradient(), ForecastLoss(weight=0.3)],

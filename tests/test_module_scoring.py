@@ -73,9 +73,12 @@ def test_first_update_has_ratio_one_and_zero_kl_then_kl_grows(policy, episodes):
     assert m["policy/ratio_mean"] == 1.0
     assert m["policy/clip_frac"] == 0.0
     assert m["policy/kl"] == 0.0 and m["loss/kl"] == 0.0
-    # at ratio 1 the token-mean surrogate is minus the mean advantage over action tokens
+    # at ratio 1 the surrogate (seq-mean-token-mean, the default) is minus the mean over episodes of each
+    # episode's mean advantage over its action tokens
     mask = mb["action_mask"]
-    torch.testing.assert_close(m["loss/pg"], -(mb["advantages"][mask]).mean())
+    rows = mask.any(-1)
+    per_row = (mb["advantages"] * mask).sum(-1)[rows] / mask.sum(-1)[rows]
+    torch.testing.assert_close(m["loss/pg"], -per_row.mean())
     assert set(m) >= {"loss/pg", "loss/pg_weighted", "loss/kl", "loss/kl_weighted", "loss/total", "policy/entropy"}
 
     opt = module.configure_optimizers()

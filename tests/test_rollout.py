@@ -332,3 +332,22 @@ def test_fewer_env_instances_than_episodes_is_an_error():
     with pytest.raises(ValueError, match="only 1 env instances"):
         run_episodes([maze_factory()], maze_tasks(2), [0, 1], Scripted({0: [[chat.stop_id]], 1: [[chat.stop_id]]}),
                      tok, chat, MAX_CONTEXT, MAX_ACTION)
+
+
+def test_complete_action_prefix_and_format_rates(tok, chat):
+    """``Step.complete_len`` marks where the first admissible action ends inside the sampled ids: a policy that
+    wrote ``northnorth`` completed an action and went on (``multi_action``); a capped ``north`` did not go on
+    but hit the cap (``action_cap``); ``jump`` (no admissible prefix) and a move the turn does not list
+    (``west`` off the grid) have none."""
+    north, east, west, jump = enc(tok, "north"), enc(tok, "east"), enc(tok, "west"), enc(tok, "jump")
+    stop = [chat.stop_id]
+    # at (5,0) the open moves are north and east; at (4,0) south and east
+    actions = [north + north + stop, west + stop, north, jump + stop, east + stop, north + stop]  # the last reaches the goal
+    eps, _ = run_episodes([maze_factory()], [HAND_TASK], [0], Scripted({0: actions}), tok, chat, MAX_CONTEXT, MAX_ACTION)
+    (ep,) = eps
+    assert ep.success
+    assert [s.complete_len for s in ep.steps] == [len(north), None, len(north), None, len(east), len(north)]
+    assert [s.multi_action for s in ep.steps] == [True, False, False, False, False, False]
+    assert [s.content_len for s in ep.steps] == [2 * len(north), len(west), len(north), len(jump), len(east), len(north)]
+    m = episode_metrics(eps, "rollout")
+    assert m["rollout/multi_action"] == 1 / 6 and m["rollout/action_cap"] == 1 / 6

@@ -15,6 +15,8 @@ EPOCHS, TASKS, GROUP = 2, 2, 4  # conf/debug/fast.yaml: trainer.max_epochs, data
 METRIC_KEYS = [
     "rollout/success", "rollout/reward", "rollout/len", "rollout/invalid_rate", "rollout/zero_signal_groups",
     "loss/pg", "policy/entropy", "perf/tokens_per_s", "counters/episodes", "counters/env_steps", "val/success",
+    "rollout/multi_action", "rollout/action_cap", "val/multi_action", "stop/prob", "stop/push", "stop/share_neg",
+    "stop/prob_val",
 ]
 
 

@@ -45,6 +45,19 @@ class Step:
     # not in the strict format. Counted in ``rollout/projected_actions``; see :attr:`strict`.
     projected: bool = False
     sampler_logprobs: list[float] | None = None  # log p of each action token as the sampler saw it (a server engine), else None
+    # Sampled ids (from action_start) up to the end of the first complete admissible action, or None (no prefix of
+    # the action is an admissible action, or the env lists none): cope.rollout.complete.complete_prefix_len.
+    complete_len: int | None = None
+
+    @property
+    def content_len(self) -> int:
+        """Sampled ids of the action without its end-of-turn id."""
+        return self.action_end - self.action_start - int(self.closed)
+
+    @property
+    def multi_action(self) -> bool:
+        """A complete admissible action followed by more sampled text (``westwest``): the policy did not stop."""
+        return self.complete_len is not None and self.complete_len < self.content_len
 
     @property
     def strict(self) -> bool:

@@ -28,7 +28,7 @@ def _inputs():
 
 def test_clipped_token_mean_hand_case():
     lp, old = _inputs()
-    loss, m = clipped_pg_loss(lp, old, ADV, MASK)
+    loss, m = clipped_pg_loss(lp, old, ADV, MASK, agg="token-mean")
     assert loss.item() == pytest.approx((-1.2 - 0.5 + 0.8 + 1.5 - 2.2) / 5)  # -0.32
     assert float(m["policy/clip_frac"]) == pytest.approx(2 / 5)
     assert float(m["policy/ratio_mean"]) == pytest.approx((1.5 + 0.5 + 0.5 + 1.5 + 1.1) / 5)  # 1.02
@@ -40,7 +40,7 @@ def test_clipped_token_mean_hand_case():
 
 def test_gradients_only_on_masked_unclipped_tokens():
     lp, old = _inputs()
-    loss, _ = clipped_pg_loss(lp, old, ADV, MASK)
+    loss, _ = clipped_pg_loss(lp, old, ADV, MASK, agg="token-mean")
     loss.backward()
     g = lp.grad
     assert torch.isfinite(g).all()
@@ -119,7 +119,7 @@ def _batch_and_out():
 
 def test_policy_gradient_objective_via_combine():
     batch, out = _batch_and_out()
-    total, m = combine([PolicyGradient(weight=0.5)], out, batch, step=0)
+    total, m = combine([PolicyGradient(weight=0.5, agg="token-mean")], out, batch, step=0)
     assert total.item() == pytest.approx(0.5 * -0.32)
     assert float(m["loss/total"]) == pytest.approx(0.5 * -0.32)
     assert float(m["loss/pg"]) == pytest.approx(-0.32)

@@ -4,9 +4,14 @@ Follows PPO (Schulman et al. 2017) as used by GRPO (Shao et al. 2024), with asym
 (DAPO's "clip-higher", Yu et al. 2025) and three aggregation rules picked by name from
 :data:`AGGREGATIONS`:
 
-* ``token-mean``: sum over every masked token of the batch / number of masked tokens (DAPO).
-* ``seq-mean-token-mean``: mean per sequence, then mean over the sequences that have tokens
-  (original GRPO).
+* ``token-mean``: sum over every masked token of the batch / number of masked tokens (DAPO; TRL's
+  ``loss_type="bnpo"``).
+* ``seq-mean-token-mean`` (the default): mean per sequence, then mean over the sequences that have tokens
+  (original GRPO; TRL's ``loss_type="grpo"``). In a multi-turn episode every action turn ends with the
+  end-of-turn id; under ``token-mean`` a group's push on it is proportional to sum_i A_i n_i (n_i turns), which
+  is negative when failures run longer than wins, and it drove the id out of the default demo until every
+  action was invalid (issue 27, :mod:`cope.train.stop_stats`). Per-episode normalization gives every episode
+  the same total weight.
 * ``seq-mean-token-sum-norm``: sum / (num_seqs * norm_len) with a constant ``norm_len``
   (Dr.GRPO, Liu et al. 2025).
 
@@ -68,7 +73,7 @@ def clipped_pg_loss(
     mask: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
-    agg: str = "token-mean",
+    agg: str = "seq-mean-token-mean",
     norm_len: int = 1024,
 ) -> tuple[torch.Tensor, Metrics]:
     """PPO clipped surrogate ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` over mask tokens.
@@ -151,7 +156,7 @@ class PolicyGradient(Objective):
         weight: float = 1.0,
         clip_low: float = 0.2,
         clip_high: float = 0.2,
-        agg: str = "token-mean",
+        agg: str = "seq-mean-token-mean",
         norm_len: int = 1024,
         schedule: str = "constant",
         final_weight: float = 0.0,

@@ -28,6 +28,7 @@ from cope.chat import ChatFormat
 from cope.envs.base import Env, Task
 from cope.envs.runtime.batch import EnvBatch, InProcessEnvs
 from cope.episode import EndReason, Episode, Role, Step
+from cope.rollout.complete import complete_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,8 @@ def run_episodes(
                 closed = bool(ids) and ids[-1] in chat.stop_ids
                 text = tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True)
                 a0, a1 = ep.append(ids, Role.ACTION)
-                ep.steps.append(Step(a0, a1, closed, False, text, sampler_logprobs=lps))
+                done_at = complete_prefix_len(tokenizer, ids[:-1] if closed else ids, admissible[i])
+                ep.steps.append(Step(a0, a1, closed, False, text, sampler_logprobs=lps, complete_len=done_at))
                 stats.generated_tokens += len(ids)
                 items.append((i, text))
                 starts.append(a0)

@@ -1,0 +1,33 @@
+"""The default demo keeps its action format (issue 27).
+
+Before the fix a fresh clone's `make train` (seed 0, GRPO at the defaults, 2 threads) wrote multi-move answers
+(``westwestwest...``) for every held-out task from epoch 49 on: the policy had stopped emitting the end-of-turn id
+after a move, every action was invalid, and no group had a reward spread again. This runs the default through the
+real entry point just past that point (50 epochs, the same seed and thread count) and checks the format is intact:
+no epoch's rollouts all invalid, the held-out panel still stops after its moves and does not answer with several,
+and it still solves mazes. About 10 minutes on 2 cores (the warm start is built first, in the test's own cache)."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 50
+
+
+def test_default_demo_does_not_collapse_into_multi_move_answers(train_script, read_metrics, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = train_script([f"hydra.run.dir={run_dir}", "data.progress=false", f"trainer.max_epochs={EPOCHS}"], tmp_path,
+                        timeout=1500, env={"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
+    report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-2000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, report
+    cols = read_metrics(run_dir / "csv" / "metrics.csv")
+    assert len(cols["rollout/invalid_rate"]) == EPOCHS, report
+    assert max(cols["rollout/invalid_rate"]) < 0.9, cols["rollout/invalid_rate"]
+    assert max(cols["rollout/multi_action"]) < 0.2, cols["rollout/multi_action"]
+    assert min(cols["stop/prob"]) > 0.5, cols["stop/prob"]
+    # the held-out panel after the last epoch (and at every validation before it)
+    assert min(cols["stop/prob_val"]) > 0.5, cols["stop/prob_val"]
+    assert max(cols["val/multi_action"]) < 0.2, cols["val/multi_action"]
+    assert max(cols["val/invalid_rate"]) < 0.9, cols["val/invalid_rate"]
+    assert cols["val/success"][-1] > 0.0, cols["val/success"]
