@@ -86,6 +86,8 @@ def test_rollout_tally_matches_a_plain_forward(agg, budget, temperature):
     assert got["total_push"] == pytest.approx(total, rel=1e-5)
     assert got["stop_push_pos"] == pytest.approx(sp, rel=1e-5) and got["stop_push_neg"] == pytest.approx(sn, rel=1e-5)
     assert got["net_push"] == pytest.approx(net, rel=1e-5, abs=1e-9)
+    aw = (adv * w[:, : ids.shape[1]])[act]
+    assert got["adv_net"] == pytest.approx(float(aw.sum()), rel=1e-5, abs=1e-9) and got["adv_abs"] == pytest.approx(float(aw.abs().sum()))
     m = stop_metrics(got)
     assert 0 < m["stop/prob"] < 1 and m["stop/share_neg"] > 0 and m["stop/share_pos"] > 0
     # the panel's probability is the same measurement on the held-out episodes
@@ -102,3 +104,4 @@ def test_token_mean_weighs_the_long_losses_end_of_turn_ids_more():
     new = stop_metrics(StopTokenStats().rollout_tally(_module("seq-mean-token-mean", None, 1.0), record))
     assert old["stop/share_neg"] > 2 * old["stop/share_pos"]
     assert new["stop/share_neg"] / new["stop/share_pos"] < old["stop/share_neg"] / old["stop/share_pos"] / 2
+    assert old["pg/adv_balance"] < -0.3 and new["pg/adv_balance"] == pytest.approx(0.0, abs=1e-6)

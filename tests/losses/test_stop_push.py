@@ -67,6 +67,9 @@ def test_token_mean_pushes_the_stop_token_down_and_per_episode_normalization_doe
     assert out["token-mean"]["stop/push"] == pytest.approx(-8 / 32, rel=1e-4)
     assert out["token-mean"]["stop/share_neg"] == pytest.approx(12 / 32) and out["token-mean"]["stop/share_pos"] == pytest.approx(4 / 32)
     assert out["seq-mean-token-mean"]["stop/push"] == pytest.approx(0.0, abs=1e-7)
+    # the net advantage mass: (4 + 4 - 12 - 12) / 32 of the absolute under token-mean, none per episode
+    assert out["token-mean"]["pg/adv_balance"] == pytest.approx(-0.5, rel=1e-5)
+    assert out["seq-mean-token-mean"]["pg/adv_balance"] == pytest.approx(0.0, abs=1e-7)
     assert out["seq-mean-token-mean"]["stop/share_neg"] == pytest.approx(out["seq-mean-token-mean"]["stop/share_pos"])
     assert out["token-mean"]["stop/prob"] == pytest.approx(p)
     assert A > 0

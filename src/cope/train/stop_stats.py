@@ -19,7 +19,7 @@ import torch
 from cope.algos.grpo import AGGREGATIONS
 
 # the sums an epoch's measurement adds up (per rank; pooled over ranks by summing)
-TALLY = ("total_push", "stop_push_pos", "stop_push_neg", "net_push", "p_stop_sum", "positions")
+TALLY = ("total_push", "stop_push_pos", "stop_push_neg", "net_push", "p_stop_sum", "positions", "adv_net", "adv_abs")
 
 
 def aggregation_weights(agg: str, mask: torch.Tensor, norm_len: int = 1024) -> torch.Tensor:
@@ -57,7 +57,10 @@ def stop_push(
     episodes with A > 0 / A < 0; ``net_push`` = sum over the complete-action positions that are action tokens of
     ``A w (1[y = stop] - p_stop)``: the signed first-order push on the end-of-turn logits there (a continued
     action, ``y != stop``, contributes the counter-term); ``p_stop_sum`` and ``positions`` give the mean
-    probability of stopping after a complete action.
+    probability of stopping after a complete action; ``adv_net`` / ``adv_abs`` = sum over action tokens of ``A w`` /
+    ``|A w|``: the update's net advantage mass (< 0: it pushes the sampled tokens down more than it pushes them up;
+    every token that recurs once per turn, the end-of-turn id and the moves, then loses probability to the rest of
+    the vocabulary).
     """
     act = action_mask.bool()
     g = torch.where(act, advantages * weights * (1.0 - sampled_p), torch.zeros_like(advantages))  # (N, T)
@@ -73,6 +76,8 @@ def stop_push(
         "net_push": float(net.sum()),
         "p_stop_sum": float(p_stop.sum()),
         "positions": float(p_stop.numel()),
+        "adv_net": float((advantages * weights)[act].sum()),
+        "adv_abs": float((advantages * weights)[act].abs().sum()),
     }
 
 
@@ -80,11 +85,13 @@ def stop_metrics(tally: dict[str, float], prefix: str = "stop") -> dict[str, flo
     """``<prefix>/prob`` (mean end-of-turn probability after a complete action), ``<prefix>/share_pos`` and
     ``/share_neg`` (the end-of-turn ids' share of the push on sampled tokens, episodes with A > 0 / A < 0), and
     ``/push`` (the signed net push on the end-of-turn logits after complete actions, in the same units: < 0
-    means the update lowers the probability of stopping)."""
+    means the update lowers the probability of stopping); and ``pg/adv_balance``: the net advantage mass over its
+    absolute sum, in [-1, 1] (0: the update pushes sampled tokens up as much as down)."""
     tot = tally["total_push"]
     return {
         f"{prefix}/prob": tally["p_stop_sum"] / tally["positions"] if tally["positions"] else 0.0,
         f"{prefix}/share_pos": tally["stop_push_pos"] / tot if tot else 0.0,
         f"{prefix}/share_neg": tally["stop_push_neg"] / tot if tot else 0.0,
         f"{prefix}/push": tally["net_push"] / tot if tot else 0.0,
+        "pg/adv_balance": tally["adv_net"] / tally["adv_abs"] if tally["adv_abs"] else 0.0,
     }
