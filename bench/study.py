@@ -84,7 +84,9 @@ SPEC["cope"] = Regime("(b') prior warm start: GRPO vs CoPE (authors') vs CoPE (c
 # continuation arm. Run on its own: --regimes cope_recheck --out outputs/study3 --records bench/results/study3/runs
 # --results bench/results/study3.
 SPEC["cope_recheck"] = Regime("(b'') prior warm start, after the fix of issue 27: GRPO vs CoPE (authors', list) vs CoPE "
-                              "(authors', turns)", SPEC["prior"].overrides, SPEC["prior"].threshold,
+                              "(authors', turns)",
+                              # a collapsed run trains to its end (what it measures), whatever run_health's default
+                              (*SPEC["prior"].overrides, "callbacks.run_health.invalid_epochs=null"), SPEC["prior"].threshold,
                               ("grpo", "cope_authors", "cope_turns"),
                               fixed=(("grpo", "lr1e-3"), ("cope_authors", "lrs0.3"), ("cope_turns", "lrs0.3")))
 DEFAULT_REGIMES = ("prior", "random")  # tuning (in prior) first, then prior's test runs, then random's

@@ -9,8 +9,13 @@ epoch's experience is collected by then), this callback reads the epoch record a
   None in ``zero_signal_epochs`` epochs in a row stops the run. Auxiliary objectives may still train then
   (ECHO on observations, CoPE forecasts from all-win groups): a cold start that is meant to wait longer sets a
   larger count, or null.
+* ``health/invalid_rate``: the share of the epoch's steps whose action the env refused. A collapse of the action
+  format (issue 27: ``westwestwest...`` until the token cap, every action invalid, no reward spread ever again) is
+  a regression: once an epoch was at or below ``healthy_invalid_rate`` (``health/format_learned``), the rate above
+  ``max_invalid_rate`` for ``invalid_epochs`` epochs in a row stops the run. A cold start (a model that has not
+  learned the format yet, e.g. SmolLM2 before its first readable answers) never triggers it.
 
-Both streaks are logged every epoch (``health/aborted_streak``, ``health/zero_signal_streak``) before a rule
+The streaks are logged every epoch (``health/aborted_streak``, ``health/zero_signal_streak``) before a rule
 triggers, and kept in checkpoints (Lightning's callback state), so a resume keeps counting. The stop is a
 :class:`RunStalled` error naming the cause and the key that sets the rule; the last checkpoint stays as it was.
 Every rank reaches the same decision (the counts are summed over ranks first). The third rule, skipping an
@@ -41,30 +46,42 @@ def _check(key: str, value, low: float, high: float | None = None, integer: bool
 
 
 class RunHealth(Callback):
-    """Stops a run whose epochs are mostly aborted episodes, or that has no learning signal for long.
+    """Stops a run whose epochs are mostly aborted episodes, that has no learning signal for long, or whose actions
+    collapsed.
 
     Args:
         max_aborted_frac: an epoch with more than this share of aborted episodes counts as broken.
         aborted_epochs: that many broken epochs in a row stop the run (null: never).
         zero_signal_epochs: that many epochs in a row without one group with a reward spread stop the run (null: never).
+        max_invalid_rate: an epoch with more than this share of invalid steps counts as collapsed ...
+        invalid_epochs: ... and that many collapsed epochs in a row stop the run (null: never) ...
+        healthy_invalid_rate: ... once an epoch had at most this share (the format was learned; <= max_invalid_rate).
     """
 
-    def __init__(self, max_aborted_frac: float = 0.5, aborted_epochs: int | None = 3, zero_signal_epochs: int | None = 20):
+    def __init__(self, max_aborted_frac: float = 0.5, aborted_epochs: int | None = 3, zero_signal_epochs: int | None = 20,
+                 max_invalid_rate: float = 0.9, invalid_epochs: int | None = None, healthy_invalid_rate: float = 0.5):
         _check("max_aborted_frac", max_aborted_frac, 0.0, 1.0)
         _check("aborted_epochs", aborted_epochs, 1, integer=True)
         _check("zero_signal_epochs", zero_signal_epochs, 1, integer=True)
+        _check("max_invalid_rate", max_invalid_rate, 0.0, 1.0)
+        _check("invalid_epochs", invalid_epochs, 1, integer=True)
+        _check("healthy_invalid_rate", healthy_invalid_rate, 0.0, max_invalid_rate)
         self.max_aborted_frac, self.aborted_epochs, self.zero_signal_epochs = max_aborted_frac, aborted_epochs, zero_signal_epochs
-        self.aborted_streak = self.zero_signal_streak = 0
+        self.max_invalid_rate, self.invalid_epochs, self.healthy_invalid_rate = max_invalid_rate, invalid_epochs, healthy_invalid_rate
+        self.aborted_streak = self.zero_signal_streak = self.invalid_streak = 0
+        self.format_learned: int | None = None  # the first epoch whose invalid-action rate was at or below healthy_invalid_rate
         self._seen_epoch: int | None = None
 
-    def _totals(self, trainer, record) -> tuple[float, float, float]:
-        """(aborted episodes, episodes, groups with a reward spread), summed over ranks."""
+    def _totals(self, trainer, record) -> tuple[float, ...]:
+        """(aborted episodes, episodes, groups with a reward spread, invalid steps, steps), summed over ranks."""
         groups: dict[int, set[float]] = {}
         for e in record.episodes:
             if not e.aborted:
                 groups.setdefault(e.group, set()).add(float(e.reward))
+        steps = [s for e in record.episodes if not e.aborted for s in e.steps]
         local = torch.tensor([sum(e.aborted for e in record.episodes), len(record.episodes),
-                              sum(len(r) > 1 for r in groups.values())], dtype=torch.float64)
+                              sum(len(r) > 1 for r in groups.values()), sum(not s.valid for s in steps), len(steps)],
+                             dtype=torch.float64)
         if getattr(trainer, "world_size", 1) > 1:
             local = trainer.strategy.reduce(local.to(trainer.strategy.root_device), reduce_op="sum").cpu()
         return tuple(float(v) for v in local.tolist())
@@ -74,13 +91,19 @@ class RunHealth(Callback):
         if record is None or record.epoch == self._seen_epoch:
             return
         self._seen_epoch = record.epoch
-        aborted, episodes, signal = self._totals(trainer, record)
+        aborted, episodes, signal, invalid, steps = self._totals(trainer, record)
         frac = aborted / max(episodes, 1.0)
         self.aborted_streak = self.aborted_streak + 1 if frac > self.max_aborted_frac else 0
         self.zero_signal_streak = self.zero_signal_streak + 1 if signal == 0 else 0
+        rate = invalid / steps if steps else 0.0
+        if self.format_learned is None and steps and rate <= self.healthy_invalid_rate:
+            self.format_learned = record.epoch
+        self.invalid_streak = self.invalid_streak + 1 if self.format_learned is not None and rate > self.max_invalid_rate else 0
         pl_module.log_dict({"health/aborted_frac": frac, "health/signal_groups": signal,
                             "health/aborted_streak": float(self.aborted_streak),
-                            "health/zero_signal_streak": float(self.zero_signal_streak)},
+                            "health/zero_signal_streak": float(self.zero_signal_streak),
+                            "health/invalid_rate": rate, "health/invalid_streak": float(self.invalid_streak),
+                            "health/format_learned": float(self.format_learned is not None)},
                            on_step=False, on_epoch=True, batch_size=1)
         if self.aborted_epochs is not None and self.aborted_streak >= self.aborted_epochs:
             self._stop(f"{self.aborted_streak} epochs in a row had more than {self.max_aborted_frac:.0%} of their episodes "
@@ -91,6 +114,13 @@ class RunHealth(Callback):
             self._stop(f"{self.zero_signal_streak} epochs in a row without one group whose rewards differ: the policy "
                        "gradient is 0 (every episode fails, or every one succeeds). Set callbacks.run_health.zero_signal_epochs "
                        "(null: never stop) to wait longer, e.g. for auxiliary objectives in a cold start")
+        if self.invalid_epochs is not None and self.invalid_streak >= self.invalid_epochs:
+            self._stop(f"the actions collapsed: {self.invalid_streak} epochs in a row had more than {self.max_invalid_rate:.0%} of "
+                       f"their steps invalid (this epoch {rate:.3f}, {int(invalid)} of {int(steps)} steps), after epoch "
+                       f"{self.format_learned} had at most {self.healthy_invalid_rate:.0%}. See rollout/multi_action, "
+                       "rollout/action_cap and stop/prob (README: the demo's collapse). Set "
+                       "callbacks.run_health.invalid_epochs (null: never stop), callbacks.run_health.max_invalid_rate or "
+                       "callbacks.run_health.healthy_invalid_rate to change the rule")
 
     @staticmethod
     def _stop(message: str) -> None:
@@ -98,8 +128,12 @@ class RunHealth(Callback):
         raise RunStalled(message)
 
     def state_dict(self) -> dict:
-        return {"aborted_streak": self.aborted_streak, "zero_signal_streak": self.zero_signal_streak}
+        return {"aborted_streak": self.aborted_streak, "zero_signal_streak": self.zero_signal_streak,
+                "invalid_streak": self.invalid_streak, "format_learned": self.format_learned}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.aborted_streak = int(state_dict.get("aborted_streak", 0))
         self.zero_signal_streak = int(state_dict.get("zero_signal_streak", 0))
+        self.invalid_streak = int(state_dict.get("invalid_streak", 0))
+        learned = state_dict.get("format_learned")
+        self.format_learned = None if learned is None else int(learned)

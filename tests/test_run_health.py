@@ -60,3 +60,84 @@ def test_one_nonfinite_step_is_skipped_and_counted(run_train, read_metrics, tmp_
 def test_nonfinite_steps_in_a_row_stop_the_run(run_train, tmp_path):
     with pytest.raises(FloatingPointError, match=r"3 optimizer steps in a row .*module\.max_nonfinite_steps"):
         run_train([POISON, "data.minibatch_size=2", "trainer.max_epochs=1", "validate_before_fit=false"], tmp_path)
+
+
+# -- the collapse rule: a policy that answers well, then garbage ---------------------------------------------------
+class _Answering:
+    """A policy that answers an open move (``answer="move"``: the first admissible action) or a fixed text."""
+
+    def __init__(self, tok, chat, answer: str):
+        self.tok, self.chat, self.answer = tok, chat, answer
+
+    def __call__(self, contexts, admissible, keys):
+        texts = [a[0] if self.answer == "move" else self.answer for a in admissible]
+        return [self.tok(t, add_special_tokens=False)["input_ids"] + [self.chat.stop_id] for t in texts]
+
+    def fork(self):
+        return self
+
+
+def _epoch(epoch: int, answer: str):
+    """A real epoch record: 4 maze episodes of a policy that answers ``answer`` (see :class:`_Answering`)."""
+    from tiny_fixtures import maze_factory, tiny_chat, tiny_tokenizer
+
+    from cope.envs.base import Task
+    from cope.records import EpochRecord
+    from cope.rollout.loop import run_episodes
+
+    tok, chat = tiny_tokenizer(), tiny_chat()
+    tasks = [Task("maze", "train", i) for i in range(4)]
+    eps, _ = run_episodes([maze_factory() for _ in tasks], tasks, [0, 0, 1, 1], _Answering(tok, chat, answer), tok, chat,
+                          1024, 8)
+    return EpochRecord(epoch=epoch, episodes=eps, minibatches=[], metrics={}, counters={})
+
+
+class _Trainer:
+    def __init__(self):
+        self.world_size, self.record = 1, None
+
+    @property
+    def datamodule(self):
+        return self
+
+
+class _Module:
+    def __init__(self):
+        self.logged = []
+
+    def log_dict(self, d, **kw):
+        self.logged.append(d)
+
+
+def _feed(cb: RunHealth, answers: list[str]) -> _Module:
+    trainer, module = _Trainer(), _Module()
+    for epoch, answer in enumerate(answers):
+        trainer.train_record = _epoch(epoch, answer)
+        cb.on_train_epoch_start(trainer, module)
+    return module
+
+
+def test_collapsed_actions_stop_the_run_after_the_format_was_learned():
+    cb = RunHealth(invalid_epochs=3)
+    # an open move is always valid; "northnorth" (two moves in one answer) never is
+    with pytest.raises(RunStalled, match=r"actions collapsed: 3 epochs in a row had more than 90% .* after epoch 0 .*"
+                                         r"callbacks\.run_health\.invalid_epochs"):
+        _feed(cb, ["move", "move", "northnorth", "northnorth", "northnorth", "move"])
+    assert (cb.format_learned, cb.invalid_streak) == (0, 3)
+
+
+def test_a_cold_start_does_not_trigger_it_and_the_streak_resets():
+    cb = RunHealth(invalid_epochs=3)
+    module = _feed(cb, ["jump", "jump", "jump", "jump", "move", "northnorth", "northnorth", "move", "northnorth"])
+    rates = [d["health/invalid_rate"] for d in module.logged]
+    assert rates == [1.0] * 4 + [0.0, 1.0, 1.0, 0.0, 1.0]  # four garbage epochs before the format: not a collapse
+    assert [d["health/format_learned"] for d in module.logged] == [0.0] * 4 + [1.0] * 5
+    assert [d["health/invalid_streak"] for d in module.logged] == [0, 0, 0, 0, 0, 1, 2, 0, 1]
+    # kept in checkpoints: a resumed run goes on counting
+    again = RunHealth(invalid_epochs=3)
+    again.load_state_dict(cb.state_dict())
+    assert (again.format_learned, again.invalid_streak) == (4, 1)
+    with pytest.raises(RunStalled, match="actions collapsed"):
+        _feed(again, ["northnorth", "northnorth"])
+    with pytest.raises(ValueError, match="callbacks.run_health.healthy_invalid_rate"):
+        RunHealth(max_invalid_rate=0.5, healthy_invalid_rate=0.6)
