@@ -241,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
             choice[(r, a)] = (label, grid[a][label] if a == "grpo" else (*base, *grid[a][label]))
     tune(["grpo"], {})
     tune(["cope", "cope_authors", "cope_turns", "echo"], {r: choice[(r, "grpo")][1] for r in tuned})  # the aux arms at GRPO's chosen lr
+    # seed by seed (every arm of a seed before the next seed): a study stopped half way has paired seeds
     tests = [Job(r, "test", a, choice[(SPEC[r].tuned_in or r, a)][0], s,
                  _overrides(SPEC[r], "test", a, choice[(SPEC[r].tuned_in or r, a)][1], args.smoke))
-             for r in regimes for a in SPEC[r].arms for s in seeds_test]
+             for r in regimes for s in seeds_test for a in SPEC[r].arms]
     done = [] if args.report else run_jobs(tests, out, args.jobs, args.threads, records)
     results.extend(done or _existing(tests, out, records))
     failed = [r for r in results if r["rc"] != 0]

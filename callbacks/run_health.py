@@ -59,7 +59,7 @@ class RunHealth(Callback):
     """
 
     def __init__(self, max_aborted_frac: float = 0.5, aborted_epochs: int | None = 3, zero_signal_epochs: int | None = 20,
-                 max_invalid_rate: float = 0.9, invalid_epochs: int | None = None, healthy_invalid_rate: float = 0.5):
+                 max_invalid_rate: float = 0.9, invalid_epochs: int | None = 3, healthy_invalid_rate: float = 0.5):
         _check("max_aborted_frac", max_aborted_frac, 0.0, 1.0)
         _check("aborted_epochs", aborted_epochs, 1, integer=True)
         _check("zero_signal_epochs", zero_signal_epochs, 1, integer=True)

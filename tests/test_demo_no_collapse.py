@@ -1,6 +1,7 @@
-"""The default demo keeps its action format (issue 27).
+"""The default demo, seed 0, keeps its action format (issue 27; a regression test for that seed, not a proof that no
+seed collapses: seed 4 still does at the new default, README "The demo's collapse").
 
-Before the fix a fresh clone's `make train` (seed 0, GRPO at the defaults, 2 threads) wrote multi-move answers
+At the old default (token-mean) a fresh clone's `make train` (seed 0, GRPO at the defaults, 2 threads) wrote multi-move answers
 (``westwestwest...``) for every held-out task from epoch 49 on: the policy had stopped emitting the end-of-turn id
 after a move, every action was invalid, and no group had a reward spread again. This runs the default through the
 real entry point just past that point (50 epochs, the same seed and thread count) and checks the format is intact:
@@ -17,7 +18,8 @@ EPOCHS = 50
 
 def test_default_demo_does_not_collapse_into_multi_move_answers(train_script, read_metrics, tmp_path):
     run_dir = tmp_path / "run"
-    proc = train_script([f"hydra.run.dir={run_dir}", "data.progress=false", f"trainer.max_epochs={EPOCHS}"], tmp_path,
+    proc = train_script([f"hydra.run.dir={run_dir}", "data.progress=false", f"trainer.max_epochs={EPOCHS}",
+                         "callbacks.run_health.invalid_epochs=null"], tmp_path,  # a collapse fails the asserts, not the run
                         timeout=1500, env={"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-2000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, report

@@ -118,7 +118,11 @@ def _feed(cb: RunHealth, answers: list[str]) -> _Module:
 
 
 def test_collapsed_actions_stop_the_run_after_the_format_was_learned():
-    cb = RunHealth(invalid_epochs=3)
+    from conftest import CONF_DIR
+    from omegaconf import OmegaConf
+
+    assert RunHealth().invalid_epochs == 3 == OmegaConf.load(CONF_DIR / "config.yaml").callbacks.run_health.invalid_epochs  # on
+    cb = RunHealth()
     # an open move is always valid; "northnorth" (two moves in one answer) never is
     with pytest.raises(RunStalled, match=r"actions collapsed: 3 epochs in a row had more than 90% .* after epoch 0 .*"
                                          r"callbacks\.run_health\.invalid_epochs"):
