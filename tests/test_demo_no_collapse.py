@@ -20,7 +20,7 @@ def test_default_demo_does_not_collapse_into_multi_move_answers(train_script, re
     run_dir = tmp_path / "run"
     proc = train_script([f"hydra.run.dir={run_dir}", "data.progress=false", f"trainer.max_epochs={EPOCHS}",
                          "callbacks.run_health.invalid_epochs=null"], tmp_path,  # a collapse fails the asserts, not the run
-                        timeout=1500, env={"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
+                        timeout=2400, env={"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"})
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-2000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
     assert proc.returncode == 0, report
     cols = read_metrics(run_dir / "csv" / "metrics.csv")

@@ -118,10 +118,12 @@ def _feed(cb: RunHealth, answers: list[str]) -> _Module:
 
 
 def test_collapsed_actions_stop_the_run_after_the_format_was_learned():
-    from conftest import CONF_DIR
+    from pathlib import Path
+
     from omegaconf import OmegaConf
 
-    assert RunHealth().invalid_epochs == 3 == OmegaConf.load(CONF_DIR / "config.yaml").callbacks.run_health.invalid_epochs  # on
+    config = Path(__file__).resolve().parents[1] / "conf" / "config.yaml"
+    assert RunHealth().invalid_epochs == 3 == OmegaConf.load(config).callbacks.run_health.invalid_epochs  # on
     cb = RunHealth()
     # an open move is always valid; "northnorth" (two moves in one answer) never is
     with pytest.raises(RunStalled, match=r"actions collapsed: 3 epochs in a row had more than 90% .* after epoch 0 .*"
