@@ -31,14 +31,6 @@ from cope.train.objectives import ROLLOUT, batch_kind
 from cope.train.stop_stats import TALLY, aggregation_weights, stop_metrics, stop_push
 
 
-def trainer_context(pl_module):
-    """The training forward's numerics (the precision plugin's autocast); a no-op without a trainer."""
-    try:
-        return pl_module.trainer.precision_plugin.train_step_context()
-    except RuntimeError:  # not attached to a Trainer
-        return contextlib.nullcontext()
-
-
 @contextlib.contextmanager
 def _eval(pl_module):
     was = pl_module.model.training
@@ -87,7 +79,7 @@ class StopTokenStats(Callback):
             inside = ((pos[0] >= int(r[0])) & (pos[0] <= int(r[-1])) & (pos[1] < n)).nonzero().squeeze(-1)
             at = torch.stack([pos[0][inside] - int(r[0]), pos[1][inside]], -1).to(pl_module.device)  # (P_live, 2)
             part = [dev[k][r, :n] for k in ("input_ids", "attention_mask", "position_ids", "action_mask")]
-            with trainer_context(pl_module):
+            with pl_module.precision_context():
                 lp, _, z = causal_lm_logprobs(pl_module.model, *part[:3], tempered=part[3], temperature=tau, rows_at=at)
             sampled[r, :n] = lp.exp() * part[3]
             p_stop[inside.to(pl_module.device)] = torch.softmax(z / tau, -1)[:, stop_ids].sum(-1)

@@ -19,14 +19,15 @@ def _norm(text: str) -> str:
     return text.strip().casefold()
 
 
-def complete_prefix_len(tokenizer, ids: Sequence[int], admissible: Sequence[str] | None) -> int | None:
+def complete_prefix_len(tokenizer, ids: Sequence[int], admissible: Sequence[str] | None, text: str | None = None) -> int | None:
     """The smallest ``k >= 1`` such that ``decode(ids[:k])`` is an admissible action (None: no such prefix, or
-    no admissible list). ``ids`` are the action's content ids (without the end-of-turn id). One decode of the
-    whole action when no admissible action starts it; one per prefix otherwise (actions are short)."""
+    no admissible list). ``ids`` are the action's content ids (without the end-of-turn id), ``text`` their decoded
+    text when the caller has it. No decode when no admissible action starts it; one per prefix otherwise (actions
+    are short)."""
     if not admissible or not ids:
         return None
     targets = {_norm(a) for a in admissible if _norm(a)}
-    full = _norm(tokenizer.decode(list(ids), skip_special_tokens=True))
+    full = _norm(text if text is not None else tokenizer.decode(list(ids), skip_special_tokens=True))
     if not any(full.startswith(t) for t in targets):
         return None
     for k in range(1, len(ids) + 1):

@@ -163,7 +163,7 @@ def run_episodes(
                 closed = bool(ids) and ids[-1] in chat.stop_ids
                 text = tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True)
                 a0, a1 = ep.append(ids, Role.ACTION)
-                done_at = complete_prefix_len(tokenizer, ids[:-1] if closed else ids, admissible[i])
+                done_at = complete_prefix_len(tokenizer, ids[:-1] if closed else ids, admissible[i], text)
                 ep.steps.append(Step(a0, a1, closed, False, text, sampler_logprobs=lps, complete_len=done_at))
                 stats.generated_tokens += len(ids)
                 items.append((i, text))

@@ -142,7 +142,7 @@ class AgentRLModule(pl.LightningModule):
         ref = batch.get("ref_logprobs") if self.needs_ref else None
         return ForwardOut(logprobs=lp, entropy=ent, ref_logprobs=ref, te_rows=te[0] if te else None)
 
-    def _precision_context(self):
+    def precision_context(self):
         """The precision plugin's training context (e.g. bf16 autocast under ``bf16-mixed``): Lightning applies it
         to ``training_step`` only; the scoring pass must compute under the same numerics, or the first PPO ratio
         of an update is not 1. A no-op without a trainer (tests drive the module directly)."""
@@ -166,7 +166,7 @@ class AgentRLModule(pl.LightningModule):
                 for rows, n in self.micro_batches(dev):
                     r = slice(None) if rows is None else rows
                     c = slice(None) if n is None else slice(0, n)
-                    with self._precision_context():
+                    with self.precision_context():
                         lp[r, c], ent[r, c] = self.logprobs(dev, rows, n)
                         if ref is not None:
                             with self.model.disable_adapter():
