@@ -56,6 +56,9 @@ def seed_summary(run: Path, seed: int) -> dict:
                                                      for e, r in sorted(by_epoch.items()) if e >= 0 and r is not first]
     stop_val = [float(r["stop/prob_val"]) for r in val if r.get("stop/prob_val")]
     rollout = [r for r in rows if r.get("rollout/invalid_rate")]
+    steps = [r for r in rows if r.get("policy/approx_kl")]  # one row per policy step
+    worst = max(steps, key=lambda r: float(r["policy/approx_kl"]))
+    dropped = [int(float(r["epoch"])) for r in steps if r.get("train/kl_stopped") == "1.0"]
     return {
         "seed": seed,
         "start_success": float(first["val/success"]),
@@ -66,6 +69,11 @@ def seed_summary(run: Path, seed: int) -> dict:
         "min_stop_prob_val": min(stop_val) if stop_val else None,
         "max_rollout_invalid": max(float(r["rollout/invalid_rate"]) for r in rollout),
         "collapsed": float(last["val/invalid_rate"]) >= 1.0,
+        # the policy's largest move from its sampler that a step measured, and the trust region's dropped steps
+        "max_approx_kl": float(worst["policy/approx_kl"]),
+        "max_approx_kl_epoch": int(float(worst["epoch"])),
+        "kl_stopped_steps": len(dropped) if any("train/kl_stopped" in r for r in steps) else None,
+        "kl_stopped_epochs": sorted(set(dropped)),
         "curve": curve,
     }
 
@@ -74,12 +82,15 @@ def report(name: str, summaries: list[dict], overrides: list[str]) -> str:
     lines = [f"# The default demo over {len(summaries)} seeds: `{name}`", "",
              f"`python train.py seed=<s> {' '.join([*COMMON, *overrides])}`", "",
              "| seed | held-out success start -> end | end: invalid | end: multi-action | min stop p (held-out) | "
-             "max rollout invalid | collapsed |", "|---|---|---|---|---|---|---|"]
+             "max rollout invalid | largest step KL (epoch) | steps dropped (epochs) | collapsed |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         stop = f"{s['min_stop_prob_val']:.3f}" if s["min_stop_prob_val"] is not None else "-"
+        n = s["kl_stopped_steps"]
+        dropped = "- (off)" if n is None else f"{n} ({len(s['kl_stopped_epochs'])})"
         lines.append(f"| {s['seed']} | {s['start_success']:.3f} -> {s['final_success']:.3f} (epoch {s['final_epoch']}) | "
                      f"{s['final_invalid']:.3f} | {s['final_multi_action']:.3f} | {stop} | {s['max_rollout_invalid']:.3f} | "
-                     f"{'yes' if s['collapsed'] else 'no'} |")
+                     f"{s['max_approx_kl']:.3f} ({s['max_approx_kl_epoch']}) | {dropped} | {'yes' if s['collapsed'] else 'no'} |")
     finals = [s["final_success"] for s in summaries]
     sd = statistics.stdev(finals) if len(finals) > 1 else 0.0
     lines += ["", f"Final held-out success: mean {statistics.mean(finals):.3f} (sd {sd:.3f}, min {min(finals):.3f}, "

@@ -79,7 +79,8 @@ SPEC: dict[str, Regime] = {
 # made before the task streams became per (seed, rank, epoch), so they cannot be paired with new runs).
 SPEC["cope"] = Regime("(b') prior warm start: GRPO vs CoPE (authors') vs CoPE (continuation)", SPEC["prior"].overrides,
                       SPEC["prior"].threshold, ("grpo", "cope_authors", "cope"))
-# The re-check of issue 27: study2's regime on the code whose default no longer collapses (pg.agg seq-mean-token-mean),
+# The re-check of issue 27: study2's regime on the code whose default no longer collapses (pg.agg seq-mean-token-mean,
+# module.max_approx_kl 0.03: the epoch's trust region drops policy steps, CoPE's forecast steps still run),
 # with study2's tuned settings (GRPO lr 1e-3, CoPE lr_scale 0.3; no re-tuning), the turns layout in place of the
 # continuation arm. Run on its own: --regimes cope_recheck --out outputs/study3 --records bench/results/study3/runs
 # --results bench/results/study3.

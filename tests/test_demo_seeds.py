@@ -5,21 +5,31 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import demo_seeds  # noqa: E402
 
+# name: (overrides, seeds, collapsed, final held-out success), as the committed records give them
+RECORDED = {
+    "no_trust_region": (["module.max_approx_kl=null"], [0, 1, 2, 3, 4], [False] * 4 + [True], [0.266, 0.328, 0.328, 0.328, 0.0]),
+}
 
-def test_report_from_the_committed_records(tmp_path):
+
+@pytest.mark.parametrize("name", sorted(RECORDED))
+def test_report_from_the_committed_records(tmp_path, name):
+    overrides, seeds, collapsed, finals = RECORDED[name]
     results = tmp_path / "results"
     results.mkdir()
     (results / "runs").symlink_to(BENCH / "results" / "demo_seeds" / "runs")
-    rows = demo_seeds.main(["--report", "--name", "default", "--out", str(tmp_path / "out"), "--results", str(results)])
-    assert [r["seed"] for r in rows] == [0, 1, 2, 3, 4]
-    assert [r["collapsed"] for r in rows] == [False, False, False, False, True]
-    assert [round(r["final_success"], 3) for r in rows] == [0.266, 0.328, 0.328, 0.328, 0.0]
+    rows = demo_seeds.main(["--report", "--name", name, "--seeds", *map(str, seeds), "--overrides", *overrides,
+                            "--out", str(tmp_path / "out"), "--results", str(results)])
+    assert [r["seed"] for r in rows] == seeds
+    assert [r["collapsed"] for r in rows] == collapsed
+    assert [round(r["final_success"], 3) for r in rows] == finals
     assert all(r["start_success"] == 0.03125 for r in rows)
-    text = (results / "default.md").read_text()
-    assert "collapsed: 1 of 5" in text and (results / "default.png").stat().st_size > 0
-    assert text == (BENCH / "results" / "demo_seeds" / "default.md").read_text()  # the committed report is this one
+    text = (results / f"{name}.md").read_text()
+    assert f"collapsed: {sum(collapsed)} of {len(seeds)}" in text and (results / f"{name}.png").stat().st_size > 0
+    assert text == (BENCH / "results" / "demo_seeds" / f"{name}.md").read_text()  # the committed report is this one

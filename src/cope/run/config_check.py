@@ -80,6 +80,7 @@ RANGES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
     "cope.train.module.AgentRLModule": {
         "max_tokens_per_microbatch": (lambda v: v >= 1, "null or >= 1"),
         "gradient_clip_val": (lambda v: v > 0, "null or > 0"),
+        "max_approx_kl": (lambda v: v > 0, "null or > 0"),
         "temperature": (lambda v: v >= 0, ">= 0"),
     },
 }

@@ -18,6 +18,7 @@ the epoch); the frozen base is never written.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any, Callable
 
@@ -34,6 +35,7 @@ from cope.train.seeding import seed_globals
 from cope.train.step_guard import StepGuard, lr_scaled
 
 ScoredTransform = Callable[[list[dict], list], None]
+log = logging.getLogger(__name__)
 
 
 class AgentRLModule(pl.LightningModule):
@@ -52,6 +54,13 @@ class AgentRLModule(pl.LightningModule):
             The scoring pass uses the same budget.
         max_nonfinite_steps: an optimizer step whose gradient norm is not finite is skipped (gradients dropped,
             no optimizer or scheduler step; counted in ``train/skipped_steps``); this many in a row stop the run.
+        max_approx_kl: the epoch's trust region (PPO's early stop on the approximate KL, as Stable-Baselines3's
+            ``target_kl``, without its 1.5 factor). Once a rollout minibatch's ``policy/approx_kl`` (the policy now
+            against the one that sampled the epoch, mean over ranks) exceeds this, that policy step and the epoch's
+            later ones are not taken: the importance ratios are trusted only near the sampler. CoPE's separate
+            forecast steps (no ratio) still run. ``train/kl_stopped`` marks the dropped steps,
+            ``train/kl_stopped_steps`` counts them over the run (None: no limit). The demo's collapse came from
+            such excursions (README: "The demo's collapse").
         seed: the run seed; at the start of every training epoch the process-global generators (dropout)
             are seeded from it, the rank and the epoch (:func:`cope.train.seeding.seed_globals`), so ranks
             differ and a resumed run draws what the uninterrupted one drew.
@@ -60,7 +69,7 @@ class AgentRLModule(pl.LightningModule):
     def __init__(self, policy: Policy, objectives: list[Objective], optimizer: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., Any] | None = None, temperature: float = 1.0,
                  gradient_clip_val: float | None = 1.0, max_tokens_per_microbatch: int | None = None,
-                 max_nonfinite_steps: int = 3, seed: int = 0):
+                 max_nonfinite_steps: int = 3, max_approx_kl: float | None = None, seed: int = 0):
         super().__init__()
         if temperature < 0:
             raise ValueError(f"module.temperature must be >= 0, got {temperature}")
@@ -68,10 +77,15 @@ class AgentRLModule(pl.LightningModule):
             raise ValueError(f"module.gradient_clip_val must be null or > 0, got {gradient_clip_val}")
         if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
             raise ValueError(f"module.max_tokens_per_microbatch must be null or >= 1, got {max_tokens_per_microbatch}")
+        if max_approx_kl is not None and max_approx_kl <= 0:
+            raise ValueError(f"module.max_approx_kl must be null or > 0, got {max_approx_kl}")
         self.automatic_optimization = False  # the step is written out in training_step (micro-batches)
         self.temperature, self.gradient_clip_val = float(temperature), gradient_clip_val
         self.max_tokens_per_microbatch, self.seed = max_tokens_per_microbatch, int(seed)
         self.step_guard = StepGuard(max_nonfinite_steps)  # drops steps whose gradient norm is not finite
+        self.max_approx_kl = max_approx_kl
+        self.kl_stopped_steps = 0  # steps the trust region dropped over the run (checkpointed)
+        self._kl_stop_epoch: int | None = None  # the epoch whose remaining steps are dropped
         if not objectives:
             raise ValueError("algo.objectives is empty: at least the policy-gradient objective is needed")
         names = [o.name for o in objectives]
@@ -222,7 +236,10 @@ class AgentRLModule(pl.LightningModule):
         _, total, metrics = self._backward(batch)
         grads = [p.grad for p in self.policy.trainable_parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())  # before clipping; DDP: already synced
-        if self.step_guard.allow(norm, self.global_step):
+        kl_stop = self._kl_stop(kind, metrics)
+        if kl_stop:
+            opt.zero_grad()  # weights, moments and schedule stay as they were; no step count either
+        elif self.step_guard.allow(norm, self.global_step):
             if self.gradient_clip_val is not None:
                 self.clip_gradients(opt, gradient_clip_val=self.gradient_clip_val, gradient_clip_algorithm="norm")
             scale = math.prod(o.lr_scale for o in self.objectives if o.batch_kind == kind and o.weight_at(self.global_step) != 0)
@@ -235,6 +252,8 @@ class AgentRLModule(pl.LightningModule):
             opt.zero_grad()  # the weights, optimizer moments and schedule stay as they were
         if kind == ROLLOUT:
             metrics = {**metrics, "train/grad_norm": norm.detach(), "train/skipped_steps": float(self.step_guard.skipped)}
+            if self.max_approx_kl is not None:
+                metrics = {**metrics, "train/kl_stopped": float(kl_stop), "train/kl_stopped_steps": float(self.kl_stopped_steps)}
         else:  # its own names: loss/total and train/grad_norm stay the policy steps'
             metrics = {("forecast/loss_total" if k == "loss/total" else k): v for k, v in metrics.items()}
             metrics["forecast/grad_norm"] = norm.detach()
@@ -242,6 +261,25 @@ class AgentRLModule(pl.LightningModule):
         self._log_step(result, step)
         result["loss"] = total
         return result
+
+    def _kl_stop(self, kind: str, metrics: dict) -> bool:
+        """Whether this step falls outside the epoch's trust region (``max_approx_kl``): it, or an earlier step of the
+        epoch, measured the policy further from the rollout policy than allowed. Every rank decides alike (the KL is
+        averaged over ranks before the comparison)."""
+        if self.max_approx_kl is None or kind != ROLLOUT:
+            return False
+        if self._kl_stop_epoch != self.current_epoch and "policy/approx_kl" in metrics:
+            kl = torch.as_tensor(metrics["policy/approx_kl"], dtype=torch.float32, device=self.device).detach()
+            if self._trainer is not None and self.trainer.world_size > 1:
+                kl = self.trainer.strategy.reduce(kl, reduce_op="mean")
+            if float(kl) > self.max_approx_kl:
+                self._kl_stop_epoch = self.current_epoch
+                log.info("epoch %d: approx KL %.4f > module.max_approx_kl %g at global step %d: the epoch's remaining "
+                         "policy steps are not taken", self.current_epoch, float(kl), self.max_approx_kl, self.global_step)
+        if self._kl_stop_epoch != self.current_epoch:
+            return False
+        self.kl_stopped_steps += 1
+        return True
 
     def _log_step(self, metrics: dict[str, torch.Tensor], step: int) -> None:
         """This step's metrics, straight to the loggers at the step's index (rank zero: its own rows' values). Not
@@ -281,6 +319,7 @@ class AgentRLModule(pl.LightningModule):
         checkpoint["objectives"] = {o.name: o.state_dict() for o in self.objectives}  # their only copy
         checkpoint["base_model"] = self.policy.source
         checkpoint["skipped_steps"] = self.step_guard.skipped
+        checkpoint["kl_stopped_steps"] = self.kl_stopped_steps
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
@@ -290,3 +329,4 @@ class AgentRLModule(pl.LightningModule):
         for o in self.objectives:
             o.load_state_dict(checkpoint.get("objectives", {}).get(o.name, {}))
         self.step_guard.skipped = int(checkpoint.get("skipped_steps", 0))
+        self.kl_stopped_steps = int(checkpoint.get("kl_stopped_steps", 0))
