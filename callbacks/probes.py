@@ -60,10 +60,12 @@ def probe_metrics(tally: dict[str, float]) -> dict[str, float]:
 
 def pool(tally: dict[str, float], strategy, device: torch.device | str = "cpu") -> dict[str, float]:
     """``tally`` summed over the ranks of ``strategy`` (a Lightning strategy; one all-reduce, in float64
-    so token counts and NLL sums stay exact). Every rank must call it, also with nothing probed."""
-    local = torch.tensor([float(tally[k]) for k in TALLY], dtype=torch.float64, device=device)  # (len(TALLY),)
+    so token counts and NLL sums stay exact). Every rank must call it, with the same keys in the same order
+    (a dict built from one key tuple, e.g. :data:`TALLY`), also with nothing counted."""
+    keys = list(tally)
+    local = torch.tensor([float(tally[k]) for k in keys], dtype=torch.float64, device=device)  # (len(keys),)
     total = strategy.reduce(local, reduce_op="sum")
-    return dict(zip(TALLY, total.tolist()))
+    return dict(zip(keys, total.tolist()))
 
 
 class HeldOutProbes(Callback):

@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.algos.grpo import PolicyGradient
+from cope.callbacks.probes import pool
 from cope.records import train_record, val_record
 from cope.train.batch import collate
 from cope.train.logprobs import causal_lm_logprobs
@@ -85,10 +86,6 @@ class StopTokenStats(Callback):
             p_stop[inside.to(pl_module.device)] = torch.softmax(z / tau, -1)[:, stop_ids].sum(-1)
         return sampled, p_stop
 
-    def _pool(self, trainer, tally: dict[str, float], device) -> dict[str, float]:
-        local = torch.tensor([float(tally[k]) for k in TALLY], dtype=torch.float64, device=device)
-        return dict(zip(TALLY, trainer.strategy.reduce(local, reduce_op="sum").tolist()))
-
     def rollout_tally(self, pl_module, record) -> dict[str, float]:
         """This process's tally (:data:`cope.train.stop_stats.TALLY`) over the rollout minibatches of ``record``
         (an :class:`cope.records.EpochRecord`), under the policy as it is now; zeros without a policy-gradient objective."""
@@ -133,12 +130,12 @@ class StopTokenStats(Callback):
             return
         record = train_record(trainer)
         tally = self.rollout_tally(pl_module, record) if record is not None else dict.fromkeys(TALLY, 0.0)
-        pl_module.log_dict(stop_metrics(self._pool(trainer, tally, pl_module.device)), on_step=False, on_epoch=True)
+        pl_module.log_dict(stop_metrics(pool(tally, trainer.strategy, pl_module.device)), on_step=False, on_epoch=True)
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or self.every_n_epochs < 1:
             return
         record = val_record(trainer)
-        pooled = self._pool(trainer, self.panel_tally(pl_module, record.episodes if record is not None else []), pl_module.device)
+        pooled = pool(self.panel_tally(pl_module, record.episodes if record is not None else []), trainer.strategy, pl_module.device)
         prob = pooled["p_stop_sum"] / pooled["positions"] if pooled["positions"] else 0.0
         pl_module.log_dict({"stop/prob_val": prob}, on_step=False, on_epoch=True)
