@@ -1,0 +1,243 @@
+"""Shared-prefix ("tree") packing: a prefix stored once and the branches that continue it, in one row.
+
+A packed row holds a tree of contiguous spans ("nodes"). A root node (``parent == -1``) sees only itself,
+causally. Any other node continues its parent after the parent's first ``anchor`` tokens: it sees, causally, its
+own tokens, plus those ``anchor`` tokens of its parent, plus whatever the parent sees of its own ancestors, up to
+the root. So a node's token attends exactly what it would attend in the unshared sequence "visible ancestor
+tokens + own tokens" (:meth:`TreeLayout.unshared`), and :meth:`TreeLayout.position_ids` gives it that sequence's
+positions, so RoPE is the same too. Examples: an agent transcript (trunk) with forecast samples that continue it
+from several anchors; a GRPO group's episodes after their shared system prompt. Tokens in no node are padding:
+they attend only themselves.
+
+This is the cascade/shared-prefix idea of Hydragen (Juravsky et al., 2024) and tree attention for speculative
+decoding (SpecInfer), used here for training: exact forward and backward, no cache. Where it differs: no
+log-sum-exp merge. Each branch's queries run against the gathered keys of its visible ancestors plus its own
+keys in one masked call (:meth:`TreeLayout.plan` cuts the work into such calls); see
+:mod:`cope.train.tree_attention` for the kernels.
+
+Rules (checked at construction): spans are non-empty, inside the row and disjoint, in any order in memory; a
+node's parent is listed before it (a smaller index), which rules out cycles; ``0 <= anchor <= len(parent)``; a
+root's anchor is 0. A row may hold several roots (several independent trees, e.g. several GRPO groups).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+#: Queries per tile: nodes that see ancestor tokens are cut into tiles of at most this many queries, so the
+#: masked-out upper triangle computed inside a tile's own block stays small (at most TILE**2/2 cells per tile).
+TILE = 128
+#: Tiles run in batched calls padded to the group's largest tile; a tile joins a group only while the padded
+#: cells stay within SLACK times the cells of the tiles themselves.
+SLACK = 1.25
+
+
+@dataclass(frozen=True)
+class TreeNode:
+    """One span ``[start, end)`` of a packed row; it continues node ``parent`` (-1: a root) after ``anchor`` of
+    the parent's tokens."""
+
+    start: int
+    end: int
+    parent: int
+    anchor: int
+
+
+@dataclass(frozen=True)
+class ScoreCells:
+    """Query-key score cells: ``tree`` computed by the tree kernels (tile rectangles with their padding; nodes
+    that see no ancestor as causal triangles), ``visible`` the unmasked cells of real tokens (the least any exact
+    method computes), ``dense`` N*T*T (SDPA with the dense mask)."""
+
+    tree: int
+    visible: int
+    dense: int
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Queries ``[q_start, q_end)`` of row ``row`` and the key ranges they see, in sequence order. The last range
+    ends at ``q_end`` (the tile's own causal block), so query i of the tile sees the first ``lk - lq + i + 1`` keys."""
+
+    row: int
+    q_start: int
+    q_end: int
+    keys: tuple[tuple[int, int], ...]
+
+    @property
+    def lq(self) -> int:
+        return self.q_end - self.q_start
+
+    @property
+    def lk(self) -> int:
+        return sum(b - a for a, b in self.keys)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the tree kernels cut one layout into calls (pure Python; tensors are built per device by the kernels).
+
+    ``causal``: ``(start, end) -> rows`` for nodes that see no ancestor token: one causal call on their own slice.
+    ``groups``: batches of tiles of nodes that see ancestor tokens, one masked call each.
+    ``padding``: ``(row, position)`` of tokens in no node.
+    """
+
+    causal: dict[tuple[int, int], tuple[int, ...]]
+    groups: tuple[tuple[Tile, ...], ...]
+    padding: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    """For each of N packed rows of length T, its tree of nodes (see the module docstring).
+
+    Args:
+        rows: per row, its nodes; node ``i``'s parent must have an index below ``i``.
+        length: T, the packed row length (at least the largest node end).
+        kernel: ``"auto"`` (FlexAttention on CUDA tensors, tiles elsewhere), ``"tiles"`` or ``"flex"`` to force one
+            (FlexAttention has no CPU backward in torch 2.13).
+    """
+
+    rows: tuple[tuple[TreeNode, ...], ...]
+    length: int
+    kernel: str = "auto"
+    # The plan and the per-device tensors the kernels build once per layout and reuse in every layer.
+    _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ("auto", "tiles", "flex"):
+            raise ValueError(f"TreeLayout kernel={self.kernel!r}: use 'auto', 'tiles' or 'flex'")
+        if not self.rows:
+            raise ValueError("TreeLayout needs at least one row")
+        for r, nodes in enumerate(self.rows):
+            _validate_row(r, nodes, self.length)
+
+    @classmethod
+    def from_lists(cls, rows: list[list[tuple[int, int, int, int]]], length: int | None = None, kernel: str = "auto") -> TreeLayout:
+        """From ``[(start, end, parent, anchor), ...]`` per row; ``length`` defaults to the largest node end."""
+        nodes = tuple(tuple(TreeNode(*map(int, n)) for n in row) for row in rows)
+        if length is None:
+            length = max((n.end for row in nodes for n in row), default=0)
+        return cls(rows=nodes, length=length, kernel=kernel)
+
+    def chain(self, row: int, node: int) -> tuple[tuple[int, int], ...]:
+        """``(ancestor index, tokens of it that ``node`` sees)`` from the root down to the parent."""
+        nodes, out = self.rows[row], []
+        child = nodes[node]
+        while child.parent >= 0:
+            out.append((child.parent, child.anchor))
+            # What a child sees of its grandparent is what its parent sees: the parent's own anchor.
+            child = nodes[child.parent]
+        return tuple(reversed(out))
+
+    def ancestor_keys(self, row: int, node: int) -> tuple[tuple[int, int], ...]:
+        """The row ranges ``[a, b)`` of ancestor tokens that ``node`` sees, in sequence order (empty ones left out)."""
+        nodes = self.rows[row]
+        return tuple((nodes[a].start, nodes[a].start + c) for a, c in self.chain(row, node) if c > 0)
+
+    def position_ids(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """(N, T) long: token k of a node gets (ancestor tokens it sees) + k; padding gets 0."""
+        pos = torch.zeros(len(self.rows), self.length, dtype=torch.long)
+        for r, nodes in enumerate(self.rows):
+            for i, n in enumerate(nodes):
+                seen = sum(c for _, c in self.chain(r, i))
+                pos[r, n.start:n.end] = torch.arange(seen, seen + n.end - n.start)
+        return pos.to(device)
+
+    def dense_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """(N, 1, T, T) bool, True = attend: the reference the kernels must equal. Padding attends only itself."""
+        T = self.length
+        keep = torch.eye(T, dtype=torch.bool).repeat(len(self.rows), 1, 1)  # (N, T, T): padding sees itself
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        for r, nodes in enumerate(self.rows):
+            for i, n in enumerate(nodes):
+                for a, b in self.ancestor_keys(r, i):
+                    keep[r, n.start:n.end, a:b] = True
+                keep[r, n.start:n.end, n.start:n.end] = causal[: n.end - n.start, : n.end - n.start]
+        return keep[:, None].to(device)
+
+    def unshared(self) -> list[list[list[int]]]:
+        """Per row, per node: the row indices of the sequence the node stands for (its visible ancestor tokens, then
+        its own). Running each alone must give, on the node's own tokens, what the packed row gives there."""
+        return [
+            [[t for a, b in self.ancestor_keys(r, i) for t in range(a, b)] + list(range(n.start, n.end)) for i, n in enumerate(nodes)]
+            for r, nodes in enumerate(self.rows)
+        ]
+
+    def cached(self, key: object, build: Callable[[], Any]) -> Any:
+        """``build()`` once per layout and ``key`` (e.g. a kernel's tensors on one device), then reused by every layer."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def plan(self) -> Plan:
+        """The calls the tile kernel makes (built once): see :class:`Plan`."""
+        return self.cached("plan", lambda: _make_plan(self))
+
+    def score_cells(self) -> ScoreCells:
+        """Score cells of the tree kernels vs the least exact work vs dense-masked SDPA (see :class:`ScoreCells`)."""
+        plan = self.plan()
+        tree = sum(len(rows) * (b - a) * (b - a + 1) // 2 for (a, b), rows in plan.causal.items())
+        tree += sum(len(g) * max(t.lq for t in g) * max(t.lk for t in g) for g in plan.groups)
+        visible = 0
+        for r, nodes in enumerate(self.rows):
+            for i, n in enumerate(nodes):
+                size = n.end - n.start
+                visible += size * sum(c for _, c in self.chain(r, i)) + size * (size + 1) // 2
+        return ScoreCells(tree=tree, visible=visible, dense=len(self.rows) * self.length**2)
+
+
+def _validate_row(r: int, nodes: tuple[TreeNode, ...], length: int) -> None:
+    """Raise ValueError, naming the node and the fix, if row ``r`` breaks a rule of the module docstring."""
+    if not nodes:
+        raise ValueError(f"TreeLayout row {r} has no node: give every row at least a root (start, end, -1, 0)")
+    for i, n in enumerate(nodes):
+        where = f"TreeLayout row {r} node {i} {tuple(vars(n).values())}"
+        if not 0 <= n.start < n.end <= length:
+            raise ValueError(f"{where}: need 0 <= start < end <= length={length} (nodes are non-empty spans of the row)")
+        if n.parent == -1:
+            if n.anchor != 0:
+                raise ValueError(f"{where}: a root (parent -1) sees no parent tokens; set its anchor to 0")
+            continue
+        if not 0 <= n.parent < i:
+            raise ValueError(f"{where}: parent must be -1 (a root) or the index of an earlier node; list parents before children")
+        size = nodes[n.parent].end - nodes[n.parent].start
+        if not 0 <= n.anchor <= size:
+            raise ValueError(f"{where}: anchor must be in [0, {size}], the parent's length (how many parent tokens it sees)")
+    spans = sorted((n.start, n.end, i) for i, n in enumerate(nodes))
+    for (_, e0, i0), (s1, _, i1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise ValueError(f"TreeLayout row {r}: nodes {i0} and {i1} overlap; spans must be disjoint (store each token once)")
+
+
+def _make_plan(layout: TreeLayout) -> Plan:
+    """Nodes that see no ancestor token -> causal calls; the others -> tiles of <= TILE queries, grouped greedily
+    (largest keys first) while the group's padded cells stay within SLACK times its tiles' own cells."""
+    causal: dict[tuple[int, int], list[int]] = {}
+    tiles: list[Tile] = []
+    covered = [[False] * layout.length for _ in layout.rows]
+    for r, nodes in enumerate(layout.rows):
+        for i, n in enumerate(nodes):
+            covered[r][n.start:n.end] = [True] * (n.end - n.start)
+            prefix = layout.ancestor_keys(r, i)
+            if not prefix:
+                causal.setdefault((n.start, n.end), []).append(r)
+                continue
+            for q0 in range(n.start, n.end, TILE):
+                q1 = min(q0 + TILE, n.end)
+                tiles.append(Tile(row=r, q_start=q0, q_end=q1, keys=(*prefix, (n.start, q1))))
+    tiles.sort(key=lambda t: (-t.lk, -t.lq, t.row, t.q_start))
+    groups: list[list[Tile]] = []
+    for t in tiles:
+        g = groups[-1] if groups else None
+        if g is not None:
+            own = sum(x.lq * x.lk for x in g) + t.lq * t.lk
+            padded = (len(g) + 1) * max(t.lq, *(x.lq for x in g)) * g[0].lk  # g[0] has the most keys (sorted)
+            if padded <= SLACK * own:
+                g.append(t)
+                continue
+        groups.append([t])
+    padding = tuple((r, p) for r, row in enumerate(covered) for p, c in enumerate(row) if not c)
+    return Plan(causal={k: tuple(v) for k, v in causal.items()}, groups=tuple(tuple(g) for g in groups), padding=padding)
