@@ -14,9 +14,11 @@ Regimes (``--regimes``, default ``prior random``): ``prior`` (b) warm-started by
 goal-directed walks (GRPO, CoPE, ECHO); ``random`` (a) the tiny model warm-started on uniform random walks
 (GRPO vs ECHO; also reported per maze size: ECHO's maze claim, with the 1M model on mixed 6/7/8 mazes).
 ``echo6/7/8`` (ECHO's maze experiment with a ~10M-parameter model, one size each) are defined but not in the
-default: too slow for this machine's budget (bench/README.md). A text-env regime (the issue's (c)) is not
-run. Every run logs the gradient diagnostics (``grad/*``) on the first optimizer step of each epoch and
-every held-out task's outcome (``csv/val_episodes``).
+default: too slow for this machine's budget (bench/README.md). ``cope``, ``cope_recheck`` (the tiny model) and
+``smollm2`` (SmolLM2-135M-Instruct, issue 28) compare GRPO with CoPE's variants and run on their own, each with
+its own --out/--records/--results; a :class:`Regime` carries its own budget, panels, seeds and search. A
+text-env regime (the issue's (c)) is not run. Every run logs the gradient diagnostics (``grad/*``) on the first
+optimizer step of each epoch and every held-out task's outcome (``csv/val_episodes``).
 
 Outputs: run folders ``<out>/<regime>/<phase>/<arm>/<setting>/seed<s>`` (``--out``, default ``outputs/study``;
 ``done`` marks a finished one; finished runs are reused, an unfinished one continues from its last epoch
@@ -52,10 +54,16 @@ TEN_M = ("model.hidden_size=384", "model.num_layers=6", "model.num_heads=6")  # 
 
 
 MAZE_SIZES = (6, 7, 8)  # conf/env/maze.yaml: each task draws one
+SMOKE = ("trainer.max_epochs=2", "trainer.check_val_every_n_epoch=1", "data.tasks_per_epoch=2", "data.group_size=4",
+         "data.minibatch_size=8", "model.warm_start_steps=5", "env.max_steps=6", "callbacks.probes.max_episodes=2")
+SMOKE_PANEL = ("data.val_tasks=4",)
 
 
 @dataclass(frozen=True)
 class Regime:
+    """One regime of the study. Everything a run of it gets is here: its overrides, budget, panels, seeds and
+    search, so regimes on different models (the tiny model, SmolLM2) share the launcher, records and report."""
+
     title: str
     overrides: tuple[str, ...]
     threshold: float  # held-out success for "episodes to threshold", fixed before any run
@@ -63,6 +71,17 @@ class Regime:
     tuned_in: str | None = None  # reuse another regime's tuning (None: tune here)
     by_size: tuple[int, ...] | None = MAZE_SIZES  # also report per maze size (the env's sizes; None: one size)
     fixed: tuple[tuple[str, str], ...] = ()  # (arm, GRID label) per arm: settings chosen by an earlier tuning, not tuned again
+    budget: tuple[str, ...] = BUDGET  # epochs and validation cadence of every run
+    panels: tuple[tuple[str, ...], tuple[str, ...]] = (TUNE_PANEL, TEST_PANEL)  # (tuning, reported) held-out tasks
+    seeds: tuple[tuple[int, ...], tuple[int, ...]] = (TUNE_SEEDS, TEST_SEEDS)  # (tuning, test) seeds
+    grid: tuple[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], ...] = ()  # per arm: (label, overrides) replacing GRID's
+    arm_overrides: tuple[tuple[str, tuple[str, ...]], ...] = ()  # per arm: overrides of every run of that arm here
+    smoke: tuple[str, ...] = SMOKE  # --smoke: the miniature budget
+    smoke_size: tuple[int, int] = (2, 2)  # --smoke: settings per arm searched (1: the first, no tuning run), test seeds
+
+    def search(self, arm: str) -> dict[str, tuple[str, ...]]:
+        """The arm's settings in this regime (label -> overrides)."""
+        return dict(dict(self.grid).get(arm, ())) or GRID[arm]
 
 
 SPEC: dict[str, Regime] = {
@@ -90,6 +109,27 @@ SPEC["cope_recheck"] = Regime("(b'') prior warm start, after the fix of issue 27
                               (*SPEC["prior"].overrides, "callbacks.run_health.invalid_epochs=null"), SPEC["prior"].threshold,
                               ("grpo", "cope_authors", "cope_turns"),
                               fixed=(("grpo", "lr1e-3"), ("cope_authors", "lrs0.3"), ("cope_turns", "lrs0.3")))
+# CoPE on a real instruct model (issue 28): SmolLM2-135M-Instruct, which reads the plan-ahead prompt, on mazes
+# calibrated for it (bench/README.md has the calibration and every decision). Run on its own, from a fixed commit:
+# --regimes smollm2 --out outputs/study4 --records bench/results/study4/runs --results bench/results/study4.
+SMOLLM2_MAZE = ("model=smollm2-135m", "experiment=smollm2_maze", "env.sizes=[6]", "env.min_distance=2", "env.max_steps=8")
+SPEC["smollm2"] = Regime(
+    "SmolLM2-135M-Instruct, 6x6 mazes, goal 2-8 moves away: GRPO vs CoPE (authors', list) vs CoPE (authors', turns)",
+    (*SMOLLM2_MAZE, "callbacks.run_health.invalid_epochs=null"),  # a collapsing run trains to its end (what it measures)
+    0.4, ("grpo", "cope_authors", "cope_turns"), by_size=None,
+    budget=("trainer.max_epochs=12", "trainer.check_val_every_n_epoch=3", "data.val_batch_size=32"),
+    panels=(("data.val_offset=500", "data.val_tasks=32"), ("data.val_offset=0", "data.val_tasks=64")),
+    seeds=((100,), (0, 1, 2, 3, 4)),
+    grid=(("grpo", (("lr5e-4", ("module.optimizer.lr=5e-4",)), ("lr1e-3", ("module.optimizer.lr=1e-3",)))),
+          ("cope_authors", (("lrs0.3", ("cope.lr_scale=0.3",)), ("lrs1.0", ("cope.lr_scale=1.0",)))),
+          ("cope_turns", (("lrs0.3", ("cope.lr_scale=0.3", "cope.layout=turns")),
+                          ("lrs1.0", ("cope.lr_scale=1.0", "cope.layout=turns"))))),
+    # SmolLM2's maze answers are read by the projection: counted as invalid, they would leave no forecast sample
+    arm_overrides=(("cope_authors", ("cope.mask_projected=false",)), ("cope_turns", ("cope.mask_projected=false",))),
+    smoke=("trainer.max_epochs=1", "trainer.check_val_every_n_epoch=1", "data.tasks_per_epoch=1", "data.group_size=2",
+           "data.minibatch_size=2", "env.max_steps=3", "data.sampling.max_action_tokens=8", "data.val_batch_size=4",
+           "callbacks.probes.max_episodes=2"),
+    smoke_size=(1, 1))
 DEFAULT_REGIMES = ("prior", "random")  # tuning (in prior) first, then prior's test runs, then random's
 # The algo config an arm runs: "cope" is the reading of the explainer the first runs measured (algo=cope_continuation;
 # its records are committed), "cope_authors" CoPE as its authors built it (algo=cope since 2026-12-02).
@@ -123,15 +163,20 @@ class Job:
 
 
 def _overrides(regime: Regime, phase: str, arm: str, setting: tuple[str, ...], smoke: bool) -> tuple[str, ...]:
-    panel = TUNE_PANEL if phase == "tune" else TEST_PANEL
-    budget = SMOKE if smoke else BUDGET
-    return (*COMMON, *budget, *panel, *regime.overrides, f"callbacks.sample_efficiency.threshold={regime.threshold}",
-            *setting, *(SMOKE_PANEL if smoke else ()))
+    tune_panel, test_panel = regime.panels
+    return (*COMMON, *(regime.smoke if smoke else regime.budget), *(tune_panel if phase == "tune" else test_panel),
+            *regime.overrides, *dict(regime.arm_overrides).get(arm, ()),
+            f"callbacks.sample_efficiency.threshold={regime.threshold}", *setting, *(SMOKE_PANEL if smoke else ()))
 
 
-SMOKE = ("trainer.max_epochs=2", "trainer.check_val_every_n_epoch=1", "data.tasks_per_epoch=2", "data.group_size=4",
-         "data.minibatch_size=8", "model.warm_start_steps=5", "env.max_steps=6", "callbacks.probes.max_episodes=2")
-SMOKE_PANEL = ("data.val_tasks=4",)
+def _grid(regime: Regime, arm: str, smoke: bool) -> dict[str, tuple[str, ...]]:
+    grid = regime.search(arm)
+    return dict(list(grid.items())[: regime.smoke_size[0]]) if smoke else grid
+
+
+def _seeds(regime: Regime, phase: str, smoke: bool) -> tuple[int, ...]:
+    seeds = regime.seeds[0 if phase == "tune" else 1]
+    return seeds[: 1 if phase == "tune" else regime.smoke_size[1]] if smoke else seeds
 
 
 def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int, records: Path) -> list[dict]:
@@ -152,7 +197,7 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int, record
         done.append(1)
         state = "restored from its record" if restored and r["skipped"] else run_state(r)
         print(f"[{len(done)}/{len(jobs)}] {job.regime} {job.phase} {job.arm} {job.setting} seed {job.seed}: "
-              f"{r['wall_s']:.0f} s ({state})", flush=True)
+              f"{r['wall_s']:.0f} s ({state}){_samples(d)}", flush=True)
         return {**r, "job": job}
 
     with ThreadPoolExecutor(max_workers=max(1, jobs_at_once)) as pool:
@@ -169,6 +214,15 @@ def _existing(jobs: list[Job], out: Path, records: Path) -> list[dict]:
         if not finished(j.dir(out)):
             study_records.restore(j.dir(records), j.dir(out), j.overrides)
     return [{"dir": str(j.dir(out)), "rc": 0 if finished(j.dir(out)) else 1, "job": j} for j in jobs]
+
+
+def _samples(run: Path) -> str:
+    """``; forecast samples 12.5/epoch in epochs 0-1`` for a run that builds forecast samples (a 0 there means the
+    arm trained GRPO alone: e.g. every answer projected and counted invalid)."""
+    from study_report import EARLY_EPOCHS, _rows, early_forecast_samples  # noqa: PLC0415 - same folder
+
+    n = early_forecast_samples(_rows(run / "csv/metrics.csv"))
+    return "" if n is None else f"; forecast samples {n:.1f}/epoch in epochs 0-{EARLY_EPOCHS - 1}"
 
 
 def _complete(run: Path, overrides: tuple[str, ...]) -> bool:
@@ -214,48 +268,55 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out.resolve()
     records = (args.records or (out / "records" if args.smoke else REPO / "bench/results/study/runs")).resolve()
     stop_on_sigterm()
-    seeds_test, seeds_tune = (TEST_SEEDS[:2], TUNE_SEEDS[:1]) if args.smoke else (TEST_SEEDS, TUNE_SEEDS)
-    grid = {a: dict(list(g.items())[:2]) for a, g in GRID.items()} if args.smoke else GRID
     regimes = [r for r in args.regimes if SPEC[r].tuned_in is None or SPEC[r].tuned_in in args.regimes]
     for r in set(args.regimes) - set(regimes):
         p.error(f"regime {r} reuses the tuning of {SPEC[r].tuned_in}: add it to --regimes")
+    grids = {r: {a: _grid(SPEC[r], a, args.smoke) for a in SPEC[r].arms} for r in regimes}  # each regime's search per arm
     tuned = [r for r in regimes if SPEC[r].tuned_in is None and not SPEC[r].fixed]
     results: list[dict] = []
     choice: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
 
     def tune(arms: list[str], base: dict[str, tuple[str, ...]]) -> None:
+        searched = [(r, a) for r in tuned for a in arms if a in SPEC[r].arms]
+        for r, a in searched:  # a single setting has nothing to choose between: no tuning run
+            if len(grids[r][a]) == 1:
+                label, ov = next(iter(grids[r][a].items()))
+                choice[(r, a)] = (label, (*base.get(r, ()), *ov))
+        searched = [(r, a) for r, a in searched if len(grids[r][a]) > 1]
         jobs = [Job(r, "tune", a, label, s, _overrides(SPEC[r], "tune", a, (*base.get(r, ()), *ov), args.smoke))
-                for r in tuned for a in arms if a in SPEC[r].arms for label, ov in grid[a].items() for s in seeds_tune]
-        done = [] if args.report else run_jobs(jobs, out, args.jobs, args.threads, records)
+                for r, a in searched for label, ov in grids[r][a].items() for s in _seeds(SPEC[r], "tune", args.smoke)]
+        done = [] if args.report or not jobs else run_jobs(jobs, out, args.jobs, args.threads, records)
         done = done or _existing(jobs, out, records)
         results.extend(done)
-        for r in tuned:
-            for a in arms:
-                if a in SPEC[r].arms:
-                    label = best_setting(done, r, a, grid[a])
-                    choice[(r, a)] = (label, (*base.get(r, ()), *grid[a][label]))
+        for r, a in searched:
+            label = best_setting(done, r, a, grids[r][a])
+            choice[(r, a)] = (label, (*base.get(r, ()), *grids[r][a][label]))
 
     for r in regimes:  # settings fixed by an earlier tuning: GRPO's, and each other arm's on top of GRPO's lr
         fixed = dict(SPEC[r].fixed)
-        base = grid["grpo"][fixed["grpo"]] if "grpo" in fixed else ()
+        base = SPEC[r].search("grpo")[fixed["grpo"]] if "grpo" in fixed else ()
         for a, label in fixed.items():
-            choice[(r, a)] = (label, grid[a][label] if a == "grpo" else (*base, *grid[a][label]))
+            choice[(r, a)] = (label, SPEC[r].search(a)[label] if a == "grpo" else (*base, *SPEC[r].search(a)[label]))
     tune(["grpo"], {})
     tune(["cope", "cope_authors", "cope_turns", "echo"], {r: choice[(r, "grpo")][1] for r in tuned})  # the aux arms at GRPO's chosen lr
     # seed by seed (every arm of a seed before the next seed): a study stopped half way has paired seeds
     tests = [Job(r, "test", a, choice[(SPEC[r].tuned_in or r, a)][0], s,
                  _overrides(SPEC[r], "test", a, choice[(SPEC[r].tuned_in or r, a)][1], args.smoke))
-             for r in regimes for s in seeds_test for a in SPEC[r].arms]
+             for r in regimes for s in _seeds(SPEC[r], "test", args.smoke) for a in SPEC[r].arms]
     done = [] if args.report else run_jobs(tests, out, args.jobs, args.threads, records)
     results.extend(done or _existing(tests, out, records))
     failed = [r for r in results if r["rc"] != 0]
     meta = {"regimes": {r: {"title": SPEC[r].title, "threshold": SPEC[r].threshold, "overrides": list(SPEC[r].overrides),
+                            "arm_overrides": {a: list(ov) for a, ov in SPEC[r].arm_overrides},
                             "tuned_in": SPEC[r].tuned_in,
-                            "by_size": list(SPEC[r].by_size) if SPEC[r].by_size else None} for r in regimes},
+                            "by_size": list(SPEC[r].by_size) if SPEC[r].by_size else None,
+                            "budget": list(SPEC[r].smoke if args.smoke else SPEC[r].budget),
+                            "panels": {"tune": list(SPEC[r].panels[0]), "test": list(SPEC[r].panels[1])},
+                            "seeds": {"tune": list(_seeds(SPEC[r], "tune", args.smoke)),
+                                      "test": list(_seeds(SPEC[r], "test", args.smoke))}} for r in regimes},
             "choice": {f"{r}/{a}": {"setting": lab, "overrides": list(ov)} for (r, a), (lab, ov) in choice.items()},
-            "grid": {a: {k: list(v) for k, v in g.items()} for a, g in grid.items()},
-            "budget": list(SMOKE if args.smoke else BUDGET), "common": list(COMMON),
-            "panels": {"tune": list(TUNE_PANEL), "test": list(TEST_PANEL)}, "smoke": args.smoke}
+            "grid": {r: {a: {k: list(v) for k, v in g.items()} for a, g in grids[r].items()} for r in regimes},
+            "common": list(COMMON), "smoke": args.smoke}
     report(results, meta, (args.results or (out if args.smoke else REPO / "bench/results/study")).resolve())
     if failed:
         for r in failed[:5]:

@@ -19,15 +19,14 @@ import json
 import math
 from pathlib import Path
 
-from study_stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t, separates
+from study_markdown import AUX, NAMES, markdown, mean_of
+from study_stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t
 
-NAMES = {"grpo": "GRPO", "cope": "CoPE (continuation)", "cope_authors": "CoPE (authors')", "echo": "ECHO",
-         "cope_turns": "CoPE (authors', turns)"}
 COLORS = {"grpo": "C0", "cope": "C1", "echo": "C2", "cope_authors": "C3", "cope_turns": "C4"}  # an arm's colour in every panel
-# the arm's auxiliary objective (its grad/* name)
-AUX = {"cope": "forecast", "cope_authors": "forecast", "cope_turns": "forecast", "echo": "echo"}
 DIAG = ("grad/cos_{aux}_pg", "grad/ratio_{aux}_pg")
 PROBES = ("probe/forecast_action_acc", "probe/obs_nll")
+VAL_LAST = ("val/multi_action", "val/strict_valid", "val/projected_actions")  # held-out answer forms at the last validation
+EARLY_EPOCHS = 2  # "are the forecast samples non-empty in the first epochs": forecast/samples over these, per epoch
 
 
 def _rows(path: Path) -> list[dict]:
@@ -68,10 +67,20 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
     chunks = [r["probe/forecast_chunks"] for r in metrics if r.get("probe/forecast_chunks") is not None]
     if chunks and chunks[-1] == 0:  # no held-out success to probe: the logged 0 is no accuracy
         out["probe/forecast_action_acc/last"] = None
+    for k in VAL_LAST:  # the last validation's rate
+        vals = [r[k] for r in metrics if r.get(k) is not None]
+        out[k + "/last"] = vals[-1] if vals else None
+    out["forecast/samples_early"] = early_forecast_samples(metrics)
     out["invalid_rate"] = invalid_rate(d)
     done = d / "done"
     out["wall_s"] = json.loads(done.read_text())["wall_s"] if done.exists() else None
     return out
+
+
+def early_forecast_samples(metrics: list[dict]) -> float | None:
+    """Forecast samples per epoch over the first ``EARLY_EPOCHS`` epochs (None: the run logs none, e.g. GRPO)."""
+    early = [r["forecast/samples"] for r in metrics if r.get("forecast/samples") is not None and (r.get("epoch") or 0) < EARLY_EPOCHS]
+    return sum(early) / EARLY_EPOCHS if early else None
 
 
 def invalid_rate(d: Path) -> float | None:
@@ -150,15 +159,6 @@ def _deltas(runs: dict, base: dict) -> dict:
     return out
 
 
-def _delta_cell(row: dict, key: str) -> str:
-    """``+0.031 [+0.010, +0.050] better (t: no)``: the bootstrap interval, its verdict, the t interval's verdict."""
-    d, t = row.get(key), row.get(key + "_t")
-    if not (d and d[3]):
-        return "–"
-    cell = f"{fmt_interval(*d[:3], '+.3f')} {separates(d[1], d[2])}"
-    return cell + (f" (t: {separates(t[1], t[2])})" if t and t[3] > 1 else "")
-
-
 def _by_size(arms: dict, sizes: list[int]) -> dict:
     """{size: {arm: {n, final, auc, delta_final, delta_auc}}} over the runs that have per-task files."""
     out: dict = {}
@@ -180,11 +180,6 @@ def _by_size(arms: dict, sizes: list[int]) -> dict:
 
 def _iv(values: list[float], stat: str, spec: str) -> str:
     return fmt_interval(*bootstrap(values, stat), spec) if values else "–"
-
-
-def _mean(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else None
 
 
 def summarize(results: list[dict], meta: dict) -> dict:
@@ -215,83 +210,25 @@ def summarize(results: list[dict], meta: dict) -> dict:
             row["env_steps_to"] = bootstrap([c["env_steps_to"] for c in cs], "median")
             row["final"] = bootstrap([c["final"] for c in cs if c["final"] is not None], "mean")
             row["auc"] = bootstrap([c["auc"] for c in cs if c["auc"] is not None], "mean")
-            row["start"] = _mean([c["start"] for c in cs])
-            row["wall_s"] = _mean([c["wall_s"] for c in cs])
+            row["start"] = mean_of([c["start"] for c in cs])
+            row["wall_s"] = mean_of([c["wall_s"] for c in cs])
             if arm != "grpo" and base:
                 row.update(_deltas(runs, base))
             if arm in AUX:
                 for key in DIAG:
                     k = key.format(aux=AUX[arm])
-                    row[k] = _mean([c.get(k + "/mean") for c in cs])
-                row["grad/measured_steps"] = _mean([c.get("grad/measured_steps") for c in cs])
-            for k in PROBES:
-                row[k] = _mean([c.get(k + "/last") for c in cs])
+                    row[k] = mean_of([c.get(k + "/mean") for c in cs])
+                row["grad/measured_steps"] = mean_of([c.get("grad/measured_steps") for c in cs])
+            for k in (*PROBES, *VAL_LAST):
+                row[k] = mean_of([c.get(k + "/last") for c in cs])
+            row["forecast/samples_early"] = mean_of([c.get("forecast/samples_early") for c in cs])
             rates = [c["invalid_rate"] for c in cs if c.get("invalid_rate") is not None]
-            row["invalid_rate"] = _mean(rates)
+            row["invalid_rate"] = mean_of(rates)
             row["collapsed"] = sum(r >= 0.99 for r in rates)  # seeds whose held-out actions are all invalid
     for arms in table.values():
         for row in arms.values():
             row.pop("size_runs", None)  # summarized in by_size
     return {"test": table, "tuning": tuning, "by_size": by_size}
-
-
-def _f(x: float | None, spec: str = ".3f") -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def markdown(summary: dict, meta: dict) -> str:
-    lines = ["# Sample-efficiency study", "", f"Budget per run: `{' '.join(meta['budget'])}`; every run: "
-             f"`{' '.join(meta['common'])}`. Panels: tuning `{' '.join(meta['panels']['tune'])}`, reported "
-             f"`{' '.join(meta['panels']['test'])}`. Intervals: bootstrap 95% over seeds; Δ = paired by seed vs GRPO, "
-             "its verdict (better/worse: the interval excludes 0), then in brackets the verdict of the paired t 95% "
-             "interval of the same differences (the conservative check; 5 seeds make the bootstrap narrow).", ""]
-    for regime, info in meta["regimes"].items():
-        arms = summary["test"].get(regime, {})
-        lines += [f"## {regime}: {info['title']}", "", f"Threshold {info['threshold']:g} held-out success; overrides "
-                  f"`{' '.join(info['overrides']) or '(defaults)'}`" + (f"; settings tuned in `{info['tuned_in']}`"
-                                                                        if info["tuned_in"] else ""), ""]
-        lines += ["| arm | setting | seeds | start | episodes to thr (median) | env steps to thr (median) | final success | "
-                  "AUC | Δ AUC vs GRPO | Δ final vs GRPO | wall s/run |",
-                  "|---|---|---:|---:|---|---|---|---|---|---|---:|"]
-        for arm, row in arms.items():
-            deltas = [_delta_cell(row, key) for key in ("delta_auc", "delta_final")]
-            lines.append(" | ".join([
-                f"| {NAMES.get(arm, arm)}", f"`{row['setting']}`", str(len(row["seeds"])), _f(row["start"]),
-                fmt_interval(*row["episodes_to"], ".0f"), fmt_interval(*row["env_steps_to"], ".0f"),
-                fmt_interval(*row["final"]), fmt_interval(*row["auc"]), *deltas, _f(row["wall_s"], ".0f")]) + " |")
-        lines += ["", "Mechanism (means over the steps where both gradients are non-zero, then over seeds; "
-                  "probes and invalid actions: the last validation's held-out episodes, mean over seeds):", "",
-                  "| arm | cos(aux grad, pg grad) | aux / pg grad norm | steps measured | probe forecast action acc | probe obs NLL "
-                  "| held-out invalid actions / step | seeds with every held-out action invalid |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for arm, row in arms.items():
-            aux = AUX.get(arm)
-            lines.append(f"| {NAMES.get(arm, arm)} | {_f(row.get(f'grad/cos_{aux}_pg'))} | {_f(row.get(f'grad/ratio_{aux}_pg'))} | "
-                         f"{_f(row.get('grad/measured_steps'), '.0f')} | "
-                         f"{_f(row.get('probe/forecast_action_acc'))} | {_f(row.get('probe/obs_nll'))} | "
-                         f"{_f(row.get('invalid_rate'))} | {row.get('collapsed', 0)} of {len(row['seeds'])} |")
-        sized = summary.get("by_size", {}).get(regime)
-        if sized:
-            lines += ["", "Per maze size (the reported panel's tasks of that size; runs with per-task files):", "",
-                      "| size | tasks | arm | n | final success | AUC | Δ AUC vs GRPO | Δ final vs GRPO |",
-                      "|---|---:|---|---:|---|---|---|---|"]
-            for size, per_arm in sized.items():
-                for arm, row in per_arm.items():
-                    deltas = [_delta_cell(row, k) for k in ("delta_auc", "delta_final")]
-                    lines.append(f"| {size}x{size} | {row['tasks']} | {NAMES.get(arm, arm)} | {row['n']} | "
-                                 f"{fmt_interval(*row['final'])} | {fmt_interval(*row['auc'])} | {deltas[0]} | {deltas[1]} |")
-        tune = summary["tuning"].get(meta["regimes"][regime]["tuned_in"] or regime, {})
-        if tune and not info["tuned_in"]:
-            lines += ["", "Tuning (mean AUC / final success on the tuning panel, tuning seeds; chosen in bold):", ""]
-            for arm, settings in tune.items():
-                chosen = meta["choice"].get(f"{regime}/{arm}", {}).get("setting")
-                cells = []
-                for label, cs in settings.items():
-                    cell = f"`{label}` {_f(_mean([c['auc'] for c in cs]))} / {_f(_mean([c['final'] for c in cs]))}"
-                    cells.append(f"**{cell}**" if label == chosen else cell)
-                lines.append(f"- {NAMES.get(arm, arm)}: " + ", ".join(cells))
-        lines.append("")
-    return "\n".join(lines)
 
 
 def plot(summary: dict, meta: dict, out: Path) -> None:

@@ -49,3 +49,26 @@ def test_study_smoke(tmp_path):
     assert (out / "success_vs_episodes.png").stat().st_size > 0 and (out / "mechanism.png").stat().st_size > 0
     again = _study(out, "prior", "echo6")  # resumable: everything is reused
     assert again.returncode == 0 and "(reused)" in again.stdout and "(ok)" not in again.stdout
+
+
+def test_study_smoke_smollm2(tmp_path):
+    """The SmolLM2 regime (issue 28) in miniature with the real model: one setting per arm (no tuning run), one
+    seed, one epoch; the CoPE arms get cope.mask_projected=false, the report has the answer forms and the
+    launcher prints each CoPE run's early forecast samples."""
+    from smollm2_fixtures import smollm2_folder
+
+    smollm2_folder()  # converted once in this session's COPE_CACHE, which the train.py runs inherit
+    out = tmp_path / "study"
+    proc = _study(out, "smollm2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "study.json").read_text())
+    assert report["meta"]["regimes"]["smollm2"]["arm_overrides"]["cope_turns"] == ["cope.mask_projected=false"]
+    assert not (out / "smollm2/tune").exists()  # a 1-setting search runs no tuning job
+    test = report["test"]["smollm2"]
+    assert set(test) == {"grpo", "cope_authors", "cope_turns"} and all(row["seeds"] == [0] for row in test.values())
+    for arm in ("cope_authors", "cope_turns"):
+        run = out / "smollm2/test" / arm / test[arm]["setting"] / "seed0"
+        cfg = (run / ".hydra/config.yaml").read_text()
+        assert "mask_projected: false" in cfg and "smollm2" in cfg, arm
+        assert f"test {arm} " in proc.stdout and "forecast samples" in proc.stdout.split(f"test {arm} ")[1].splitlines()[0]
+    assert test["grpo"]["val/projected_actions"] is not None and "projected answers" in (out / "study.md").read_text()

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from study_report import _by_size, _delta_cell, maze_sizes, size_curves  # noqa: E402
+from study_markdown import delta_cell as _delta_cell  # noqa: E402
+from study_report import _by_size, maze_sizes, size_curves  # noqa: E402
 
 SIZES = [6, 7, 8]
 

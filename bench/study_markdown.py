@@ -1,0 +1,145 @@
+"""The study's tables (``study.md``), from :func:`study_report.summarize`'s summary and the launcher's meta: per
+regime, its budget, panels and seeds, the outcome table, the mechanism table, the per-size table and the tuning."""
+
+from __future__ import annotations
+
+import math
+
+from study_stats import fmt_interval, separates
+
+NAMES = {
+    "grpo": "GRPO",
+    "cope": "CoPE (continuation)",
+    "cope_authors": "CoPE (authors')",
+    "echo": "ECHO",
+    "cope_turns": "CoPE (authors', turns)",
+}
+AUX = {"cope": "forecast", "cope_authors": "forecast", "cope_turns": "forecast", "echo": "echo"}  # the arm's grad/* name
+
+
+def mean_of(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def delta_cell(row: dict, key: str) -> str:
+    """``+0.031 [+0.010, +0.050] better (t: no)``: the bootstrap interval, its verdict, the t interval's verdict."""
+    d, t = row.get(key), row.get(key + "_t")
+    if not (d and d[3]):
+        return "–"
+    cell = f"{fmt_interval(*d[:3], '+.3f')} {separates(d[1], d[2])}"
+    return cell + (f" (t: {separates(t[1], t[2])})" if t and t[3] > 1 else "")
+
+
+def markdown(summary: dict, meta: dict) -> str:
+    lines = [
+        "# Sample-efficiency study",
+        "",
+        f"Every run: `{' '.join(meta['common'])}`. Intervals: bootstrap 95% over "
+        "seeds; Δ = paired by seed vs GRPO, its verdict (better/worse: the interval excludes 0), then in brackets the "
+        "verdict of the paired t 95% interval of the same differences (the conservative check; 5 seeds make the "
+        "bootstrap narrow).",
+        "",
+    ]
+    for regime, info in meta["regimes"].items():
+        lines += _regime(regime, info, summary, meta)
+    return "\n".join(lines)
+
+
+def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
+    arms = summary["test"].get(regime, {})
+    per_arm = "".join(f"; {NAMES.get(a, a)} also `{' '.join(ov)}`" for a, ov in info.get("arm_overrides", {}).items() if ov)
+    lines = [
+        f"## {regime}: {info['title']}",
+        "",
+        f"Threshold {info['threshold']:g} held-out success; overrides `{' '.join(info['overrides']) or '(defaults)'}`"
+        + per_arm
+        + (f"; settings tuned in `{info['tuned_in']}`" if info["tuned_in"] else "")
+        + ".",
+        f"Budget per run `{' '.join(info['budget'])}`; panels: tuning `{' '.join(info['panels']['tune'])}`, reported "
+        f"`{' '.join(info['panels']['test'])}`; seeds: tuning {info['seeds']['tune']}, test {info['seeds']['test']}.",
+        "",
+    ]
+    lines += [
+        "| arm | setting | seeds | start | episodes to thr (median) | env steps to thr (median) | final success | "
+        "AUC | Δ AUC vs GRPO | Δ final vs GRPO | wall s/run |",
+        "|---|---|---:|---:|---|---|---|---|---|---|---:|",
+    ]
+    for arm, row in arms.items():
+        deltas = [delta_cell(row, key) for key in ("delta_auc", "delta_final")]
+        lines.append(
+            " | ".join(
+                [
+                    f"| {NAMES.get(arm, arm)}",
+                    f"`{row['setting']}`",
+                    str(len(row["seeds"])),
+                    _f(row["start"]),
+                    fmt_interval(*row["episodes_to"], ".0f"),
+                    fmt_interval(*row["env_steps_to"], ".0f"),
+                    fmt_interval(*row["final"]),
+                    fmt_interval(*row["auc"]),
+                    *deltas,
+                    _f(row["wall_s"], ".0f"),
+                ]
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        "Mechanism (gradients: means over the steps where both are non-zero, then over seeds; probes and answer "
+        "forms: the last validation's held-out episodes, mean over seeds; forecast samples: per epoch over the "
+        "first 2 epochs, mean over seeds):",
+        "",
+        "| arm | cos(aux grad, pg grad) | aux / pg grad norm | steps measured | forecast samples / epoch (early) "
+        "| probe forecast action acc | probe obs NLL | held-out invalid actions / step | multi-action answers "
+        "| strict-valid answers | projected answers | seeds with every held-out action invalid |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for arm, row in arms.items():
+        aux = AUX.get(arm)
+        lines.append(
+            f"| {NAMES.get(arm, arm)} | {_f(row.get(f'grad/cos_{aux}_pg'))} | {_f(row.get(f'grad/ratio_{aux}_pg'))} | "
+            f"{_f(row.get('grad/measured_steps'), '.0f')} | {_f(row.get('forecast/samples_early'), '.1f')} | "
+            f"{_f(row.get('probe/forecast_action_acc'))} | {_f(row.get('probe/obs_nll'))} | "
+            f"{_f(row.get('invalid_rate'))} | {_f(row.get('val/multi_action'))} | {_f(row.get('val/strict_valid'))} | "
+            f"{_f(row.get('val/projected_actions'))} | {row.get('collapsed', 0)} of {len(row['seeds'])} |"
+        )
+    lines += _sized(summary.get("by_size", {}).get(regime))
+    tune = summary["tuning"].get(info["tuned_in"] or regime, {})
+    if tune and not info["tuned_in"]:
+        lines += ["", "Tuning (mean AUC / final success on the tuning panel, tuning seeds; chosen in bold):", ""]
+        for arm, settings in tune.items():
+            chosen = meta["choice"].get(f"{regime}/{arm}", {}).get("setting")
+            cells = []
+            for label, cs in settings.items():
+                cell = f"`{label}` {_f(mean_of([c['auc'] for c in cs]))} / {_f(mean_of([c['final'] for c in cs]))}"
+                cells.append(f"**{cell}**" if label == chosen else cell)
+            lines.append(f"- {NAMES.get(arm, arm)}: " + ", ".join(cells))
+    return [*lines, ""]
+
+
+def _sized(sized: dict | None) -> list[str]:
+    if not sized:
+        return []
+    lines = [
+        "",
+        "Per maze size (the reported panel's tasks of that size; runs with per-task files):",
+        "",
+        "| size | tasks | arm | n | final success | AUC | Δ AUC vs GRPO | Δ final vs GRPO |",
+        "|---|---:|---|---:|---|---|---|---|",
+    ]
+    for size, per_arm in sized.items():
+        for arm, row in per_arm.items():
+            deltas = [delta_cell(row, k) for k in ("delta_auc", "delta_final")]
+            lines.append(
+                f"| {size}x{size} | {row['tasks']} | {NAMES.get(arm, arm)} | {row['n']} | "
+                f"{fmt_interval(*row['final'])} | {fmt_interval(*row['auc'])} | {deltas[0]} | {deltas[1]} |"
+            )
+    return lines
+
+
+__all__ = ["AUX", "NAMES", "delta_cell", "markdown", "mean_of"]
