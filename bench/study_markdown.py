@@ -7,6 +7,9 @@ import math
 
 from study_stats import fmt_interval, separates
 
+STABILITY = (("rollout/invalid_rate", "max"), ("rollout/multi_action", "max"), ("stop/prob_val", "min"),
+             ("train/kl_stopped_steps", "max"))  # per run: the worst epoch (kl_stopped_steps: the run's total)
+
 NAMES = {
     "grpo": "GRPO",
     "cope": "CoPE (continuation)",
@@ -24,6 +27,11 @@ def mean_of(xs: list) -> float | None:
 
 def _f(x: float | None, spec: str = ".3f") -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _pair(v: tuple | None, spec: str) -> str:
+    """``0.42 (worst 0.86)``: the mean over seeds and the worst seed's value."""
+    return "–" if v is None else f"{_f(v[0], spec)} (worst {_f(v[1], spec)})"
 
 
 def delta_cell(row: dict, key: str) -> str:
@@ -108,6 +116,14 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
             f"{_f(row.get('invalid_rate'))} | {_f(row.get('val/multi_action'))} | {_f(row.get('val/strict_valid'))} | "
             f"{_f(row.get('val/projected_actions'))} | {row.get('collapsed', 0)} of {len(row['seeds'])} |"
         )
+    lines += ["", "Stability (per run its worst epoch, then the mean over seeds and the worst seed; rollouts: sampled training "
+              "episodes; held-out stop p: the end-of-turn token's probability after a complete action):", "",
+              "| arm | peak rollout invalid | peak rollout multi-action | lowest held-out stop p | seeds with a validation "
+              "all invalid | policy steps dropped (trust region) |", "|---|---|---|---|---:|---|"]
+    for arm, row in arms.items():
+        cells = [_pair(row.get(f"{k}/{how}"), ".0f" if k.startswith("train/") else ".2f") for k, how in STABILITY]
+        lines.append(f"| {NAMES.get(arm, arm)} | {cells[0]} | {cells[1]} | {cells[2]} | "
+                     f"{row.get('collapsed_validations', 0)} of {len(row['seeds'])} | {cells[3]} |")
     lines += _sized(summary.get("by_size", {}).get(regime))
     tune = summary["tuning"].get(info["tuned_in"] or regime, {})
     if tune and not info["tuned_in"]:

@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from study_markdown import AUX, NAMES, markdown, mean_of
+from study_markdown import AUX, NAMES, STABILITY, markdown, mean_of
 from study_stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t
 
 COLORS = {"grpo": "C0", "cope": "C1", "echo": "C2", "cope_authors": "C3", "cope_turns": "C4"}  # an arm's colour in every panel
@@ -71,6 +71,10 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
         vals = [r[k] for r in metrics if r.get(k) is not None]
         out[k + "/last"] = vals[-1] if vals else None
     out["forecast/samples_early"] = early_forecast_samples(metrics)
+    for k, how in STABILITY:  # the run's extreme of an epoch metric: how close it came to a collapse
+        vals = [r[k] for r in metrics if r.get(k) is not None]
+        out[f"{k}/{how}"] = (max if how == "max" else min)(vals) if vals else None
+    out["collapsed_validations"] = sum(1 for r in metrics if (r.get("val/invalid_rate") or 0) >= 0.99)
     out["invalid_rate"] = invalid_rate(d)
     done = d / "done"
     out["wall_s"] = json.loads(done.read_text())["wall_s"] if done.exists() else None
@@ -222,6 +226,10 @@ def summarize(results: list[dict], meta: dict) -> dict:
             for k in (*PROBES, *VAL_LAST):
                 row[k] = mean_of([c.get(k + "/last") for c in cs])
             row["forecast/samples_early"] = mean_of([c.get("forecast/samples_early") for c in cs])
+            for k, how in STABILITY:
+                vals = [c.get(f"{k}/{how}") for c in cs if c.get(f"{k}/{how}") is not None]
+                row[f"{k}/{how}"] = (mean_of(vals), (max if how == "max" else min)(vals)) if vals else None
+            row["collapsed_validations"] = sum(c.get("collapsed_validations", 0) > 0 for c in cs)
             rates = [c["invalid_rate"] for c in cs if c.get("invalid_rate") is not None]
             row["invalid_rate"] = mean_of(rates)
             row["collapsed"] = sum(r >= 0.99 for r in rates)  # seeds whose held-out actions are all invalid
