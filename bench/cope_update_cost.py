@@ -1,18 +1,27 @@
-"""Seconds of training per epoch: GRPO, CoPE as its authors built it with a separate forecast step, and joint-packed.
+"""Seconds of training per epoch: GRPO, CoPE as its authors built it with a separate forecast step (one row per
+sample, and shared prefixes), and joint-packed.
 
 What it measures: one epoch's optimizer steps on ONE stored batch of on-policy episodes (collected once, shared by
 every variant), excluding rollouts and the scoring pass:
 
 * GRPO: the epoch's policy-gradient minibatches.
 * CoPE (separate): the same minibatches, then the authors' prompted forecast samples of the epoch's winning
-  episodes in batches of ``--forecast-minibatch`` samples, one optimizer step each (``cope.update=separate``).
+  episodes in batches of ``--forecast-minibatch`` samples, one optimizer step each (``cope.update=separate``), one
+  row per sample (``cope.share_prefix=false``: every sample re-forwards its history).
+* CoPE (separate, shared): the same steps on the same samples, each step's samples of one episode as branches of one
+  row over its transcript (``cope.share_prefix=true``, the default: tree attention, ``"cope_tree"``).
 * CoPE (joint, packed): the minibatches with the samples packed after their transcripts and the forecast loss
   summed into the policy step (``cope.update=joint cope.packing=packed``): no extra step.
 
 Each variant owns its optimizer and its weights (swapped in outside the timer), starting from the same LoRA weights;
 variants are interleaved round-robin (A B C A B C ...) and the first ``--warmup`` rounds are discarded, so drift
 hits them alike. ``x / GRPO`` is the cost of CoPE's forecast path per epoch at this batch shape: it grows with the
-number of winning episodes (only they give samples), printed beside it.
+number of winning episodes (only they give samples), printed beside it. Also printed per variant: tokens forwarded
+(real tokens of every batch), padded positions (N x T per batch: what the layers compute, padding included), forwarded
+tokens per trained target token (policy-gradient action tokens plus forecast
+target tokens), and attention score cells (query-key pairs) the kernels compute: N x T x T per batch for SDPA with a
+mask (every cell of the padded rows, the packed joint layout's segment mask included), the tree kernels' count
+(``TreeLayout.score_cells``) for the shared rows; beside it the cells any exact method needs (causal, unmasked).
 
 Usage: ``python bench/cope_update_cost.py [--model-overrides debug=fast ...] [--episodes 32] [--epochs 5]``.
 """
@@ -30,7 +39,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-VARIANTS = ("GRPO", "CoPE (separate)", "CoPE (joint, packed)")
+VARIANTS = ("GRPO", "CoPE (separate)", "CoPE (separate, shared)", "CoPE (joint, packed)")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -55,10 +64,12 @@ def main(argv: list[str] | None = None) -> dict:
     from cope.algos.cope.layouts import collate_chunks, pack_forecasts
     from cope.algos.cope.loss import ForecastLoss
     from cope.algos.cope.prompted import PlanPrompt, build_prompted
+    from cope.algos.cope.shared_prefix import collate_shared
     from cope.run.train import instantiate_plain
     from cope.train.batch import collate
     from cope.train.module import AgentRLModule
     from cope.train.objectives import combine
+    from cope.train.tree_batch import use_tree_attention
 
     torch.manual_seed(args.seed)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -73,14 +84,17 @@ def main(argv: list[str] | None = None) -> dict:
     size = args.minibatch_size or int(cfg.data.minibatch_size)
     pg = [collate(eps[s: s + size], dm.pad_id, indices=list(range(s, min(s + size, len(eps))))) for s in range(0, len(eps), size)]
     pg_objs = [instantiate(node) for node in cfg.algo.objectives.values() if node is not None]
+    steps = [chunks[s: s + args.forecast_minibatch] for s in range(0, len(chunks), args.forecast_minibatch)]
+    separate = [*pg_objs, ForecastLoss(weight=0.01, update="separate")]
     epochs = {
         "GRPO": (pg, pg_objs),
-        "CoPE (separate)": (pg + [collate_chunks(eps, chunks[s: s + args.forecast_minibatch], dm.pad_id)
-                                  for s in range(0, len(chunks), args.forecast_minibatch)],
-                            [*pg_objs, ForecastLoss(weight=0.01, update="separate")]),
+        "CoPE (separate)": (pg + [collate_chunks(eps, c, dm.pad_id) for c in steps], separate),
+        "CoPE (separate, shared)": (pg + [collate_shared(eps, c, dm.pad_id) for c in steps], separate),
         "CoPE (joint, packed)": ([pack_forecasts(mb, eps, chunks, dm.pad_id) for mb in pg],
                                  [*pg_objs, ForecastLoss(weight=0.01, update="joint")]),
     }
+    use_tree_attention(policy.model)  # registers "cope_tree"; each variant runs under its own implementation below
+    policy.model.set_attn_implementation("sdpa")
     params = {n: q for n, q in policy.model.named_parameters() if q.requires_grad}
     init = {n: q.detach().clone() for n, q in params.items()}
     clip = cfg.module.get("gradient_clip_val")
@@ -92,14 +106,15 @@ def main(argv: list[str] | None = None) -> dict:
                 q.copy_(init[n])
         module.score_minibatches([b for b in batches if b.get("kind") != "forecast"])
         runs[name] = dict(module=module, batches=batches, opt=module.optimizer_factory(list(params.values())),
-                          state={n: q.detach().clone() for n, q in params.items()}, times=[],
-                          steps=len(batches), tokens=sum(int(b["attention_mask"].sum()) for b in batches))
+                          state={n: q.detach().clone() for n, q in params.items()}, times=[], steps=len(batches),
+                          attn="cope_tree" if any("tree_layout" in b for b in batches) else "sdpa", **_work(batches))
     policy.model.train()
     for r in range(args.warmup + args.epochs):
         for v in runs.values():
             with torch.no_grad():
                 for n, q in params.items():
                     q.copy_(v["state"][n])
+            policy.model.set_attn_implementation(v["attn"])
             t0 = time.perf_counter()
             for step, batch in enumerate(v["batches"]):
                 total, _ = combine(v["module"].objectives, v["module"](batch), batch, step)
@@ -119,13 +134,16 @@ def main(argv: list[str] | None = None) -> dict:
              f"samples (K={args.K}, forecast minibatch {args.forecast_minibatch}); {args.epochs} timed epochs per variant "
              f"after {args.warmup} warmup, interleaved; {torch.get_num_threads()} threads; overrides "
              f"{' '.join(args.model_overrides)}", "",
-             "| variant | s/epoch (mean) | std | vs GRPO | optimizer steps | tokens |", "|---|---:|---:|---:|---:|---:|"]
+             "| variant | s/epoch (mean) | std | vs GRPO | optimizer steps | tokens forwarded | padded positions "
+             "| per target token | score cells computed | cells needed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     results = {}
     for name, v in runs.items():
         m = statistics.mean(v["times"])
         results[name] = dict(mean_s=m, std_s=statistics.stdev(v["times"]) if len(v["times"]) > 1 else 0.0,
-                             ratio=m / base, steps=v["steps"], tokens=v["tokens"], times_s=v["times"])
-        lines.append(f"| {name} | {m:.3f} | {results[name]['std_s']:.3f} | {m / base:.2f} | {v['steps']} | {v['tokens']} |")
+                             ratio=m / base, times_s=v["times"], steps=v["steps"],
+                             **{k: v[k] for k in ("tokens", "positions", "targets", "cells", "visible")})
+        lines.append(f"| {name} | {m:.3f} | {results[name]['std_s']:.3f} | {m / base:.2f} | {v['steps']} | {v['tokens']} | "
+                     f"{v['positions']} | {v['tokens'] / max(v['targets'], 1):.1f} | {v['cells']:.3g} | {v['visible']:.3g} |")
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,6 +152,33 @@ def main(argv: list[str] | None = None) -> dict:
                   forecast_metrics=fm, variants=results)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def _work(batches: list[dict]) -> dict[str, int]:
+    """Per epoch: real tokens forwarded, positions the model computes (N x T per batch: padding too), trained target
+    tokens (action tokens of the policy gradient, forecast targets), attention score cells computed (N*T*T per SDPA
+    call with a mask; the tree kernels' own count for a batch with a tree layout) and the cells an exact method needs
+    (each real token's visible keys)."""
+    out = dict(tokens=0, positions=0, targets=0, cells=0, visible=0)
+    for b in batches:
+        out["tokens"] += int(b["attention_mask"].ne(0).sum())
+        out["positions"] += b["input_ids"].numel()
+        out["targets"] += int(b["action_mask"].sum()) + int(b["forecast_mask"].sum() if "forecast_mask" in b else 0)
+        if "tree_layout" in b:
+            cells = b["tree_layout"].score_cells()
+            out["cells"] += cells.tree
+            out["visible"] += cells.visible
+            continue
+        N, T = b["input_ids"].shape
+        out["cells"] += N * T * T
+        if "attn_context_end" in b:  # segment attention: query i sees j < context_end[i] and segment_start[i] <= j <= i
+            i = torch.arange(T)
+            real = b["attention_mask"].ne(0)
+            seen = b["attn_context_end"] + (i - b["attn_segment_start"] + 1)  # (N, T)
+            out["visible"] += int(seen[real].sum())
+        else:  # causal rows, right padded
+            out["visible"] += sum(n * (n + 1) // 2 for n in b["attention_mask"].ne(0).sum(-1).tolist())
+    return out
 
 
 if __name__ == "__main__":

@@ -44,13 +44,17 @@ def test_cope_update_cost_smoke(tmp_path):
     _run("cope_update_cost.py", ["--model-overrides", "debug=fast", "model.warm_start_steps=150", "env.sizes=[5]",
                                  "env.min_distance=1", "--episodes", "8", "--epochs", "1", "--warmup", "0", "--out", str(out)])
     text = out.read_text()
-    for name in ("GRPO", "CoPE (separate)", "CoPE (joint, packed)"):
+    for name in ("GRPO", "CoPE (separate)", "CoPE (separate, shared)", "CoPE (joint, packed)"):
         assert f"| {name} |" in text
     report = json.loads(out.with_suffix(".json").read_text())
     v = report["variants"]
     assert v["GRPO"]["ratio"] == pytest.approx(1.0) and all(x["mean_s"] > 0 for x in v.values())
     assert v["CoPE (joint, packed)"]["steps"] == v["GRPO"]["steps"]  # joint: no step of its own
     assert v["CoPE (separate)"]["steps"] == v["GRPO"]["steps"] + -(-report["samples"] // 16)  # + one per 16 samples
+    dense, shared = v["CoPE (separate)"], v["CoPE (separate, shared)"]
+    assert shared["steps"] == dense["steps"] and shared["targets"] == dense["targets"]  # the same samples trained
+    assert shared["tokens"] < dense["tokens"] and shared["cells"] < dense["cells"] and shared["visible"] < dense["visible"]
+    assert all(x["visible"] <= x["cells"] for x in v.values())
 
 
 def test_step_vs_raw_smoke(tmp_path):

@@ -226,7 +226,8 @@ SHIPPED = (
         ["cope.min_score=-1", "cope.mask_invalid=false"])]
     + [["debug=fast", "algo=cope", *o] for o in (["cope.update=joint"], ["cope.update=joint", "cope.packing=plain"],
                                                   ["cope.layout=turns"], ["cope.gate=mixed"], ["cope.invalid=cut"],
-                                                  ["cope.schedule=power", "cope.schedule_steps=10"], ["cope.lr_scale=3"])]
+                                                  ["cope.schedule=power", "cope.schedule_steps=10"], ["cope.lr_scale=3"],
+                                                  ["cope.share_prefix=false"])]
     + [[]]  # `python train.py` as shipped
     + [[f"model={o}"] for o in _options("model")]
     # presets are for pretrained models; the tiny model's 2048 positions are too few for their contexts
@@ -266,20 +267,42 @@ def test_context_too_small_for_an_action_names_the_sampling_key():
     assert "data.max_context=64" in msg and "data.sampling.max_action_tokens=32" in msg, msg
 
 
+def _refused_naming(cfg, *needles: str) -> None:
+    """``cfg`` fails the config check with exactly one problem, whose message holds every one of ``needles``."""
+    from cope.run.config_check import ConfigError, check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg)
+    msg = str(err.value)
+    assert len(err.value.problems) == 1 and all(n in msg for n in needles), msg
+
+
 @pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_3"])
 def test_flash_attention_refuses_the_packed_forecast_layout(compose, tmp_path, attn):
     """CoPE's packed layout attends through a (N, 1, T, T) segment mask per forward; flash attention takes no 4D mask
     (transformers drops or rejects it deep in the first forward, after rollouts). Refused at config time, with the fix."""
     from cope.run.config_check import ConfigError, check_config
 
-    with pytest.raises(ConfigError) as err:
-        check_config(compose(["algo=cope_continuation", f"model.attn_implementation={attn}"], tmp_path))
-    msg = str(err.value)
-    assert len(err.value.problems) == 1, msg
-    assert f"model.attn_implementation = '{attn}'" in msg and "algo.callbacks.forecast_targets.layout=packed" in msg, msg
-    assert "cope.packing=plain" in msg and "model.attn_implementation=sdpa" in msg, msg
+    _refused_naming(compose(["algo=cope_continuation", f"model.attn_implementation={attn}"], tmp_path),
+                    f"model.attn_implementation = '{attn}'", "algo.callbacks.forecast_targets.layout=packed",
+                    "cope.packing=plain", "model.attn_implementation=sdpa")
     check_config(compose(["algo=cope_continuation", f"model.attn_implementation={attn}", "cope.packing=plain"], tmp_path))
     with pytest.raises(ConfigError, match=r"algo\.callbacks\.forecasts\.packing=packed \(update=joint\).*cope\.update=separate"):
         check_config(compose(["algo=cope", "cope.update=joint", f"model.attn_implementation={attn}"], tmp_path))
-    check_config(compose(["algo=cope", f"model.attn_implementation={attn}"], tmp_path))  # separate: plain rows only
+    check_config(compose(["algo=cope", "cope.share_prefix=false", f"model.attn_implementation={attn}"], tmp_path))  # plain rows
     check_config(compose([f"model.attn_implementation={attn}"], tmp_path))  # GRPO: no forecast segments
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash_attention_2"])
+def test_shared_prefix_forecast_steps_refuse_another_attention(compose, tmp_path, attn):
+    """``cope.share_prefix=true`` (the default of the separate update) switches the model to tree attention, SDPA
+    outside the forecast steps: a model configured with another implementation is refused before any work, naming the
+    key and both fixes; without sharing, or with the joint update, the implementation stays the user's."""
+    from cope.run.config_check import check_config
+
+    _refused_naming(compose(["algo=cope", f"model.attn_implementation={attn}"], tmp_path),
+                    f"model.attn_implementation = '{attn}'", "algo.callbacks.forecasts.share_prefix=true",
+                    "model.attn_implementation=sdpa", "cope.share_prefix=false")
+    check_config(compose(["algo=cope", "cope.share_prefix=false", f"model.attn_implementation={attn}"], tmp_path))
+    check_config(compose(["algo=cope", "cope.update=joint", "cope.packing=plain", f"model.attn_implementation={attn}"], tmp_path))
+    check_config(compose(["algo=cope"], tmp_path))  # sdpa, as every model preset ships

@@ -31,3 +31,23 @@ def make_episode(chat, n, success, seed, valid=None, closed=None, min_action_len
         _, o1 = ep.append(chat.close_turn() if j < n - 1 else [], Role.PROMPT)
         ep.steps.append(Step(a0, a1, closed[j], valid[j], f"a{j}", obs_start=o0, obs_end=o1))
     return ep
+
+
+def capture_logger():
+    """A Lightning logger that keeps every ``log_metrics`` call as ``(step, metrics)`` in ``.rows`` (no files)."""
+    from lightning.pytorch.loggers import Logger
+
+    class Capture(Logger):
+        name, version = "capture", 0
+
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def log_metrics(self, metrics, step=None):
+            self.rows.append((step, dict(metrics)))
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    return Capture()

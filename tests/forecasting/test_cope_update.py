@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import transformers
-from forecast_fixtures import CFG
+from forecast_fixtures import CFG, capture_logger
 from peft import LoraConfig, get_peft_model
 from prompted_fixtures import CHAT, FakeTokenizer, reference_episode, simple_episode
 
@@ -167,23 +167,8 @@ def _diagnosed_fit(batches: list[str], every_n_steps: int, epochs: int = 1):
     """SGD at lr 0 (every step at the same parameters) over ``batches`` ("rollout"/"forecast") each epoch, with
     GradientStats; returns (the grad/* rows as (step, metrics), objectives, module, rollout batch, forecast batch)."""
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import Logger
 
     from cope.callbacks.grad_stats import GradientStats
-
-    class Capture(Logger):
-        name, version = "capture", 0
-
-        def __init__(self):
-            super().__init__()
-            self.rows = []
-
-        def log_metrics(self, metrics, step=None):
-            if any(k.startswith("grad/") for k in metrics):
-                self.rows.append((step, {k: float(v) for k, v in metrics.items() if k.startswith("grad/")}))
-
-        def log_hyperparams(self, *args, **kwargs):
-            pass
 
     model, eps = _model(), _episodes()
     for e, a in zip(eps, [0.9, -0.4, 0.7, -1.1]):
@@ -193,12 +178,13 @@ def _diagnosed_fit(batches: list[str], every_n_steps: int, epochs: int = 1):
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.0))
     made = {"rollout": collate(eps, PAD), "forecast": collate_chunks(eps, _chunks(eps), PAD)}
     module.score_minibatches([made["rollout"]])
-    capture = Capture()
+    capture = capture_logger()
     trainer = pl.Trainer(max_epochs=epochs, accelerator="cpu", devices=1, logger=[capture], enable_checkpointing=False,
                          callbacks=[GradientStats(every_n_steps=every_n_steps)], enable_progress_bar=False,
                          enable_model_summary=False)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([made[b] for b in batches], batch_size=None))
-    return capture.rows, objectives, module, made["rollout"], made["forecast"]
+    rows = [(step, {k: float(v) for k, v in m.items() if k.startswith("grad/")}) for step, m in capture.rows]
+    return [r for r in rows if r[1]], objectives, module, made["rollout"], made["forecast"]
 
 
 def test_grad_diagnostics_measure_the_separate_forecast_step_against_the_policy_step():

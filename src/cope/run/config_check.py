@@ -232,35 +232,56 @@ class _Checker:
             self.warnings.append("every algo.objectives.*.weight is 0: training changes nothing")
 
     def attention_fits_layout(self, model: DictConfig, cfg: DictConfig) -> None:
-        """Flash attention takes no (N, 1, T, T) mask, and CoPE's packed forecast layout attends through one
-        (segment attention, built per forward): the pairing would fail, or be wrong, at the first training forward."""
-        attn = model.get("attn_implementation")
-        if not (isinstance(attn, str) and attn.startswith("flash_attention")):
-            return
+        """What CoPE's forecast layouts need of ``model.attn_implementation``, checked before any work:
+        * flash attention takes no (N, 1, T, T) mask, and the packed layout attends through one (segment attention,
+          built per forward): the pairing would fail, or be wrong, at the first training forward;
+        * the shared-prefix separate steps switch the model to tree attention ("cope_tree"), which is SDPA outside those
+          steps: a model configured with anything else (eager, flash) would not get what it was configured with."""
+        attn = model.get("attn_implementation", "sdpa")
         for name, node in ((cfg.get("algo") or {}).get("callbacks") or {}).items():
-            key = _packed_key(node)
-            if key is not None:
+            cls = _callback_class(node)
+            key = _packed_key(cls, node)
+            if key is not None and isinstance(attn, str) and attn.startswith("flash_attention"):
                 self.fail("model.attn_implementation", f" = {attn!r}: cannot take CoPE's packed forecast layout "
                           f"(algo.callbacks.{name}.{key}: segment attention, a (N, 1, T, T) mask per forward); "
                           f"use {'cope.update=separate or cope.packing=plain' if key.startswith('packing') else 'cope.packing=plain'} "
                           "(2D masks only) or model.attn_implementation=sdpa")
+            if attn not in (None, "sdpa") and _shares_prefix(cls, node):
+                self.fail("model.attn_implementation", f" = {attn!r}: CoPE's separate forecast steps share each episode's "
+                          f"prefix (algo.callbacks.{name}.share_prefix=true) through tree attention ('cope_tree'), which "
+                          "runs as sdpa outside those steps; use model.attn_implementation=sdpa, or cope.share_prefix=false "
+                          "(one row per sample, any attention)")
 
 
-def _packed_key(node: Any) -> str | None:
-    """The key that puts CoPE's forecasts in packed segments (``layout=packed`` of the continuation targets,
-    ``packing=packed`` of the authors' samples with ``update=joint``), or None."""
-    from cope.algos.cope.forecast_targets import ForecastTargets
-    from cope.algos.cope.forecasts import CopeForecasts
-
+def _callback_class(node: Any) -> type | None:
+    """The class a callback node's ``_target_`` names, or None (not a node with a class target; a bad one is reported
+    by the walk)."""
     if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
         return None
     try:
         cls = get_object(node.get("_target_"))
     except Exception:
-        return None  # reported by the walk
-    if isinstance(cls, type) and issubclass(cls, ForecastTargets) and node.get("layout") == "packed":
+        return None
+    return cls if isinstance(cls, type) else None
+
+
+def _shares_prefix(cls: type | None, node: Any) -> bool:
+    """Whether ``node`` is CoPE's forecast callback with its separate steps in shared-prefix rows."""
+    from cope.algos.cope.forecasts import CopeForecasts
+
+    return (cls is not None and issubclass(cls, CopeForecasts) and node.get("update", "separate") == "separate"
+            and bool(node.get("share_prefix", True)))
+
+
+def _packed_key(cls: type | None, node: Any) -> str | None:
+    """The key that puts CoPE's forecasts in packed segments (``layout=packed`` of the continuation targets,
+    ``packing=packed`` of the authors' samples with ``update=joint``), or None."""
+    from cope.algos.cope.forecast_targets import ForecastTargets
+    from cope.algos.cope.forecasts import CopeForecasts
+
+    if cls is not None and issubclass(cls, ForecastTargets) and node.get("layout") == "packed":
         return "layout=packed"
-    if isinstance(cls, type) and issubclass(cls, CopeForecasts) and node.get("update") == "joint" and node.get("packing") == "packed":
+    if cls is not None and issubclass(cls, CopeForecasts) and node.get("update") == "joint" and node.get("packing") == "packed":
         return "packing=packed (update=joint)"
     return None
 

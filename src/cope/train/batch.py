@@ -9,6 +9,7 @@ from typing import TypedDict
 import torch
 
 from cope.episode import Episode, Role
+from cope.train.tree_layout import TreeLayout
 
 
 class RolloutBatch(TypedDict, total=False):
@@ -33,8 +34,12 @@ class RolloutBatch(TypedDict, total=False):
     attention ``attn_context_end`` / ``attn_segment_start`` (N, T) long (query i attends keys j < context_end[i]
     and segment_start[i] <= j <= i; see :func:`segment_attention`). CoPE's separate update trains batches of its
     own, ``kind == "forecast"`` (:func:`cope.algos.cope.layouts.collate_chunks`; no ``kind``: a rollout
-    minibatch). The temporal ensemble's scored transform adds ``te_position`` (P, 2) long [row, column],
-    ``te_ids`` (P, M) long and ``te_probs`` (P, M) float.
+    minibatch). With ``cope.share_prefix`` those batches pack each episode's samples as branches of one row
+    (:func:`cope.algos.cope.shared_prefix.collate_shared`) and carry ``tree_layout``, a
+    :class:`cope.train.tree_layout.TreeLayout` (not a tensor; its ``position_ids`` are the batch's): the module
+    hands it to the model (``"cope_tree"`` attention) with each forward, cut to the micro-batch's rows
+    (:func:`cope.train.tree_batch.batch_tree_layout`). The temporal ensemble's scored transform adds
+    ``te_position`` (P, 2) long [row, column], ``te_ids`` (P, M) long and ``te_probs`` (P, M) float.
 
     Filled by the module's scoring pass before any update (same shape as ``input_ids``):
     ``old_logprobs``, ``old_entropy``, and ``ref_logprobs`` when a KL term is on. EMPG's scored
@@ -61,6 +66,7 @@ class RolloutBatch(TypedDict, total=False):
     te_probs: torch.Tensor
     attn_context_end: torch.Tensor
     attn_segment_start: torch.Tensor
+    tree_layout: TreeLayout
     old_logprobs: torch.Tensor
     old_entropy: torch.Tensor
     ref_logprobs: torch.Tensor
@@ -136,7 +142,7 @@ def model_attention(model, batch: RolloutBatch) -> torch.Tensor:
     dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
     dtype = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
     if all(k in batch for k in SEGMENT_KEYS):
-        sdpa = getattr(model.config, "_attn_implementation", "sdpa") == "sdpa"
+        sdpa = getattr(model.config, "_attn_implementation", "sdpa") in ("sdpa", "cope_tree")  # tree: sdpa without a layout
         return segment_attention(*(batch[k] for k in SEGMENT_KEYS), dtype=None if sdpa else dtype)
     if mask.dim() == 4:  # additive float mask from a collate transform
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask < 0, torch.finfo(dtype).min)

@@ -10,7 +10,8 @@ forward + backward over micro-batches of at most ``max_tokens_per_microbatch`` t
 batch; :mod:`cope.train.backward`, exact), clip, skip a non-finite step (:mod:`cope.train.step_guard`),
 step the optimizer and the scheduler. A batch is a rollout minibatch, or one of CoPE's separate forecast
 batches (kind ``forecast``: only the objectives of that kind, the learning rate times their ``lr_scale``,
-the schedule not advanced). Step metrics go straight to the loggers. Checkpoints hold only trainable
+the schedule not advanced; a forecast batch may pack shared prefixes, whose ``tree_layout`` goes to the model with
+every forward, :mod:`cope.train.tree_batch`). Step metrics go straight to the loggers. Checkpoints hold only trainable
 (adapter) weights, plus optimizer, scheduler, counters (in the DataModule's state), the objectives' state
 and the skipped-step count; no RNG state (each epoch's generators are derived from the seed, the rank and
 the epoch); the frozen base is never written.
@@ -33,6 +34,7 @@ from cope.train.logprobs import causal_lm_logprobs, sampler_gap
 from cope.train.objectives import ROLLOUT, ForwardOut, Objective, batch_kind
 from cope.train.seeding import seed_globals
 from cope.train.step_guard import StepGuard, lr_scaled
+from cope.train.tree_batch import batch_tree_layout
 
 ScoredTransform = Callable[[list[dict], list], None]
 log = logging.getLogger(__name__)
@@ -111,8 +113,9 @@ class AgentRLModule(pl.LightningModule):
 
     def _logits(self, batch: dict) -> torch.Tensor:
         """Full (N, T, V) logits (probes and tests; training and scoring go through :meth:`logprobs`)."""
-        return self.model(input_ids=batch["input_ids"], attention_mask=self._attention(batch),
-                          position_ids=batch["position_ids"], use_cache=False).logits  # (N, T, V)
+        tree = batch_tree_layout(self.model, batch)
+        return self.model(input_ids=batch["input_ids"], attention_mask=self._attention(batch), position_ids=batch["position_ids"],
+                          use_cache=False, **({"tree_layout": tree} if tree is not None else {})).logits  # (N, T, V)
 
     def logprobs(self, batch: dict, rows: torch.Tensor | None = None, length: int | None = None,
                  entropy: bool = True, te: bool = False) -> tuple[torch.Tensor, ...]:
@@ -135,8 +138,10 @@ class AgentRLModule(pl.LightningModule):
         if length is not None:
             part = {k: v[:, :length] if v.dim() == 2 else v[..., :length, :length] for k, v in part.items()}
         act, mask = part["action_mask"], self._attention(part)  # a segment mask only for these rows and columns
+        tree = batch_tree_layout(self.model, batch, rows, length)  # shared-prefix rows: their layout, these rows only
         lp, ent, *te_rows = causal_lm_logprobs(self.model, part["input_ids"], mask, part["position_ids"], tempered=act,
-                                               temperature=self.temperature, entropy_mask=act if entropy else None, rows_at=at)
+                                               temperature=self.temperature, entropy_mask=act if entropy else None, rows_at=at,
+                                               tree_layout=tree)
         if part["attention_mask"].dim() == 2:  # right padding scores 0, whether or not a micro-batch cut it off
             pad = part["attention_mask"] == 0
             lp, ent = lp.masked_fill(pad, 0.0), ent.masked_fill(pad, 0.0)
@@ -257,6 +262,7 @@ class AgentRLModule(pl.LightningModule):
         else:  # its own names: loss/total and train/grad_norm stay the policy steps'
             metrics = {("forecast/loss_total" if k == "loss/total" else k): v for k, v in metrics.items()}
             metrics["forecast/grad_norm"] = norm.detach()
+            metrics["forecast/tokens_forwarded"] = float(batch["attention_mask"].ne(0).sum())  # shared prefixes: once
         result = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in metrics.items()}
         self._log_step(result, step)
         result["loss"] = total

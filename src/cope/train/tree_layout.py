@@ -166,6 +166,11 @@ class TreeLayout:
             for r, nodes in enumerate(self.rows)
         ]
 
+    def to(self, device: torch.device | str | None = None, **kwargs) -> TreeLayout:
+        """Itself: a layout holds no tensors (kernels build theirs per device). Lightning moves a batch with ``.to``
+        and, without this, would try to rebuild this frozen dataclass field by field and fail."""
+        return self
+
     def cached(self, key: object, build: Callable[[], Any]) -> Any:
         """``build()`` once per layout and ``key`` (e.g. a kernel's tensors on one device), then reused by every layer."""
         if key not in self._cache:

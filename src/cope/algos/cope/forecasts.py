@@ -9,7 +9,11 @@ prompted forecast samples (gate, look-past of invalid actions, group weights); t
   the ``forecast`` objective on them, learning rate times its ``lr_scale``). After the policy steps of the epoch,
   not of each minibatch: the authors' trainer runs its forecast pass after the policy update of a training step,
   and a training step there is one rollout batch, an epoch here. Under DDP the ranks' batch counts are evened out
-  with empty batches (:class:`cope.train.experience.BatchSource`).
+  with empty batches (:class:`cope.train.experience.BatchSource`). With ``share_prefix`` (the default) the samples
+  of one episode in a step are branches of one row over its transcript, forwarded once
+  (:func:`cope.algos.cope.shared_prefix.collate_shared`; the model's attention becomes ``"cope_tree"`` at setup,
+  which is SDPA for everything else); without it, one row per sample (the dense reference). Same samples, same
+  order, same loss.
 * ``joint``: a collate transform lays the samples of each minibatch's episodes into it (``packing``: ``packed``
   segments after their transcript, attending to it up to obs_t and to themselves, or ``plain`` rows, the
   reference), and the ``forecast`` objective is summed into the policy-gradient loss.
@@ -26,8 +30,10 @@ from lightning.pytorch import Callback
 
 from cope.algos.cope.layouts import LAYOUTS, collate_chunks
 from cope.algos.cope.prompted import PlanPrompt, build_prompted, check_prompted_args
+from cope.algos.cope.shared_prefix import collate_shared
 from cope.algos.cope.te_loss import ensemble_transform
 from cope.episode import Episode
+from cope.train.tree_batch import use_tree_attention
 
 UPDATES = ("separate", "joint")
 
@@ -47,6 +53,8 @@ class CopeForecasts(Callback):
         update: ``separate`` (the authors') or ``joint`` (must match the ``forecast`` objective's ``update``).
         packing: ``joint`` only: ``packed`` (segments in the transcript's row) or ``plain`` (a row per sample).
         minibatch_size: ``separate`` only: samples per optimizer step.
+        share_prefix: ``separate`` only: a step's samples of one episode share one row, the transcript forwarded
+            once (tree attention; the model must be on ``sdpa``); False: one row per sample.
         max_context: samples longer than this are dropped and counted (None: no limit).
         te_weight: lambda_TE of the temporal-ensemble objective (``algo.objectives.te``); > 0 makes this callback
             score the members each epoch.
@@ -56,7 +64,8 @@ class CopeForecasts(Callback):
     def __init__(self, K: int = 3, layout: str = "list", prompt: str | None = None, invalid: str = "skip",
                  mask_projected: bool = True, gate: str = "wins", success_threshold: float = 0.5,
                  group_weights: bool = True, update: str = "separate", packing: str = "packed",
-                 minibatch_size: int = 16, max_context: int | None = None, te_weight: float = 0.0, te_top_m: int = 64):
+                 minibatch_size: int = 16, share_prefix: bool = True, max_context: int | None = None, te_weight: float = 0.0,
+                 te_top_m: int = 64):
         check_prompted_args(K, invalid, gate)
         if update not in UPDATES:
             raise ValueError(f"cope.update must be one of {UPDATES}, got {update!r}")
@@ -68,6 +77,7 @@ class CopeForecasts(Callback):
         self.mask_projected, self.gate, self.success_threshold = mask_projected, gate, float(success_threshold)
         self.group_weights, self.update, self.packing = group_weights, update, packing
         self.minibatch_size, self.max_context = int(minibatch_size), max_context
+        self.share_prefix = bool(share_prefix)
         if te_top_m < 1:
             raise ValueError(f"cope.te.top_m must be >= 1, got {te_top_m}")
         self.te_weight, self.te_top_m = float(te_weight), int(te_top_m)
@@ -85,6 +95,8 @@ class CopeForecasts(Callback):
             raise ValueError(f"cope.update={self.update!r} needs one algo.objectives.forecast with update={self.update!r}, "
                              f"got {[getattr(o, 'update', None) for o in fc]}")
         policy = pl_module.policy
+        if self.shares_prefix:  # before any forward; rollouts and scoring see SDPA (no layout there)
+            use_tree_attention(policy.model)
         self._chat, self._pad_id = policy.chat, policy.pad_id
         self._plan = PlanPrompt(policy.tokenizer, self.layout, self.prompt)
         if dm is self._datamodule:
@@ -109,10 +121,16 @@ class CopeForecasts(Callback):
             self._built = (episodes, chunks, metrics)
         return self._built[1], self._built[2]
 
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether the separate steps' batches are shared-prefix rows (``share_prefix`` with ``update=separate``)."""
+        return self.share_prefix and self.update == "separate"
+
     # -- separate: a batch source --------------------------------------------------------------
     def batches(self, episodes: list[Episode]) -> list[dict]:
         chunks, _ = self.samples(episodes)
-        return [collate_chunks(episodes, chunks[s: s + self.minibatch_size], self._pad_id)
+        collate = collate_shared if self.shares_prefix else collate_chunks
+        return [collate(episodes, chunks[s: s + self.minibatch_size], self._pad_id)
                 for s in range(0, len(chunks), self.minibatch_size)]
 
     def empty(self) -> dict:

@@ -1,5 +1,6 @@
 """Two equivalent ways to lay CoPE forecast chunks (:class:`~cope.algos.cope.chunks.ForecastChunk`) into a
-training batch, and the standalone batch of the separate update.
+training batch, and the standalone batch of the separate update (:func:`collate_chunks`, one row per chunk: the
+dense reference of :func:`cope.algos.cope.shared_prefix.collate_shared`, ``cope.share_prefix=false``).
 
 Layouts of a rollout minibatch (both return a new batch dict, see :class:`cope.train.batch.RolloutBatch` for the
 keys, and add ``forecast_mask`` (N, T) bool, ``forecast_chunk`` (N, T) long (index into ``chunks``, -1
@@ -166,17 +167,26 @@ def collate_chunks(episodes: list[Episode], chunks: list[ForecastChunk], pad_id:
     for i, c in enumerate(chunks):
         fmask[i, c.anchor : c.anchor + len(c.tokens)] = torch.tensor(c.target, dtype=torch.bool)
         fchunk[i, c.anchor : c.anchor + len(c.tokens)] = i
+    episode_index = torch.tensor([c.episode for c in chunks] or [-1], dtype=torch.long)
+    return forecast_batch(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0), fmask, fchunk, episode_index, chunks)
+
+
+def forecast_batch(ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, fmask: torch.Tensor, fchunk: torch.Tensor,
+                   episode_index: torch.Tensor, chunks: list[ForecastChunk]) -> dict:
+    """The batch dict of kind ``forecast`` around rows already laid out: ``ids``, ``attn``, ``pos``, ``fmask``,
+    ``fchunk`` (N, T) and ``episode_index`` (N,); the per-chunk keys from ``chunks`` (what ``fchunk`` indexes)."""
+    N, T = ids.shape
     return {
         "kind": "forecast",
         "input_ids": ids,
         "attention_mask": attn,
-        "position_ids": (attn.cumsum(-1) - 1).clamp(min=0),
+        "position_ids": pos,
         "roles": torch.full((N, T), int(Role.PAD), dtype=torch.long),
         "step_ids": torch.full((N, T), -1, dtype=torch.long),
         "action_mask": torch.zeros(N, T, dtype=torch.bool),
         "advantages": torch.zeros(N, T),
         "aborted": torch.zeros(N, dtype=torch.bool),
-        "episode_index": torch.tensor([c.episode for c in chunks] or [-1], dtype=torch.long),
+        "episode_index": episode_index,
         "aux_row": torch.ones(N, dtype=torch.bool),
         "forecast_mask": fmask,
         "forecast_chunk": fchunk,

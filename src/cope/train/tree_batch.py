@@ -1,0 +1,101 @@
+"""Shared-prefix rows in a training batch: a trunk stored once and the branches that continue it, in one row.
+
+The generic side of tree attention in training (:mod:`cope.train.tree_layout` says who attends whom,
+:mod:`cope.train.tree_attention` computes it): :func:`pack_branches` lays rows of "trunk + branches anchored in
+it" into padded tensors and their :class:`~cope.train.tree_layout.TreeLayout`; a batch carries that layout as
+``batch["tree_layout"]`` (see :class:`cope.train.batch.RolloutBatch`); :func:`batch_tree_layout` gives the forward
+the layout of a micro-batch's rows and columns, and refuses a model whose attention would ignore it;
+:func:`use_tree_attention` switches a model to ``"cope_tree"`` (which is SDPA whenever no layout is passed, so
+rollouts and scoring are unchanged). Who packs what is the caller's business (CoPE's separate forecast update:
+:mod:`cope.algos.cope.shared_prefix`).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cope.train.tree_attention import NAME, register
+from cope.train.tree_layout import TreeLayout, TreeNode
+
+#: One packed row: the trunk's ids, then each branch as (anchor, ids): the branch continues ``trunk[:anchor]``.
+Row = tuple[Sequence[int], Sequence[tuple[int, Sequence[int]]]]
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Rows of trunk + branches, right padded. ``starts[r][b]``: the column of branch ``b`` of row ``r``.
+
+    ``attention_mask`` is 1 on every trunk and branch token (each row is contiguous from column 0) and 0 on padding;
+    ``position_ids`` are the layout's: a branch token sits where it would in ``trunk[:anchor] + branch``."""
+
+    input_ids: torch.Tensor  # (N, T) long
+    attention_mask: torch.Tensor  # (N, T) long
+    position_ids: torch.Tensor  # (N, T) long
+    layout: TreeLayout
+    starts: tuple[tuple[int, ...], ...]
+
+
+def pack_branches(rows: Sequence[Row], pad_id: int) -> PackedRows:
+    """Lay each row out as ``[trunk][branch 0][branch 1]...``: the trunk a root node, each branch a child of it
+    anchored at its ``anchor`` (``0 <= anchor <= len(trunk)``). An empty trunk is left out and its branches become
+    roots (they must then be anchored at 0)."""
+    if not rows:
+        raise ValueError("pack_branches needs at least one row")
+    nodes, starts, seqs = [], [], []
+    for r, (trunk, branches) in enumerate(rows):
+        row_nodes, row_starts, seq = [], [], list(trunk)
+        if trunk:
+            row_nodes.append(TreeNode(0, len(trunk), -1, 0))
+        for b, (anchor, ids) in enumerate(branches):
+            if not ids or not 0 <= anchor <= len(trunk):
+                raise ValueError(f"pack_branches row {r} branch {b}: needs ids and 0 <= anchor={anchor} <= len(trunk)={len(trunk)}")
+            row_starts.append(len(seq))
+            row_nodes.append(TreeNode(len(seq), len(seq) + len(ids), 0 if trunk else -1, anchor))
+            seq.extend(ids)
+        if not seq:
+            raise ValueError(f"pack_branches row {r} is empty: give it a trunk or a branch")
+        nodes.append(tuple(row_nodes))
+        starts.append(tuple(row_starts))
+        seqs.append(seq)
+    N, T = len(seqs), max(len(s) for s in seqs)
+    ids = torch.full((N, T), pad_id, dtype=torch.long)  # (N, T)
+    attn = torch.zeros(N, T, dtype=torch.long)  # (N, T)
+    for r, s in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[r, : len(s)] = 1
+    layout = TreeLayout(rows=tuple(nodes), length=T)
+    return PackedRows(ids, attn, layout.position_ids(), layout, tuple(starts))
+
+
+def batch_tree_layout(model, batch: dict, rows: torch.Tensor | None = None, length: int | None = None) -> TreeLayout | None:
+    """The tree layout of ``batch`` rows ``rows`` (all: None), first ``length`` columns (all: None), for a forward of
+    ``model``; None when the batch has none. A model whose attention is not ``"cope_tree"`` would ignore the layout
+    (every branch would attend the rows' other branches): that is refused."""
+    layout = batch.get("tree_layout")
+    if layout is None:
+        return None
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != NAME:
+        raise ValueError(f"this batch packs shared prefixes (tree_layout) but the model's attention is {impl!r}, which would "
+                         f"ignore the layout: switch it with cope.train.tree_batch.use_tree_attention(model) ('{NAME}')")
+    if rows is None and length in (None, layout.length):
+        return layout
+    picked = layout.rows if rows is None else tuple(layout.rows[i] for i in rows.tolist())
+    return TreeLayout(rows=picked, length=layout.length if length is None else int(length), kernel=layout.kernel)
+
+
+def use_tree_attention(model) -> None:
+    """Register ``"cope_tree"`` and switch ``model`` (a transformers causal LM, peft-wrapped or not) to it. Without a
+    layout it computes exactly what ``"sdpa"`` does, so only a model on ``"sdpa"`` is switched (idempotent); any
+    other implementation is refused, naming the fix."""
+    register()
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == NAME:
+        return
+    if impl != "sdpa":
+        raise ValueError(f"shared-prefix rows need tree attention ('{NAME}'), which is 'sdpa' without a layout; this model "
+                         f"runs {impl!r}: load it with model.attn_implementation=sdpa, or turn the sharing off "
+                         "(cope.share_prefix=false)")
+    model.set_attn_implementation(NAME)

@@ -1,0 +1,217 @@
+"""CoPE's separate forecast step with shared prefixes (``cope.share_prefix=true``): the samples of one episode in a
+step are branches of one row over its transcript (tree attention), and the step's loss and every LoRA gradient equal
+one row per sample under SDPA (the dense reference), on the project's tiny architecture (Qwen2) and on Llama, whole
+and micro-batched; the layout is the samples' own sequences; the batch trains through Lightning (its layout moves
+with it) with fewer tokens forwarded; the model serves ordinary batches as SDPA."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from forecast_fixtures import CFG, capture_logger
+from peft import LoraConfig, get_peft_model
+from prompted_fixtures import CHAT, FakeTokenizer, reference_episode, simple_episode
+
+from cope.algos.cope.layouts import collate_chunks
+from cope.algos.cope.loss import ForecastLoss
+from cope.algos.cope.prompted import PlanPrompt, build_prompted
+from cope.algos.cope.shared_prefix import collate_shared
+from cope.models.policy import Policy
+from cope.train.backward import backward_microbatched
+from cope.train.module import AgentRLModule
+from cope.train.tree_attention import NAME
+from cope.train.tree_batch import use_tree_attention
+
+PAD = 0
+STEP = 4  # cope.minibatch_size here: the reference episode's five samples are split over steps 0 and 1
+
+
+def _model(arch: str = "qwen2"):
+    """A fresh tiny causal LM on SDPA with a LoRA adapter away from zero (every LoRA matrix gets a gradient)."""
+    torch.manual_seed(0)
+    cfg = copy.deepcopy(CFG)
+    cfg.vocab_size = 128  # the prompted fixtures' ids go up to 99
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**{k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                                       "num_attention_heads", "num_key_value_heads", "vocab_size")})
+    base = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+
+
+def _episodes():
+    """The reference episode (5 steps), two wins and a loss of group 1, and a one-step win (a single sample)."""
+    return [reference_episode(), simple_episode(3, 1.0, group=1), simple_episode(2, 1.0, group=1),
+            simple_episode(2, 0.0, group=1), simple_episode(1, 1.0, group=2)]
+
+
+def _steps(eps):
+    chunks, _ = build_prompted(eps, CHAT, PlanPrompt(FakeTokenizer()), K=3)
+    steps = [chunks[s: s + STEP] for s in range(0, len(chunks), STEP)]
+    # what the cases below rely on: an episode split across two steps, a step holding one sample of an episode, and
+    # every episode's sample at its first action
+    assert {c.episode for c in steps[0]} & {c.episode for c in steps[1]} == {0}
+    assert [c.episode for c in steps[-1]].count(4) == 1 and sum(c.step == 0 for c in chunks) == 4
+    assert len({c.weight for c in chunks}) > 1  # group weights differ
+    return steps
+
+
+def _module(model, budget=None):
+    module = AgentRLModule(Policy(model=model, tokenizer=None, chat=CHAT, source="t"),
+                           [ForecastLoss(weight=1.0, update="separate")], optimizer=torch.optim.SGD,
+                           max_tokens_per_microbatch=budget)
+    module.manual_backward = lambda loss: loss.backward()  # no trainer here: the plain autograd call
+    return module
+
+
+def _step(module, batch):
+    """One separate step's loss (as training_step takes it: micro-batched under the module's budget) and LoRA grads."""
+    module.zero_grad(set_to_none=True)
+    _, total, metrics = backward_microbatched(module, batch)
+    return total, metrics, [p.grad.clone() for p in module.policy.trainable_parameters()]
+
+
+def _check_steps(arch: str, budget: int | None, device: str = "cpu", tol: float = 1e-5) -> None:
+    """Every step of the fixtures' samples: shared rows under tree attention vs one row per sample under SDPA."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    model, eps = _model(arch).to(device), _episodes()
+    module = _module(model, budget).to(device)  # the module's device is where micro-batched log-probs are assembled
+    steps = _steps(eps)
+    dense = [_step(module, move_data_to_device(collate_chunks(eps, chunks, PAD), device)) for chunks in steps]  # reference
+    use_tree_attention(model)
+    assert model.get_base_model().config._attn_implementation == NAME
+    for chunks, (ref_loss, ref_m, ref_grads) in zip(steps, dense):
+        loss, m, grads = _step(module, move_data_to_device(collate_shared(eps, chunks, PAD), device))
+        assert loss.item() == pytest.approx(ref_loss.item(), abs=tol) and loss.item() > 0
+        assert m["forecast/chunks"] == ref_m["forecast/chunks"] == len(chunks) and m["forecast/tokens"] == ref_m["forecast/tokens"]
+        assert len(grads) == len(ref_grads) and all(g.abs().sum() > 0 for g in grads)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("budget", [None, 40])  # 40 tokens: every shared row is a micro-batch of its own, cut short
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_each_step_equals_one_row_per_sample(arch, budget):
+    _check_steps(arch, budget)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the tree kernel there is FlexAttention)")
+@pytest.mark.parametrize("budget", [None, 40])
+def test_each_step_equals_one_row_per_sample_on_cuda(budget):
+    _check_steps("qwen2", budget, "cuda", 1e-4)
+
+
+def test_branches_are_the_samples_own_sequences():
+    """Each branch with the trunk tokens it sees is the sample's dense row (``tokens[:anchor] + chunk.tokens``), at
+    the same positions, with the same targets; the trunk stops at the largest anchor the step needs."""
+    eps = _episodes()
+    for chunks in _steps(eps):
+        dense, shared = collate_chunks(eps, chunks, PAD), collate_shared(eps, chunks, PAD)
+        layout = shared["tree_layout"]
+        episodes = list(dict.fromkeys(c.episode for c in chunks))  # rows in order of first appearance
+        assert shared["episode_index"].tolist() == episodes and len(layout.rows) == len(episodes)
+        assert torch.equal(shared["position_ids"], layout.position_ids())
+        assert torch.equal(shared["forecast_weight"], dense["forecast_weight"])
+        assert torch.equal(shared["forecast_actions"], dense["forecast_actions"])
+        for r, e in enumerate(episodes):
+            mine = [i for i, c in enumerate(chunks) if c.episode == e]
+            trunk, *branches = layout.rows[r]
+            assert trunk.end - trunk.start == max(chunks[i].anchor for i in mine) - 1
+            assert len(branches) == len(mine)
+            for i, seq in zip(mine, layout.unshared()[r][1:]):  # node order = chunk order
+                n = int(dense["attention_mask"][i].sum())
+                assert shared["input_ids"][r, seq].tolist() == dense["input_ids"][i, :n].tolist()
+                assert shared["position_ids"][r, seq].tolist() == list(range(n))
+                assert shared["forecast_mask"][r, seq].tolist() == dense["forecast_mask"][i, :n].tolist()
+                assert set(shared["forecast_chunk"][r, seq[-len(chunks[i].tokens):]].tolist()) == {i}
+        assert int(shared["attention_mask"].sum()) <= int(dense["attention_mask"].sum())
+    assert collate_shared(eps, [], PAD).keys() == collate_chunks(eps, [], PAD).keys()  # an idle rank's batch: the same
+
+
+def test_a_batch_with_its_layout_is_refused_by_a_model_that_would_ignore_it():
+    model, eps = _model(), _episodes()
+    batch = collate_shared(eps, _steps(eps)[0], PAD)
+    with pytest.raises(ValueError, match="would ignore the layout"):
+        _module(model)(batch)
+    base = model.get_base_model()
+    base.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="model.attn_implementation=sdpa, or turn the sharing off"):
+        use_tree_attention(model)
+
+
+def test_the_switched_model_serves_ordinary_batches_as_sdpa():
+    """Rollouts and scoring pass no layout: the logits of a padded batch are bit-identical to SDPA's."""
+    model = _model()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        use_tree_attention(model)
+        use_tree_attention(model)  # idempotent
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, ref)
+
+
+def _fit(batch, model) -> tuple[list[dict], list[torch.Tensor]]:
+    """One Lightning epoch of one forecast batch (AdamW): the logged rows and the adapter after the step."""
+    import lightning.pytorch as pl
+
+    module = AgentRLModule(Policy(model=model, tokenizer=None, chat=CHAT, source="t"),
+                           [ForecastLoss(weight=0.01, update="separate")], optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    capture = capture_logger()
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=[capture], enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
+    return [m for _, m in capture.rows], [p.detach().clone() for p in module.policy.trainable_parameters()]
+
+
+def test_a_shared_step_trains_through_lightning_with_fewer_tokens():
+    """Lightning moves the batch (its TreeLayout included) to the device and takes the step: the adapter lands where
+    the dense step puts it, the logged losses agree and ``forecast/tokens_forwarded`` counts the shared row once."""
+    eps = _episodes()
+    chunks = _steps(eps)[0]
+    dense_rows, dense_after = _fit(collate_chunks(eps, chunks, PAD), _model())
+    model = _model()
+    use_tree_attention(model)
+    shared_rows, shared_after = _fit(collate_shared(eps, chunks, PAD), model)
+    (d,), (s,) = ([r for r in rows if "forecast/tokens_forwarded" in r] for rows in (dense_rows, shared_rows))
+    assert {c.episode for c in chunks} == {0}  # one episode: one trunk (up to the last anchor but one) + the branches
+    assert s["forecast/tokens_forwarded"] == max(c.anchor for c in chunks) - 1 + sum(1 + len(c.tokens) for c in chunks)
+    assert d["forecast/tokens_forwarded"] == sum(c.anchor + len(c.tokens) for c in chunks)
+    assert s["forecast/tokens_forwarded"] < 0.65 * d["forecast/tokens_forwarded"]
+    for k in ("loss/forecast", "forecast/nll", "forecast/chunks", "forecast/tokens"):
+        assert s[k] == pytest.approx(d[k], abs=1e-5), k
+    for a, b in zip(shared_after, dense_after):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+# A warm-started maze the policy sometimes solves (wins, so the policy gradient is not 0), every episode a sample
+# source, 8 samples per forecast step: about 50 forecast steps in 4 epochs.
+RUN = ["algo=cope", "model.warm_start_steps=150", "model.warm_start_policy=expert", "env.sizes=[5]", "env.min_distance=1",
+       "data.tasks_per_epoch=4", "cope.gate=all", "cope.minibatch_size=8", "trainer.max_epochs=4"]
+SAME = ("loss/forecast", "loss/pg", "forecast/", "val/success", "rollout/success")
+
+
+@pytest.mark.long
+def test_a_run_with_shared_prefixes_logs_what_one_row_per_sample_logs(run_train, read_metrics, tmp_path):
+    """``algo=cope`` on the tiny model, sharing on and off: every policy step, forecast step and validation logs the
+    same values to fp32 noise (the runs then draw the same rollouts); the shared steps forward fewer tokens."""
+    cols = {}
+    for share in ("true", "false"):
+        run_train([*RUN, f"cope.share_prefix={share}"], tmp_path / share)
+        cols[share] = read_metrics(tmp_path / share / "csv" / "metrics.csv")
+    shared, dense = cols["true"], cols["false"]
+    keys = sorted(k for k in dense if k.startswith(SAME) and k != "forecast/tokens_forwarded")
+    assert {"loss/forecast", "loss/pg", "forecast/nll", "forecast/grad_norm", "val/success"} <= set(keys)
+    assert len(dense["forecast/nll"]) >= 30 and any(abs(v) > 1e-3 for v in dense["loss/pg"])  # many steps, a PG signal
+    for k in keys:
+        assert len(shared[k]) == len(dense[k]), k
+        for i, (a, b) in enumerate(zip(shared[k], dense[k])):
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-5), f"{k} row {i}: {a} vs {b}"
+    fwd = [(a, b) for a, b in zip(shared["forecast/tokens_forwarded"], dense["forecast/tokens_forwarded"])]
+    assert all(a <= b for a, b in fwd) and sum(a for a, _ in fwd) < 0.7 * sum(b for _, b in fwd)

@@ -1,0 +1,63 @@
+"""Shared-prefix rows in a batch (``cope.train.tree_batch``): packing trunk + branches by hand, an empty trunk, the
+layout of a micro-batch, and a batch that carries its layout through Lightning's device transfer."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+
+from cope.train.tree_attention import NAME
+from cope.train.tree_batch import batch_tree_layout, pack_branches
+from cope.train.tree_layout import TreeLayout
+
+PAD = 0
+
+
+def test_pack_branches_by_hand():
+    """Row 0: trunk [11 12 13], a branch after 2 trunk tokens and one after all 3; row 1: no trunk, one root branch."""
+    packed = pack_branches([([11, 12, 13], [(2, [21, 22]), (3, [31])]), ([], [(0, [41, 42])])], PAD)
+    assert packed.input_ids.tolist() == [[11, 12, 13, 21, 22, 31], [41, 42, PAD, PAD, PAD, PAD]]
+    assert packed.attention_mask.tolist() == [[1] * 6, [1, 1, 0, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 2, 3, 3], [0, 1, 0, 0, 0, 0]]
+    assert packed.starts == ((3, 5), (0,))
+    assert packed.layout == TreeLayout.from_lists([[(0, 3, -1, 0), (3, 5, 0, 2), (5, 6, 0, 3)], [(0, 2, -1, 0)]], length=6)
+    # each branch with what it sees is the sequence it stands for
+    assert [[packed.input_ids[0, s].tolist() for s in seqs] for seqs in packed.layout.unshared()[:1]] == [
+        [[11, 12, 13], [11, 12, 21, 22], [11, 12, 13, 31]]]
+
+
+@pytest.mark.parametrize("rows,match", [
+    ([([1, 2], [(3, [5])])], r"0 <= anchor=3 <= len\(trunk\)=2"),
+    ([([1, 2], [(1, [])])], "needs ids"),
+    ([([], [(1, [5])])], r"anchor=1 <= len\(trunk\)=0"),
+    ([([], [])], "row 0 is empty"),
+    ([], "at least one row"),
+])
+def test_pack_branches_refuses_what_it_cannot_lay_out(rows, match):
+    with pytest.raises(ValueError, match=match):
+        pack_branches(rows, PAD)
+
+
+def _model(impl: str):
+    return types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=impl))
+
+
+def test_batch_tree_layout_cuts_rows_and_columns():
+    packed = pack_branches([([1, 2, 3], [(1, [4])]), ([5], [(1, [6, 7, 8, 9])]), ([1], [(0, [2])])], PAD)
+    batch = {"input_ids": packed.input_ids, "tree_layout": packed.layout}
+    assert batch_tree_layout(_model(NAME), batch) is packed.layout
+    part = batch_tree_layout(_model(NAME), batch, torch.tensor([0, 2]), 4)
+    assert part == TreeLayout(rows=(packed.layout.rows[0], packed.layout.rows[2]), length=4)
+    assert batch_tree_layout(_model("sdpa"), {"input_ids": packed.input_ids}) is None  # no layout: nothing to check
+    with pytest.raises(ValueError, match="would ignore the layout"):
+        batch_tree_layout(_model("sdpa"), batch)
+
+
+def test_a_batch_moves_with_its_layout():
+    """Lightning moves a batch with ``.to``; a frozen dataclass without it made the transfer raise."""
+    packed = pack_branches([([1, 2, 3], [(2, [4, 5])])], PAD)
+    batch = {"kind": "forecast", "input_ids": packed.input_ids, "tree_layout": packed.layout}
+    moved = move_data_to_device(batch, torch.device("cpu"))
+    assert moved["tree_layout"] is packed.layout and torch.equal(moved["input_ids"], packed.input_ids)
