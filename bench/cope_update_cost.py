@@ -5,13 +5,23 @@ What it measures: one epoch's optimizer steps on ONE stored batch of on-policy e
 every variant), excluding rollouts and the scoring pass:
 
 * GRPO: the epoch's policy-gradient minibatches.
+* GRPO (groups shared): the same minibatches with ``data.share_prefix=true``: each minibatch's GRPO groups forward
+  their common prefix (system prompt, task, first observation) once (:mod:`cope.train.group_prefix`); the shared
+  fraction of the tokens is printed. Groups share only within a minibatch: ``--minibatch-size`` = ``--episodes``
+  keeps every group whole.
+Also per variant: its peak activation memory (bytes autograd saves for backward, :class:`SavedTensorPeak`) and the
+training FLOPs the same batch would take at Qwen2.5-7B's shape (:func:`flops_7b`: linear layers over the positions
+computed, attention over the score cells computed).
+
 * CoPE (separate): the same minibatches, then the authors' prompted forecast samples of the epoch's winning
   episodes in batches of ``--forecast-minibatch`` samples, one optimizer step each (``cope.update=separate``), one
   row per sample (``cope.share_prefix=false``: every sample re-forwards its history).
 * CoPE (separate, shared): the same steps on the same samples, each step's samples of one episode as branches of one
   row over its transcript (``cope.share_prefix=true``, the default: tree attention, ``"cope_tree"``).
 * CoPE (joint, packed): the minibatches with the samples packed after their transcripts and the forecast loss
-  summed into the policy step (``cope.update=joint cope.packing=packed``): no extra step.
+  summed into the policy step (``cope.update=joint cope.packing=packed``): no extra step. Two attentions: the dense
+  (T, T) segment mask per forward (``cope.share_prefix=false``, the reference) and tree attention (``true``, the
+  default: each packed row a trunk with its samples as branches).
 
 Each variant owns its optimizer and its weights (swapped in outside the timer), starting from the same LoRA weights;
 variants are interleaved round-robin (A B C A B C ...) and the first ``--warmup`` rounds are discarded, so drift
@@ -33,13 +43,15 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-VARIANTS = ("GRPO", "CoPE (separate)", "CoPE (separate, shared)", "CoPE (joint, packed)")
+VARIANTS = ("GRPO", "GRPO (groups shared)", "CoPE (separate)", "CoPE (separate, shared)", "CoPE (joint, dense mask)",
+            "CoPE (joint, tree)")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -51,9 +63,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--minibatch-size", type=int, default=None, help="episodes per policy step; None = data.minibatch_size")
     p.add_argument("--forecast-minibatch", type=int, default=16, help="samples per forecast step (cope.minibatch_size)")
     p.add_argument("--K", type=int, default=3)
+    p.add_argument("--gate", default="wins", choices=("wins", "all", "mixed"),
+                   help="which episodes give samples; 'all' stands in for a trained policy's wins on a cold model")
+    p.add_argument("--mask-projected", action=argparse.BooleanOptionalAction, default=True,
+                   help="cope.mask_projected: projected answers count as invalid (off for SmolLM2, which is read by projection)")
     p.add_argument("--epochs", type=int, default=5, help="timed epochs per variant")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), help="GRPO always runs (the base)")
     p.add_argument("--out", type=Path, default=REPO / "bench/results/cope_update_cost.md")
     args = p.parse_args(argv)
 
@@ -66,9 +83,10 @@ def main(argv: list[str] | None = None) -> dict:
     from cope.algos.cope.prompted import PlanPrompt, build_prompted
     from cope.algos.cope.shared_prefix import collate_shared
     from cope.run.train import instantiate_plain
+    from cope.train.backward import backward_microbatched
     from cope.train.batch import collate
+    from cope.train.group_prefix import pack_groups
     from cope.train.module import AgentRLModule
-    from cope.train.objectives import combine
     from cope.train.tree_batch import use_tree_attention
 
     torch.manual_seed(args.seed)
@@ -80,7 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     policy = instantiate_plain(cfg.model)(env_factory=env_factory)
     dm.connect(policy)
     eps = collect(dm, policy, args.episodes, args.min_success, args.max_batches, args.seed)
-    chunks, fm = build_prompted(eps, policy.chat, PlanPrompt(policy.tokenizer), K=args.K, max_context=int(cfg.data.max_context))
+    chunks, fm = build_prompted(eps, policy.chat, PlanPrompt(policy.tokenizer), K=args.K, max_context=int(cfg.data.max_context),
+                                gate=args.gate, mask_projected=args.mask_projected)
     size = args.minibatch_size or int(cfg.data.minibatch_size)
     pg = [collate(eps[s: s + size], dm.pad_id, indices=list(range(s, min(s + size, len(eps))))) for s in range(0, len(eps), size)]
     pg_objs = [instantiate(node) for node in cfg.algo.objectives.values() if node is not None]
@@ -88,26 +107,35 @@ def main(argv: list[str] | None = None) -> dict:
     separate = [*pg_objs, ForecastLoss(weight=0.01, update="separate")]
     epochs = {
         "GRPO": (pg, pg_objs),
+        "GRPO (groups shared)": ([pack_groups(b, eps) for b in pg], pg_objs),
         "CoPE (separate)": (pg + [collate_chunks(eps, c, dm.pad_id) for c in steps], separate),
         "CoPE (separate, shared)": (pg + [collate_shared(eps, c, dm.pad_id) for c in steps], separate),
-        "CoPE (joint, packed)": ([pack_forecasts(mb, eps, chunks, dm.pad_id) for mb in pg],
-                                 [*pg_objs, ForecastLoss(weight=0.01, update="joint")]),
+        "CoPE (joint, dense mask)": ([pack_forecasts(mb, eps, chunks, dm.pad_id) for mb in pg],
+                                     [*pg_objs, ForecastLoss(weight=0.01, update="joint")]),
+        "CoPE (joint, tree)": ([pack_forecasts(mb, eps, chunks, dm.pad_id, tree=True) for mb in pg],
+                               [*pg_objs, ForecastLoss(weight=0.01, update="joint")]),
     }
+    epochs = {k: v for k, v in epochs.items() if k == "GRPO" or k in args.variants}
     use_tree_attention(policy.model)  # registers "cope_tree"; each variant runs under its own implementation below
     policy.model.set_attn_implementation("sdpa")
     params = {n: q for n, q in policy.model.named_parameters() if q.requires_grad}
     init = {n: q.detach().clone() for n, q in params.items()}
     clip = cfg.module.get("gradient_clip_val")
     runs = {}
+    budget = cfg.module.get("max_tokens_per_microbatch")
+    memory = SavedTensorPeak({q.untyped_storage().data_ptr() for q in policy.model.parameters()})
     for name, (batches, objs) in epochs.items():
-        module = AgentRLModule(policy, objs, optimizer=instantiate(cfg.module.optimizer))
+        module = AgentRLModule(policy, objs, optimizer=instantiate(cfg.module.optimizer), max_tokens_per_microbatch=budget)
+        module.manual_backward = lambda loss: loss.backward()  # no trainer: the plain autograd call
         with torch.no_grad():
             for n, q in params.items():
                 q.copy_(init[n])
+        attn = "cope_tree" if any("tree_layout" in b or "group_pack" in b for b in batches) else "sdpa"
+        policy.model.set_attn_implementation(attn)
         module.score_minibatches([b for b in batches if b.get("kind") != "forecast"])
         runs[name] = dict(module=module, batches=batches, opt=module.optimizer_factory(list(params.values())),
                           state={n: q.detach().clone() for n, q in params.items()}, times=[], steps=len(batches),
-                          attn="cope_tree" if any("tree_layout" in b for b in batches) else "sdpa", **_work(batches))
+                          attn=attn, **_work(batches, budget))
     policy.model.train()
     for r in range(args.warmup + args.epochs):
         for v in runs.values():
@@ -116,34 +144,43 @@ def main(argv: list[str] | None = None) -> dict:
                     q.copy_(v["state"][n])
             policy.model.set_attn_implementation(v["attn"])
             t0 = time.perf_counter()
-            for step, batch in enumerate(v["batches"]):
-                total, _ = combine(v["module"].objectives, v["module"](batch), batch, step)
-                total.backward()
+            for batch in v["batches"]:
+                with memory:  # micro-batched as training_step does (the model's token budget)
+                    backward_microbatched(v["module"], batch)
                 if clip:
                     torch.nn.utils.clip_grad_norm_(params.values(), float(clip))
                 v["opt"].step()
                 v["opt"].zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
             v["state"] = {n: q.detach().clone() for n, q in params.items()}
+            v["peak_bytes"] = max(v.get("peak_bytes", 0), memory.take_peak())
             if r >= args.warmup:
                 v["times"].append(dt)
         print(f"round {r + 1}/{args.warmup + args.epochs}" + (" (warmup)" if r < args.warmup else ""), flush=True)
     base = statistics.mean(runs["GRPO"]["times"])
     n_succ = sum(e.success for e in eps)
     lines = [f"{len(eps)} episodes ({n_succ} won), {len(pg)} policy minibatch(es) of <= {size}; {len(chunks)} forecast "
-             f"samples (K={args.K}, forecast minibatch {args.forecast_minibatch}); {args.epochs} timed epochs per variant "
+             f"samples (K={args.K}, gate {args.gate}, mask_projected {args.mask_projected}, forecast minibatch "
+             f"{args.forecast_minibatch}); micro-batches of <= {budget} tokens; {args.epochs} timed epochs per variant "
              f"after {args.warmup} warmup, interleaved; {torch.get_num_threads()} threads; overrides "
              f"{' '.join(args.model_overrides)}", "",
-             "| variant | s/epoch (mean) | std | vs GRPO | optimizer steps | tokens forwarded | padded positions "
-             "| per target token | score cells computed | cells needed |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| variant | s/epoch (mean) | std | vs GRPO | optimizer steps | tokens forwarded | tokens vs GRPO | padded positions "
+             "| padding per real token | per target token | score cells computed | cells needed | cells vs needed "
+             "| activation peak (MiB) | peak vs GRPO | 7B TFLOPs | 7B FLOPs vs GRPO |", "|---|" + "---:|" * 17]
     results = {}
     for name, v in runs.items():
         m = statistics.mean(v["times"])
+        g = runs["GRPO"]
         results[name] = dict(mean_s=m, std_s=statistics.stdev(v["times"]) if len(v["times"]) > 1 else 0.0,
-                             ratio=m / base, times_s=v["times"], steps=v["steps"],
+                             ratio=m / base, times_s=v["times"], steps=v["steps"], peak_bytes=v["peak_bytes"],
                              **{k: v[k] for k in ("tokens", "positions", "targets", "cells", "visible")})
         lines.append(f"| {name} | {m:.3f} | {results[name]['std_s']:.3f} | {m / base:.2f} | {v['steps']} | {v['tokens']} | "
-                     f"{v['positions']} | {v['tokens'] / max(v['targets'], 1):.1f} | {v['cells']:.3g} | {v['visible']:.3g} |")
+                     f"{v['tokens'] / g['tokens']:.2f} | {v['positions']} | {(v['positions'] - v['tokens']) / v['tokens']:.2f} | "
+                     f"{v['tokens'] / max(v['targets'], 1):.1f} | {v['cells']:.3g} | {v['visible']:.3g} | "
+                     f"{v['cells'] / v['visible']:.2f} | {v['peak_bytes'] / 2**20:.0f} | {v['peak_bytes'] / g['peak_bytes']:.2f} | "
+                     f"{flops_7b(v['positions'], v['cells']) / 1e12:.1f} | "
+                     f"{flops_7b(v['positions'], v['cells']) / flops_7b(g['positions'], g['cells']):.2f} |")
+        results[name]["flops_7b"] = flops_7b(v["positions"], v["cells"])
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -154,30 +191,103 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def _work(batches: list[dict]) -> dict[str, int]:
-    """Per epoch: real tokens forwarded, positions the model computes (N x T per batch: padding too), trained target
-    tokens (action tokens of the policy gradient, forecast targets), attention score cells computed (N*T*T per SDPA
-    call with a mask; the tree kernels' own count for a batch with a tree layout) and the cells an exact method needs
-    (each real token's visible keys)."""
+#: Qwen2.5-7B: layers, hidden size, matmul parameters a token passes (7 projections per layer and the head; the
+#: embedding is a lookup), for :func:`flops_7b`.
+QWEN25_7B = dict(layers=28, hidden=3584, matmul_params=28 * (2 * 3584 * 3584 + 2 * 3584 * 512 + 3 * 3584 * 18944) + 3584 * 152064)
+
+
+def flops_7b(positions: int, cells: int) -> float:
+    """Training FLOPs of one epoch of this batch at Qwen2.5-7B's shape: forward = 2 x matmul parameters per position
+    computed (padding included) + 4 x hidden x layers per attention score cell computed (Q K^T and the weighted sum
+    of V, every head); training = 3 forwards (the backward of a frozen base needs input gradients only, about one
+    forward, and the 7B preset's gradient checkpointing recomputes one). The same tokens and cells as measured here
+    (SmolLM2's and Qwen2.5's tokenizers are alike in length on this text); LoRA's own FLOPs are left out (<1%)."""
+    m = QWEN25_7B
+    return 3.0 * (2.0 * m["matmul_params"] * positions + 4.0 * m["hidden"] * m["layers"] * cells)
+
+
+class SavedTensorPeak:
+    """Activation memory of a training step, on any device: the bytes of the tensors autograd saves for backward
+    (storages counted once, parameters left out), peak while they are alive. Use as ``with peak: step()``; read and
+    reset with :meth:`take_peak`. On CPU this is what grows with the tokens forwarded and the attention's score
+    tensors (SDPA's masked math path saves its (T, T) weights); allocator caches and the optimizer state are not in it."""
+
+    def __init__(self, parameter_storages: set[int]):
+        self._skip, self._live, self._now, self._peak = parameter_storages, {}, 0, 0
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage().data_ptr()
+        if key and key not in self._skip:
+            count, size = self._live.get(key, (0, t.untyped_storage().nbytes()))
+            if count == 0:
+                self._now += size
+                self._peak = max(self._peak, self._now)
+            self._live[key] = (count + 1, size)
+            weakref.finalize(t, self._release, key)
+        return t
+
+    def _release(self, key: int) -> None:
+        count, size = self._live[key]
+        if count == 1:
+            del self._live[key]
+            self._now -= size
+        else:
+            self._live[key] = (count - 1, size)
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def take_peak(self) -> int:
+        peak, self._peak = self._peak, self._now
+        return peak
+
+
+def _work(batches: list[dict], budget: int | None) -> dict[str, int]:
+    """Per epoch, over the micro-batches the module cuts under ``budget`` tokens: real tokens forwarded, positions the
+    model computes (rows x columns of each micro-batch: padding too), trained target tokens (action tokens of the
+    policy gradient, forecast targets), attention score cells computed (rows x columns squared per SDPA call with a
+    mask; the tree kernels' own count for rows with a tree layout) and the cells an exact method needs (each real
+    token's visible keys)."""
+    from cope.train.batch import microbatch_plan, row_lengths
+    from cope.train.group_prefix import packed_plan
+    from cope.train.tree_layout import TreeLayout
+
     out = dict(tokens=0, positions=0, targets=0, cells=0, visible=0)
     for b in batches:
-        out["tokens"] += int(b["attention_mask"].ne(0).sum())
-        out["positions"] += b["input_ids"].numel()
         out["targets"] += int(b["action_mask"].sum()) + int(b["forecast_mask"].sum() if "forecast_mask" in b else 0)
-        if "tree_layout" in b:
-            cells = b["tree_layout"].score_cells()
-            out["cells"] += cells.tree
-            out["visible"] += cells.visible
+        if "group_pack" in b:  # what the model forwards: the packed rows, in micro-batches of whole packed rows
+            pack = b["group_pack"]
+            out["tokens"] += pack.tokens
+            for r0, r1 in packed_plan(pack, budget):
+                n = max(pack.lengths[r0:r1])
+                out["positions"] += (r1 - r0) * n
+                cells = TreeLayout(rows=pack.layout.rows[r0:r1], length=n).score_cells()
+                out["cells"] += cells.tree
+                out["visible"] += cells.visible
             continue
-        N, T = b["input_ids"].shape
-        out["cells"] += N * T * T
-        if "attn_context_end" in b:  # segment attention: query i sees j < context_end[i] and segment_start[i] <= j <= i
-            i = torch.arange(T)
-            real = b["attention_mask"].ne(0)
-            seen = b["attn_context_end"] + (i - b["attn_segment_start"] + 1)  # (N, T)
-            out["visible"] += int(seen[real].sum())
-        else:  # causal rows, right padded
-            out["visible"] += sum(n * (n + 1) // 2 for n in b["attention_mask"].ne(0).sum(-1).tolist())
+        out["tokens"] += int(b["attention_mask"].ne(0).sum())
+        lengths = row_lengths(b).tolist()
+        for r0, r1, n in microbatch_plan(lengths, budget) if budget else [(0, len(lengths), b["input_ids"].shape[1])]:
+            out["positions"] += (r1 - r0) * n
+            if "tree_layout" in b:
+                cells = TreeLayout(rows=b["tree_layout"].rows[r0:r1], length=n).score_cells()
+                out["cells"] += cells.tree
+                out["visible"] += cells.visible
+                continue
+            out["cells"] += (r1 - r0) * n * n
+            real = b["attention_mask"][r0:r1, :n].ne(0)
+            if "attn_context_end" in b:  # segment attention: query i sees j < context_end[i] and segment_start[i] <= j <= i
+                i = torch.arange(n)
+                seen = b["attn_context_end"][r0:r1, :n] + (i - b["attn_segment_start"][r0:r1, :n] + 1)  # (rows, n)
+                out["visible"] += int(seen[real].sum())
+            else:  # causal rows, right padded
+                out["visible"] += sum(k * (k + 1) // 2 for k in real.sum(-1).tolist())
     return out
 
 

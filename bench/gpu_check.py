@@ -19,7 +19,10 @@ runs), ``cope.train.objectives.combine`` for the logged loss, gradient-norm clip
 (``torch.nn.utils.clip_grad_norm_``: what Lightning's ``clip_gradients`` does in bf16-true), AdamW over the
 LoRA parameters (``module.configure_optimizers``). Two objectives: GRPO (``cope.algos.grpo.PolicyGradient``)
 and CoPE (+ ``cope.algos.cope.loss.ForecastLoss`` on forecast targets from
-``cope.algos.cope.chunks.build_chunks`` laid out by ``pack_forecasts``). Then HF generation with
+``cope.algos.cope.chunks.build_chunks`` laid out by ``pack_forecasts``), each also on the shared-prefix path
+(``cope_tree``: the packed rows as trees; ``grpo_shared``: each group's prompt forwarded once, ``data.share_prefix``),
+both through tree attention, FlexAttention on CUDA (the first GPU run measures it; compile time counts in its
+warm-up step). Then HF generation with
 ``cope.rollout.hf_actor.CachedSamplingActor`` (KV cache, nucleus sampling at T=1) at batch 64.
 
 Sizes on the GPU (default), chosen to finish in well under 8 minutes on one H200:
@@ -216,10 +219,13 @@ def make_episode(chat, words, sizes: Sizes, rng: random.Random, index: int, grou
         return [rng.randrange(*words) for _ in range(rng.randint(*lo_hi) if isinstance(lo_hi, tuple) else lo_hi)]
 
     limit = sizes.episode_tokens - rng.randrange(sizes.episode_tokens // 16)
-    ep = Episode(task=Task("synthetic", "train", index), group=group, success=success, score=float(success), reward=float(success))
+    ep = Episode(task=Task("synthetic", "train", group), group=group, success=success, score=float(success), reward=float(success))
+    task_rng, own = random.Random(group), rng  # a group's episodes share their task: the system prompt and first observation
+    rng = task_rng
     ep.append([*chat.system_open, *rand(sizes.system_tokens), *chat.turn_end, *chat.newline, *chat.user_open], Role.PROMPT)
     ep.append(rand(sizes.obs_tokens), Role.OBSERVATION)
     ep.append(chat.close_turn(), Role.PROMPT)
+    rng = own
     while True:
         action, obs = rand(sizes.action_tokens) + [chat.stop_id], rand(sizes.obs_tokens)
         grow = len(action) + len(chat.after_action(True)) + len(obs) + (len(chat.close_turn()) if ep.steps else 0)
@@ -276,23 +282,36 @@ def train_step(module, opt, batch) -> float:
 
 
 def run_training(name: str, policy, pad: int, objectives, episodes, settings: dict, sizes: Sizes, device, deadline: float,
-                 cope: dict | None) -> dict:
+                 cope: dict | None, shared: bool = False) -> dict:
+    """One objective's phase. ``shared``: the shared-prefix path (tree attention, ``"cope_tree"``: FlexAttention on
+    CUDA): with ``cope``, its packed rows as trees (``cope.share_prefix=true``); without, the GRPO groups' prefixes
+    forwarded once (``data.share_prefix=true``). The model is back on SDPA afterwards."""
     import torch
 
     from cope.algos.cope.chunks import build_chunks
-    from cope.algos.cope.layouts import LAYOUTS
+    from cope.algos.cope.layouts import LAYOUTS, pack_forecasts
     from cope.train.batch import collate, row_lengths
+    from cope.train.group_prefix import pack_groups
     from cope.train.module import AgentRLModule
+    from cope.train.tree_batch import use_tree_attention
 
     chat = policy.chat
     mb = collate(episodes, pad)
-    res: dict = {"episodes": len(episodes), "tokens": sum(len(e.tokens) for e in episodes)}
+    res: dict = {"episodes": len(episodes), "tokens": sum(len(e.tokens) for e in episodes), "shared": shared}
     if cope is not None:
         # the ForecastTargets callback's call: every knob of the `cope:` node that build_chunks takes
         known = inspect.signature(build_chunks).parameters
         chunks, _ = build_chunks(episodes, chat, rng=random.Random(0), **{k: v for k, v in cope.items() if k in known})
-        mb = LAYOUTS[cope["packing"]](mb, episodes, chunks, pad)
+        if cope["packing"] == "packed":
+            mb = pack_forecasts(mb, episodes, chunks, pad, tree=shared)
+        else:
+            mb = LAYOUTS[cope["packing"]](mb, episodes, chunks, pad)
         res.update(chunks=len(chunks), layout=cope["packing"], K=int(cope["K"]))
+    elif shared:
+        mb = pack_groups(mb, episodes)
+        res["tokens_forwarded"] = mb["group_pack"].tokens
+    if shared:
+        use_tree_attention(policy.model)
     res["rows"], res["width"] = int(mb["input_ids"].shape[0]), int(mb["input_ids"].shape[1])
     opt_factory = functools.partial(torch.optim.AdamW, lr=settings["lr"], weight_decay=settings["weight_decay"])
     module = AgentRLModule(policy, objectives, optimizer=opt_factory, temperature=settings["temperature"],
@@ -337,6 +356,8 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
     res["finite"] = all(x == x and abs(x) != float("inf") for x in losses)
     res["adapter_moved"] = any(not torch.equal(a, b) for a, b in zip(lora_b, before))
     del opt, batch, module
+    if shared:
+        policy.model.set_attn_implementation("sdpa")
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return res
@@ -382,7 +403,7 @@ def table(summary: dict) -> str:
         return "-" if x is None else spec.format(x)
 
     lines = ["| phase | step s | tokens/s | tokens | cells | micro-batches | score s | peak GiB |", "|---|---|---|---|---|---|---|---|"]
-    for name in ("grpo", "cope"):
+    for name in ("grpo", "cope", "cope_tree", "grpo_shared"):
         r = summary.get(name) or {}
         if "step_s" in r:
             lines.append(f"| {name} | {fmt(r['step_s'], '{:.3f}')} | {fmt(r['tokens_per_s'], '{:,.0f}')} | {r['tokens']:,} | "
@@ -397,6 +418,10 @@ def table(summary: dict) -> str:
         lines.append(f"| generation | failed: {g['error'].splitlines()[-1][:100]} | | | | | | |")
     if summary.get("forecast_overhead") is not None:
         lines.append(f"\nforecast overhead (CoPE step / GRPO step): {summary['forecast_overhead']:.2f}")
+    for key, what in (("cope_tree_vs_cope", "CoPE packed rows, tree attention / dense segment mask"),
+                      ("grpo_shared_vs_grpo", "GRPO, group prefixes shared / unshared")):
+        if summary.get(key) is not None:
+            lines.append(f"{what} (step time): {summary[key]:.2f}")
     return "\n".join(lines)
 
 
@@ -474,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     phases = {
         "grpo": lambda: train("grpo", objectives=[PolicyGradient(**settings["pg"])], cope=None),
         "cope": lambda: train("cope", objectives=[PolicyGradient(**settings["pg"]), forecast], cope=c),
+        # the shared-prefix path (tree attention; FlexAttention on CUDA): the packed rows as trees, then GRPO groups
+        "cope_tree": lambda: train("cope_tree", objectives=[PolicyGradient(**settings["pg"]), forecast], cope=c, shared=True),
+        "grpo_shared": lambda: train("grpo_shared", objectives=[PolicyGradient(**settings["pg"])], cope=None, shared=True),
         "generation": lambda: run_generation(policy, pad, sizes, device, words, settings["temperature"]),
     }
     for name, fn in phases.items():
@@ -489,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         if name == "cope" and "step_s" in summary.get("grpo", {}) and "step_s" in summary[name]:
             summary["forecast_overhead"] = round(summary[name]["step_s"] / summary["grpo"]["step_s"], 3)
+        for shared, base in (("cope_tree", "cope"), ("grpo_shared", "grpo")):  # shared path's step / the reference's
+            if name == shared and "step_s" in summary.get(base, {}) and "step_s" in summary[name]:
+                summary[f"{shared}_vs_{base}"] = round(summary[name]["step_s"] / summary[base]["step_s"], 3)
         write(summary, out)
     summary["imported_hydra_or_omegaconf"] = sorted({m.split(".")[0] for m in sys.modules} & {"hydra", "omegaconf"})
     summary["total_s"] = round(time.perf_counter() - _T0, 1)

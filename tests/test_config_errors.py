@@ -223,11 +223,11 @@ SHIPPED = (
     + [["debug=fast", f"logger={o}"] for o in _options("logger")]
     + [["debug=fast", "algo=cope_continuation", *o] for o in (
         ["cope.normalize=adaptive"], ["cope.normalize=per_step"], ["cope.K=1"], ["cope.packing=plain"], ["cope.anchors=sample"],
-        ["cope.min_score=-1", "cope.mask_invalid=false"])]
+        ["cope.min_score=-1", "cope.mask_invalid=false"], ["cope.share_prefix=false"])]
     + [["debug=fast", "algo=cope", *o] for o in (["cope.update=joint"], ["cope.update=joint", "cope.packing=plain"],
                                                   ["cope.layout=turns"], ["cope.gate=mixed"], ["cope.invalid=cut"],
                                                   ["cope.schedule=power", "cope.schedule_steps=10"], ["cope.lr_scale=3"],
-                                                  ["cope.share_prefix=false"])]
+                                                  ["cope.share_prefix=false"], ["cope.update=joint", "cope.share_prefix=false"])]
     + [[]]  # `python train.py` as shipped
     + [[f"model={o}"] for o in _options("model")]
     # presets are for pretrained models; the tiny model's 2048 positions are too few for their contexts
@@ -283,26 +283,45 @@ def test_flash_attention_refuses_the_packed_forecast_layout(compose, tmp_path, a
     (transformers drops or rejects it deep in the first forward, after rollouts). Refused at config time, with the fix."""
     from cope.run.config_check import ConfigError, check_config
 
-    _refused_naming(compose(["algo=cope_continuation", f"model.attn_implementation={attn}"], tmp_path),
+    dense = "cope.share_prefix=false"  # the packed rows through the dense segment mask (with sharing: tree attention)
+    _refused_naming(compose(["algo=cope_continuation", dense, f"model.attn_implementation={attn}"], tmp_path),
                     f"model.attn_implementation = '{attn}'", "algo.callbacks.forecast_targets.layout=packed",
                     "cope.packing=plain", "model.attn_implementation=sdpa")
     check_config(compose(["algo=cope_continuation", f"model.attn_implementation={attn}", "cope.packing=plain"], tmp_path))
     with pytest.raises(ConfigError, match=r"algo\.callbacks\.forecasts\.packing=packed \(update=joint\).*cope\.update=separate"):
-        check_config(compose(["algo=cope", "cope.update=joint", f"model.attn_implementation={attn}"], tmp_path))
+        check_config(compose(["algo=cope", "cope.update=joint", dense, f"model.attn_implementation={attn}"], tmp_path))
     check_config(compose(["algo=cope", "cope.share_prefix=false", f"model.attn_implementation={attn}"], tmp_path))  # plain rows
     check_config(compose([f"model.attn_implementation={attn}"], tmp_path))  # GRPO: no forecast segments
 
 
 @pytest.mark.parametrize("attn", ["eager", "flash_attention_2"])
 def test_shared_prefix_forecast_steps_refuse_another_attention(compose, tmp_path, attn):
-    """``cope.share_prefix=true`` (the default of the separate update) switches the model to tree attention, SDPA
-    outside the forecast steps: a model configured with another implementation is refused before any work, naming the
-    key and both fixes; without sharing, or with the joint update, the implementation stays the user's."""
+    """``cope.share_prefix=true`` (the default) switches the model to tree attention, SDPA without a layout, for the
+    separate steps, the packed joint rows and the continuation's packed rows: a model configured with another
+    implementation is refused before any work, naming the key and both fixes (one problem, not also the packed
+    layout's flash one); without sharing, or with plain rows, the implementation stays the user's."""
     from cope.run.config_check import check_config
 
-    _refused_naming(compose(["algo=cope", f"model.attn_implementation={attn}"], tmp_path),
-                    f"model.attn_implementation = '{attn}'", "algo.callbacks.forecasts.share_prefix=true",
-                    "model.attn_implementation=sdpa", "cope.share_prefix=false")
+    for algo, key in ((["algo=cope"], "forecasts"), (["algo=cope", "cope.update=joint"], "forecasts"),
+                      (["algo=cope_continuation"], "forecast_targets")):
+        _refused_naming(compose([*algo, f"model.attn_implementation={attn}"], tmp_path),
+                        f"model.attn_implementation = '{attn}'", f"algo.callbacks.{key}.share_prefix=true",
+                        "model.attn_implementation=sdpa", "cope.share_prefix=false")
     check_config(compose(["algo=cope", "cope.share_prefix=false", f"model.attn_implementation={attn}"], tmp_path))
     check_config(compose(["algo=cope", "cope.update=joint", "cope.packing=plain", f"model.attn_implementation={attn}"], tmp_path))
     check_config(compose(["algo=cope"], tmp_path))  # sdpa, as every model preset ships
+
+
+def test_group_prefix_sharing_refuses_another_attention_and_packed_forecasts(compose, tmp_path):
+    """``data.share_prefix=true`` runs tree attention: another attention is refused, and so is a layout that packs
+    forecast segments into the rows already (each naming the keys and the fix); the separate update goes with it."""
+    from cope.run.config_check import check_config
+
+    _refused_naming(compose(["data.share_prefix=true", "model.attn_implementation=eager"], tmp_path),
+                    "model.attn_implementation = 'eager'", "data.share_prefix=false", "model.attn_implementation=sdpa")
+    _refused_naming(compose(["algo=cope", "cope.update=joint", "data.share_prefix=true"], tmp_path),
+                    "data.share_prefix", "algo.callbacks.forecasts.packing=packed (update=joint)", "cope.packing=plain")
+    _refused_naming(compose(["algo=cope_continuation", "data.share_prefix=true"], tmp_path),
+                    "data.share_prefix", "algo.callbacks.forecast_targets.layout=packed", "cope.packing=plain")
+    for ok in (["algo=cope"], ["algo=cope_echo"], ["algo=cope", "cope.update=joint", "cope.packing=plain"], ["algo=empg"]):
+        check_config(compose([*ok, "data.share_prefix=true"], tmp_path))

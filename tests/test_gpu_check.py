@@ -57,7 +57,7 @@ def _check(summary: dict, smoke: bool) -> None:
     assert summary["imported_hydra_or_omegaconf"] == []
     model = summary["model"]
     assert model["trainable"] == model["trainable_expected"] and model["lora_targets_complete"]
-    for name in ("grpo", "cope"):
+    for name in ("grpo", "cope", "cope_tree", "grpo_shared"):
         r = summary[name]
         assert PHASE_KEYS <= r.keys(), (name, r)
         assert r["finite"] and r["adapter_moved"] and r["step_s"] > 0 and r["tokens_per_s"] > 0
@@ -66,6 +66,10 @@ def _check(summary: dict, smoke: bool) -> None:
     assert summary["cope"]["chunks"] > 0 and summary["cope"]["width"] > summary["grpo"]["width"]  # forecast segments appended
     assert summary["cope"]["tokens"] == summary["grpo"]["tokens"] == sum(summary["episode_tokens"])
     assert summary["forecast_overhead"] == pytest.approx(summary["cope"]["step_s"] / summary["grpo"]["step_s"], rel=1e-2)
+    # the shared-prefix rows: the same transcripts and steps, the group prompts forwarded once
+    assert summary["cope_tree"]["shared"] and summary["cope_tree"]["width"] == summary["cope"]["width"]
+    assert summary["grpo_shared"]["tokens_forwarded"] < summary["grpo"]["tokens"] == summary["grpo_shared"]["tokens"]
+    assert summary["cope_tree_vs_cope"] > 0 and summary["grpo_shared_vs_grpo"] > 0
     gen = summary["generation"]
     assert GEN_KEYS <= gen.keys() and gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0
     assert (gen["peak_mem_gib"] is None) is smoke

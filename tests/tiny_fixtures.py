@@ -104,3 +104,42 @@ class Scripted:
 
     def fork(self):  # scripts are per episode key: one instance serves every part of the live episodes
         return self
+
+
+def exactness_model(arch: str = "qwen2", vocab_size: int = 128):
+    """A fresh 2-layer causal LM of ``arch`` (``qwen2`` or ``llama``; grouped-query attention) on SDPA, fp32, its base
+    frozen, with a LoRA adapter initialized away from zero (every LoRA matrix gets a gradient): what the shared-prefix
+    exactness tests compare packed rows against unshared ones on."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=vocab_size)
+    cfg = transformers.LlamaConfig(**kw) if arch == "llama" else transformers.Qwen2Config(**kw)
+    base = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+
+
+def exactness_module(model, objectives, chat, temperature: float = 1.0, budget: int | None = None):
+    """An AgentRLModule around ``model`` with ``objectives`` (SGD, no trainer: ``manual_backward`` is plain autograd)."""
+    from cope.train.module import AgentRLModule
+
+    module = AgentRLModule(Policy(model=model, tokenizer=None, chat=chat, source="t"), objectives, optimizer=torch.optim.SGD,
+                           temperature=temperature, max_tokens_per_microbatch=budget)
+    module.manual_backward = lambda loss: loss.backward()
+    return module
+
+
+def scored_step(module, batch: dict) -> tuple:
+    """The scoring pass then one micro-batched forward + backward, as an epoch's first training step takes them:
+    (old log-probs, reference log-probs or None, total loss, metrics, every LoRA gradient)."""
+    from cope.train.backward import backward_microbatched
+
+    module.score_minibatches([batch])
+    module.zero_grad(set_to_none=True)
+    _, total, metrics = backward_microbatched(module, batch)
+    grads = [p.grad.clone() for p in module.policy.trainable_parameters()]
+    return batch["old_logprobs"], batch.get("ref_logprobs"), total, metrics, grads

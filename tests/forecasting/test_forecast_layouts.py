@@ -201,7 +201,7 @@ def test_forecast_targets_callback_registers_transform_and_logs():
     dm = SimpleNamespace(add_collate_transform=fns.append, epoch=0)  # the part of RolloutDataModule it uses
     trainer = SimpleNamespace(datamodule=dm, global_rank=0)
     module = SimpleNamespace(log_dict=lambda d, **kw: logged.update(d), policy=SimpleNamespace(chat=CHAT, pad_id=PAD))
-    cb = ForecastTargets(K=3, layout="packed")
+    cb = ForecastTargets(K=3, layout="packed", share_prefix=False)  # the dense segment mask (tree: test_joint_tree.py)
     cb.setup(trainer, module, "fit")
     cb.setup(trainer, module, "fit")
     assert len(fns) == 1

@@ -5,14 +5,11 @@ and micro-batched; the layout is the samples' own sequences; the batch trains th
 with it) with fewer tokens forwarded; the model serves ordinary batches as SDPA."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-import transformers
-from forecast_fixtures import CFG, capture_logger
-from peft import LoraConfig, get_peft_model
+from forecast_fixtures import capture_logger
 from prompted_fixtures import CHAT, FakeTokenizer, reference_episode, simple_episode
+from tiny_fixtures import exactness_model
 
 from cope.algos.cope.layouts import collate_chunks
 from cope.algos.cope.loss import ForecastLoss
@@ -29,17 +26,7 @@ STEP = 4  # cope.minibatch_size here: the reference episode's five samples are s
 
 
 def _model(arch: str = "qwen2"):
-    """A fresh tiny causal LM on SDPA with a LoRA adapter away from zero (every LoRA matrix gets a gradient)."""
-    torch.manual_seed(0)
-    cfg = copy.deepcopy(CFG)
-    cfg.vocab_size = 128  # the prompted fixtures' ids go up to 99
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(**{k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                                       "num_attention_heads", "num_key_value_heads", "vocab_size")})
-    base = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
-    for p in base.parameters():
-        p.requires_grad_(False)
-    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    return exactness_model(arch, vocab_size=128)
 
 
 def _episodes():
@@ -198,20 +185,33 @@ SAME = ("loss/forecast", "loss/pg", "forecast/", "val/success", "rollout/success
 
 
 @pytest.mark.long
-def test_a_run_with_shared_prefixes_logs_what_one_row_per_sample_logs(run_train, read_metrics, tmp_path):
+@pytest.mark.parametrize("update", ["separate", "joint"])
+def test_a_run_with_shared_prefixes_logs_what_one_row_per_sample_logs(run_train, read_metrics, tmp_path, update):
     """``algo=cope`` on the tiny model, sharing on and off: every policy step, forecast step and validation logs the
-    same values to fp32 noise (the runs then draw the same rollouts); the shared steps forward fewer tokens."""
+    same values to fp32 noise (the runs then draw the same rollouts); the shared separate steps forward fewer tokens.
+    Joint: the packed rows through tree attention vs the dense segment mask, the same tokens."""
     cols = {}
     for share in ("true", "false"):
-        run_train([*RUN, f"cope.share_prefix={share}"], tmp_path / share)
+        run_train([*RUN, f"cope.update={update}", f"cope.share_prefix={share}"], tmp_path / share)
         cols[share] = read_metrics(tmp_path / share / "csv" / "metrics.csv")
     shared, dense = cols["true"], cols["false"]
     keys = sorted(k for k in dense if k.startswith(SAME) and k != "forecast/tokens_forwarded")
-    assert {"loss/forecast", "loss/pg", "forecast/nll", "forecast/grad_norm", "val/success"} <= set(keys)
-    assert len(dense["forecast/nll"]) >= 30 and any(abs(v) > 1e-3 for v in dense["loss/pg"])  # many steps, a PG signal
+    assert {"loss/forecast", "loss/pg", "forecast/nll", "val/success"} <= set(keys)
+    steps = 30 if update == "separate" else 7  # joint: the policy steps only (2 per epoch)
+    assert len(dense["forecast/nll"]) >= steps and any(abs(v) > 1e-3 for v in dense["loss/pg"])  # many steps, a PG signal
+    if update == "joint":
+        assert "forecast/tokens_forwarded" not in dense
+        _same_rows(shared, dense, keys)
+        return
+    assert "forecast/grad_norm" in keys
+    _same_rows(shared, dense, keys)
+    fwd = [(a, b) for a, b in zip(shared["forecast/tokens_forwarded"], dense["forecast/tokens_forwarded"])]
+    assert all(a <= b for a, b in fwd) and sum(a for a, _ in fwd) < 0.7 * sum(b for _, b in fwd)
+
+
+def _same_rows(shared: dict, dense: dict, keys: list[str]) -> None:
+    """Every key logs the same rows, to fp32 noise."""
     for k in keys:
         assert len(shared[k]) == len(dense[k]), k
         for i, (a, b) in enumerate(zip(shared[k], dense[k])):
             assert a == pytest.approx(b, rel=1e-4, abs=1e-5), f"{k} row {i}: {a} vs {b}"
-    fwd = [(a, b) for a, b in zip(shared["forecast/tokens_forwarded"], dense["forecast/tokens_forwarded"])]
-    assert all(a <= b for a, b in fwd) and sum(a for a, _ in fwd) < 0.7 * sum(b for _, b in fwd)

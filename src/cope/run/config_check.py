@@ -233,24 +233,36 @@ class _Checker:
 
     def attention_fits_layout(self, model: DictConfig, cfg: DictConfig) -> None:
         """What CoPE's forecast layouts need of ``model.attn_implementation``, checked before any work:
-        * flash attention takes no (N, 1, T, T) mask, and the packed layout attends through one (segment attention,
-          built per forward): the pairing would fail, or be wrong, at the first training forward;
-        * the shared-prefix separate steps switch the model to tree attention ("cope_tree"), which is SDPA outside those
-          steps: a model configured with anything else (eager, flash) would not get what it was configured with."""
+        * flash attention takes no (N, 1, T, T) mask, and the packed layout without sharing attends through one
+          (segment attention, built per forward): the pairing would fail, or be wrong, at the first training forward;
+        * shared-prefix batches (the separate steps, packed joint rows) switch the model to tree attention
+          ("cope_tree"), which is SDPA without a layout: a model configured with anything else (eager, flash) would not
+          get what it was configured with; ``data.share_prefix`` likewise, and it cannot pack rows that are trees
+          already (packed forecast segments)."""
         attn = model.get("attn_implementation", "sdpa")
+        groups = bool((cfg.get("data") or {}).get("share_prefix", False))
+        if groups and attn not in (None, "sdpa"):
+            self.fail("model.attn_implementation", f" = {attn!r}: data.share_prefix=true forwards each GRPO group's prefix "
+                      "once through tree attention ('cope_tree'), which runs as sdpa without a layout; use "
+                      "model.attn_implementation=sdpa, or data.share_prefix=false")
         for name, node in ((cfg.get("algo") or {}).get("callbacks") or {}).items():
             cls = _callback_class(node)
             key = _packed_key(cls, node)
-            if key is not None and isinstance(attn, str) and attn.startswith("flash_attention"):
+            if groups and key is not None:
+                self.fail("data.share_prefix", f"=true packs each minibatch's groups into shared-prefix rows, but "
+                          f"algo.callbacks.{name}.{key} already packs forecast segments into them; use "
+                          f"{'cope.update=separate or cope.packing=plain' if key.startswith('packing') else 'cope.packing=plain'}"
+                          ", or data.share_prefix=false")
+            if attn not in (None, "sdpa") and _shares_prefix(cls, node):
+                self.fail("model.attn_implementation", f" = {attn!r}: CoPE's forecast batches share each episode's "
+                          f"prefix (algo.callbacks.{name}.share_prefix=true) through tree attention ('cope_tree'), which "
+                          "runs as sdpa without a layout; use model.attn_implementation=sdpa, or cope.share_prefix=false "
+                          "(the dense reference)")
+            elif key is not None and isinstance(attn, str) and attn.startswith("flash_attention"):
                 self.fail("model.attn_implementation", f" = {attn!r}: cannot take CoPE's packed forecast layout "
                           f"(algo.callbacks.{name}.{key}: segment attention, a (N, 1, T, T) mask per forward); "
                           f"use {'cope.update=separate or cope.packing=plain' if key.startswith('packing') else 'cope.packing=plain'} "
                           "(2D masks only) or model.attn_implementation=sdpa")
-            if attn not in (None, "sdpa") and _shares_prefix(cls, node):
-                self.fail("model.attn_implementation", f" = {attn!r}: CoPE's separate forecast steps share each episode's "
-                          f"prefix (algo.callbacks.{name}.share_prefix=true) through tree attention ('cope_tree'), which "
-                          "runs as sdpa outside those steps; use model.attn_implementation=sdpa, or cope.share_prefix=false "
-                          "(one row per sample, any attention)")
 
 
 def _callback_class(node: Any) -> type | None:
@@ -266,11 +278,16 @@ def _callback_class(node: Any) -> type | None:
 
 
 def _shares_prefix(cls: type | None, node: Any) -> bool:
-    """Whether ``node`` is CoPE's forecast callback with its separate steps in shared-prefix rows."""
+    """Whether ``node`` is a CoPE forecast callback whose batches carry a tree layout: the authors' samples with the
+    separate update, or packed into the joint rows; the continuation targets packed."""
+    from cope.algos.cope.forecast_targets import ForecastTargets
     from cope.algos.cope.forecasts import CopeForecasts
 
-    return (cls is not None and issubclass(cls, CopeForecasts) and node.get("update", "separate") == "separate"
-            and bool(node.get("share_prefix", True)))
+    if cls is None or not bool(node.get("share_prefix", True)):
+        return False
+    if issubclass(cls, CopeForecasts):
+        return node.get("update", "separate") == "separate" or node.get("packing", "packed") == "packed"
+    return issubclass(cls, ForecastTargets) and node.get("layout", "packed") == "packed"
 
 
 def _packed_key(cls: type | None, node: Any) -> str | None:

@@ -37,7 +37,9 @@ from cope.rollout.engine import EnvRuntime, HFEngine, RolloutEngine, Sampling
 from cope.rollout.metrics import episode_metrics
 from cope.train.advantages import group_advantages
 from cope.train.experience import BatchSource, CollateTransform, assign_advantages, cut_minibatches, train_tokens
+from cope.train.group_prefix import pack_groups
 from cope.train.seeding import derive_seed, stream
+from cope.train.tree_batch import use_tree_attention
 
 log = logging.getLogger(__name__)
 COUNTERS = ("episodes", "env_steps", "generated_tokens", "train_tokens")
@@ -56,6 +58,9 @@ class RolloutDataModule(pl.LightningDataModule):
         group_size: G, episodes per task (GRPO group).
         minibatch_size: episodes per optimizer step.
         ppo_epochs: passes over the epoch's minibatches (>1 makes the clipped ratio matter).
+        share_prefix: each minibatch also gets a packed view in which the episodes of one GRPO group forward their
+            common prefix once (:mod:`cope.train.group_prefix`; the policy is switched to tree attention at
+            ``connect``). The batch itself, the losses and the gradients stay those of the unshared minibatch.
         advantage_mode: ``grpo`` (std-normalized) or ``drgrpo``.
         val_tasks: held-out tasks evaluated greedily at each validation (a fixed panel of the ``test``
             split: indices ``val_offset .. val_offset + val_tasks - 1``).
@@ -84,6 +89,7 @@ class RolloutDataModule(pl.LightningDataModule):
         group_size: int = 4,
         minibatch_size: int = 16,
         ppo_epochs: int = 1,
+        share_prefix: bool = False,
         advantage_mode: str = "grpo",
         val_tasks: int = 64,
         val_batch_size: int = 64,
@@ -110,7 +116,7 @@ class RolloutDataModule(pl.LightningDataModule):
         except ValueError as e:
             raise ValueError(f"data.advantage_mode (algo.advantage_mode): {e}") from None
         self.tasks_per_epoch, self.group_size, self.minibatch_size = tasks_per_epoch, group_size, minibatch_size
-        self.ppo_epochs, self.advantage_mode = ppo_epochs, advantage_mode
+        self.ppo_epochs, self.advantage_mode, self.share_prefix = ppo_epochs, advantage_mode, bool(share_prefix)
         self.val_tasks, self.val_batch_size, self.seed, self.progress = val_tasks, val_batch_size, seed, progress
         self.val_offset = val_offset
         self.sampling = sampling or Sampling()
@@ -145,6 +151,8 @@ class RolloutDataModule(pl.LightningDataModule):
         """Bind the policy: its tokenizer and chat scaffold (collation, CoPE targets) and the engine's sampler;
         ``rank`` is the trainer's global rank (``trainer.global_rank``, known once the Trainer exists)."""
         self.tokenizer, self.chat, self.pad_id = policy.tokenizer, policy.chat, int(policy.tokenizer.pad_token_id)
+        if self.share_prefix:  # the minibatches it serves carry tree layouts; every forward without one stays SDPA
+            use_tree_attention(policy.model)
         self.engine.connect(policy, rank=rank)
 
     def add_collate_transform(self, fn: CollateTransform) -> None:
@@ -235,7 +243,8 @@ class RolloutDataModule(pl.LightningDataModule):
         eps, stats = self._rollout(tasks, groups, self.sampling, self._rng.randrange(2**31), "rollouts")
         t_roll = time.perf_counter() - t0
         adv_metrics = assign_advantages(eps, groups, self.advantage_mode)
-        minibatches = cut_minibatches(eps, self.minibatch_size, self.pad_id, self._rng, self._collate_transforms)
+        transforms = [*self._collate_transforms, pack_groups] if self.share_prefix else self._collate_transforms
+        minibatches = cut_minibatches(eps, self.minibatch_size, self.pad_id, self._rng, transforms)
         extra = self._extra_batches(eps)
         tokens = train_tokens(minibatches, self.pad_id, self.ppo_epochs) + train_tokens(extra, self.pad_id)
         inc = self._reduce([len(eps), stats.env_steps, stats.generated_tokens, tokens])
@@ -254,6 +263,10 @@ class RolloutDataModule(pl.LightningDataModule):
             "perf/adapter_sync_seconds": stats.sync_seconds,
         })
         m.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
+        if self.share_prefix:  # per pass over the minibatches: what the packed rows forward vs the rows they stand for
+            rows = sum(int(mb["attention_mask"].ne(0).sum()) for mb in minibatches)
+            packed = sum(mb["group_pack"].tokens for mb in minibatches)
+            m.update({"data/tokens_forwarded": float(packed), "data/shared_fraction": 1.0 - packed / max(rows, 1)})
         return EpochRecord(epoch=epoch, episodes=eps, minibatches=minibatches, extra_batches=extra, metrics=m,
                            counters=dict(self.counters),
                            sampler_logprobs=bool(getattr(self.engine, "reports_logprobs", False)))

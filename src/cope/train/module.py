@@ -30,6 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from cope.models.policy import Policy
 from cope.train.backward import backward_microbatched
 from cope.train.batch import SEGMENT_KEYS, microbatch_plan, model_attention, row_lengths
+from cope.train.group_prefix import local_index, packed_logprobs, packed_part, packed_plan, rows_of, to_rows
 from cope.train.logprobs import causal_lm_logprobs, sampler_gap
 from cope.train.objectives import ROLLOUT, ForwardOut, Objective, batch_kind
 from cope.train.seeding import seed_globals
@@ -113,6 +114,13 @@ class AgentRLModule(pl.LightningModule):
 
     def _logits(self, batch: dict) -> torch.Tensor:
         """Full (N, T, V) logits (probes and tests; training and scoring go through :meth:`logprobs`)."""
+        if "group_pack" in batch:
+            pack = batch["group_pack"]
+            part, layout = packed_part(pack, 0, len(pack.lengths))
+            batch_tree_layout(self.model, {"tree_layout": layout})
+            logits = self.model(input_ids=part["input_ids"], attention_mask=part["attention_mask"], use_cache=False,
+                                position_ids=part["position_ids"], tree_layout=layout).logits  # (R, L, V)
+            return to_rows(logits, local_index(pack, 0, logits.shape[1], None, None))
         tree = batch_tree_layout(self.model, batch)
         return self.model(input_ids=batch["input_ids"], attention_mask=self._attention(batch), position_ids=batch["position_ids"],
                           use_cache=False, **({"tree_layout": tree} if tree is not None else {})).logits  # (N, T, V)
@@ -126,13 +134,16 @@ class AgentRLModule(pl.LightningModule):
         at = sel = None
         if te and "te_position" in batch:
             te_pos = batch["te_position"].to(batch["input_ids"].device)  # (P, 2) [row, column]
-            first = 0 if rows is None else int(rows[0])
-            count = batch["input_ids"].shape[0] if rows is None else rows.numel()
-            inside = (te_pos[:, 0] >= first) & (te_pos[:, 0] < first + count)  # micro-batch rows are contiguous
+            inside = torch.ones_like(te_pos[:, 0], dtype=torch.bool) if rows is None else torch.isin(te_pos[:, 0], rows)
             if length is not None:
                 inside &= te_pos[:, 1] < length
             sel = inside.nonzero().squeeze(-1)  # (P_live,)
-            at = te_pos[sel] - torch.tensor([first, 0], device=te_pos.device)
+            at = te_pos[sel]
+        if "group_pack" in batch:  # data.share_prefix: the model sees the packed rows; the result has the rows' shape
+            lp, ent, *te_rows = packed_logprobs(self.model, batch["group_pack"], rows, length, at, self.temperature, entropy)
+            return (lp, ent, te_rows[0], sel) if at is not None else (lp, ent)
+        if at is not None and rows is not None:  # [row in this micro-batch, column]
+            at = torch.stack([torch.searchsorted(rows, at[:, 0]), at[:, 1]], 1)
         keys = ("input_ids", "position_ids", "action_mask", "attention_mask", *(k for k in SEGMENT_KEYS if k in batch))
         part = {k: batch[k] if rows is None else batch[k][rows] for k in keys}  # only this micro-batch's rows
         if length is not None:
@@ -153,6 +164,10 @@ class AgentRLModule(pl.LightningModule):
         if self.max_tokens_per_microbatch is None:
             return [(None, None)]
         dev = batch["input_ids"].device
+        if "group_pack" in batch:  # whole packed rows (a group's trunk and branches are never split)
+            pack, lengths = batch["group_pack"], row_lengths(batch).tolist()
+            parts = [rows_of(pack, a, b) for a, b in packed_plan(pack, self.max_tokens_per_microbatch)]
+            return [(torch.tensor(sorted(r), device=dev), max(lengths[i] for i in r)) for r in parts]
         return [(torch.arange(a, b, device=dev), n) for a, b, n in microbatch_plan(row_lengths(batch).tolist(),
                                                                                     self.max_tokens_per_microbatch)]
 

@@ -19,9 +19,10 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.algos.cope.chunks import build_chunks, check_chunk_args
-from cope.algos.cope.layouts import LAYOUTS
+from cope.algos.cope.layouts import LAYOUTS, pack_forecasts
 from cope.episode import Episode
 from cope.train.seeding import stream
+from cope.train.tree_batch import use_tree_attention
 
 # Raw counts summed over the minibatches of an epoch; the logged means are derived from them.
 _SUMS = ("forecast/targets", "forecast/episodes", "forecast/supervised_actions", "forecast/supervisions",
@@ -45,6 +46,9 @@ class ForecastTargets(Callback):
             (:mod:`cope.train.seeding`: distinct per rank, the same after a resume).
         mask_projected: actions the env read out of free text (``env.action_parsing=project``) are
             treated as invalid (masked, or cut with ``cut_at_invalid``): forecasts learn the strict format.
+        share_prefix: ``packed`` only: the packed rows run through tree attention (the model is switched to
+            ``"cope_tree"``, SDPA for every forward without a layout; it must be on ``sdpa``) instead of a dense
+            segment mask per forward (False: the reference). Same loss.
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class ForecastTargets(Callback):
         min_score: float | None = None,
         seed: int = 0,
         mask_projected: bool = True,
+        share_prefix: bool = True,
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"ForecastTargets.layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
@@ -67,6 +72,7 @@ class ForecastTargets(Callback):
         self.anchors, self.max_anchors_per_episode = anchors, max_anchors_per_episode
         self.success_only, self.min_score, self.mask_projected = success_only, min_score, mask_projected
         self.seed = int(seed)
+        self.share_prefix = bool(share_prefix)
         self._rng, self._stream_of = stream(self.seed, "anchors", 0, 0), (0, 0)  # (rank, epoch) of the current stream
         self._rank = 0  # the trainer's global rank, set in setup
         self._datamodule = None
@@ -80,6 +86,8 @@ class ForecastTargets(Callback):
             raise TypeError("ForecastTargets needs a datamodule with add_collate_transform (cope.train.datamodule.RolloutDataModule)")
         self._chat, self._pad_id = pl_module.policy.chat, pl_module.policy.pad_id
         self._rank = trainer.global_rank
+        if self.shares_prefix:  # before any forward
+            use_tree_attention(pl_module.policy.model)
         if dm is self._datamodule:
             return  # already registered (setup runs once per stage)
         dm.add_collate_transform(self.transform)
@@ -109,7 +117,14 @@ class ForecastTargets(Callback):
         for k in _SUMS:
             self._sums[k] += metrics[k]
         self._calls += 1
+        if self.layout == "packed":
+            return pack_forecasts(batch, episodes, chunks, self._pad_id, tree=self.share_prefix)
         return LAYOUTS[self.layout](batch, episodes, chunks, self._pad_id)
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether the minibatches carry a tree layout (``share_prefix`` with ``layout=packed``)."""
+        return self.share_prefix and self.layout == "packed"
 
     def epoch_metrics(self) -> dict[str, float]:
         """The per-epoch metrics accumulated so far (empty when no minibatch was built)."""

@@ -11,12 +11,16 @@ prompted forecast samples (gate, look-past of invalid actions, group weights); t
   and a training step there is one rollout batch, an epoch here. Under DDP the ranks' batch counts are evened out
   with empty batches (:class:`cope.train.experience.BatchSource`). With ``share_prefix`` (the default) the samples
   of one episode in a step are branches of one row over its transcript, forwarded once
-  (:func:`cope.algos.cope.shared_prefix.collate_shared`; the model's attention becomes ``"cope_tree"`` at setup,
-  which is SDPA for everything else); without it, one row per sample (the dense reference). Same samples, same
-  order, same loss.
+  (:func:`cope.algos.cope.shared_prefix.collate_shared`); without it, one row per sample (the dense reference).
+  Same samples, same order, same loss.
 * ``joint``: a collate transform lays the samples of each minibatch's episodes into it (``packing``: ``packed``
   segments after their transcript, attending to it up to obs_t and to themselves, or ``plain`` rows, the
-  reference), and the ``forecast`` objective is summed into the policy-gradient loss.
+  reference), and the ``forecast`` objective is summed into the policy-gradient loss. With ``share_prefix`` the
+  packed rows are trees that tree attention computes (only the cells a query sees); without it, a dense
+  segment mask per forward (the reference). Same loss.
+
+Whenever the batches carry a tree layout, the model's attention becomes ``"cope_tree"`` at setup (SDPA for every
+forward without a layout: rollouts, validation, plain batches).
 
 With ``te_weight > 0`` it also gives the temporal-ensemble objective its targets: after the module's scoring pass
 the epoch's samples are scored for the members of every transcript action (:mod:`cope.algos.cope.te_loss`).
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 from lightning.pytorch import Callback
 
-from cope.algos.cope.layouts import LAYOUTS, collate_chunks
+from cope.algos.cope.layouts import LAYOUTS, collate_chunks, pack_forecasts
 from cope.algos.cope.prompted import PlanPrompt, build_prompted, check_prompted_args
 from cope.algos.cope.shared_prefix import collate_shared
 from cope.algos.cope.te_loss import ensemble_transform
@@ -53,8 +57,9 @@ class CopeForecasts(Callback):
         update: ``separate`` (the authors') or ``joint`` (must match the ``forecast`` objective's ``update``).
         packing: ``joint`` only: ``packed`` (segments in the transcript's row) or ``plain`` (a row per sample).
         minibatch_size: ``separate`` only: samples per optimizer step.
-        share_prefix: ``separate`` only: a step's samples of one episode share one row, the transcript forwarded
-            once (tree attention; the model must be on ``sdpa``); False: one row per sample.
+        share_prefix: ``separate``: a step's samples of one episode share one row, the transcript forwarded once;
+            ``joint`` with ``packed``: the packed rows run through tree attention instead of a dense segment mask.
+            Either way the model must be on ``sdpa`` (it is switched to ``"cope_tree"``). False: the dense references.
         max_context: samples longer than this are dropped and counted (None: no limit).
         te_weight: lambda_TE of the temporal-ensemble objective (``algo.objectives.te``); > 0 makes this callback
             score the members each epoch.
@@ -95,7 +100,7 @@ class CopeForecasts(Callback):
             raise ValueError(f"cope.update={self.update!r} needs one algo.objectives.forecast with update={self.update!r}, "
                              f"got {[getattr(o, 'update', None) for o in fc]}")
         policy = pl_module.policy
-        if self.shares_prefix:  # before any forward; rollouts and scoring see SDPA (no layout there)
+        if self.shares_prefix:  # before any forward; every forward without a layout (rollouts) is SDPA
             use_tree_attention(policy.model)
         self._chat, self._pad_id = policy.chat, policy.pad_id
         self._plan = PlanPrompt(policy.tokenizer, self.layout, self.prompt)
@@ -123,8 +128,9 @@ class CopeForecasts(Callback):
 
     @property
     def shares_prefix(self) -> bool:
-        """Whether the separate steps' batches are shared-prefix rows (``share_prefix`` with ``update=separate``)."""
-        return self.share_prefix and self.update == "separate"
+        """Whether this callback's batches carry a tree layout: ``share_prefix`` with ``update=separate``, or with
+        ``update=joint`` and ``packing=packed``."""
+        return self.share_prefix and (self.update == "separate" or self.packing == "packed")
 
     # -- separate: a batch source --------------------------------------------------------------
     def batches(self, episodes: list[Episode]) -> list[dict]:
@@ -139,6 +145,8 @@ class CopeForecasts(Callback):
     # -- joint: a collate transform ------------------------------------------------------------
     def transform(self, batch: dict, episodes: list[Episode]) -> dict:
         chunks, _ = self.samples(episodes)
+        if self.packing == "packed":
+            return pack_forecasts(batch, episodes, chunks, self._pad_id, tree=self.share_prefix)
         return LAYOUTS[self.packing](batch, episodes, chunks, self._pad_id)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:

@@ -6,8 +6,11 @@ Layouts of a rollout minibatch (both return a new batch dict, see :class:`cope.t
 keys, and add ``forecast_mask`` (N, T) bool, ``forecast_chunk`` (N, T) long (index into ``chunks``, -1
 elsewhere), ``forecast_actions`` (C,) long, ``forecast_weight`` (C,) float, and set ``aux_row`` (N,) bool on rows
 that are not transcripts; both ignore chunks whose episode has no row in the batch, so they give the same loss):
-    * :func:`pack_forecasts`: segments appended after their episode's row, segment attention (O(N T)
-      in the batch; the (T, T) mask exists only per forward, as bool for SDPA).
+    * :func:`pack_forecasts`: segments appended after their episode's row. Each row is then a two-level tree (the
+      transcript, each segment a branch anchored in it): with ``tree`` the batch carries its
+      :class:`~cope.train.tree_layout.TreeLayout` and trains through tree attention (``"cope_tree"``: only the
+      cells a query sees are computed); without, segment attention, the dense reference (O(N T) in the batch; the
+      (T, T) mask exists only per forward, as bool for SDPA).
     * :func:`plain_forecasts`: one extra row per chunk, ``tokens[:anchor] + chunk``.
 """
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from cope.algos.cope.chunks import ForecastChunk
 from cope.episode import Episode, Role
+from cope.train.tree_layout import TreeLayout, TreeNode
 
 # Fill values of the known per-token keys on positions a layout adds (other (N, T) keys get 0).
 _TOKEN_FILL = {"attention_mask": 0, "position_ids": 0, "roles": int(Role.PAD), "step_ids": -1, "action_mask": False, "advantages": 0.0}
@@ -46,9 +50,11 @@ def _widen(batch: dict, N: int, T: int, T_new: int, pad_id: int) -> dict:
     return out
 
 
-def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
-    """Append each chunk after its episode's transcript in the same row, with segment attention
-    (``attn_context_end``, ``attn_segment_start``: see :func:`cope.train.batch.segment_attention`).
+def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int, tree: bool = False) -> dict:
+    """Append each chunk after its episode's transcript in the same row: with ``tree``, a ``tree_layout`` (each row's
+    transcript a root node, each segment a child anchored after its context; the model must run ``"cope_tree"``),
+    else segment attention (``attn_context_end``, ``attn_segment_start``: see
+    :func:`cope.train.batch.segment_attention`). Both say the same thing: the same scores, up to float rounding.
 
     A segment is ``[tokens[anchor - 1]] + chunk.tokens``: it attends to transcript positions < anchor - 1 and
     causally to itself, and its position ids continue from anchor - 1, so it is scored exactly as the
@@ -59,7 +65,7 @@ def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastCh
     policy gradient (reusing a_t's transcript positions, as this layout did before 2026-12-02, scored the a_t
     part of a forecast at that temperature: packed and plain differed at T != 1). ``attention_mask`` stays 2D
     (1 on transcript and segment tokens, rows right padded). When no chunk is appended, the batch has no
-    segment keys.
+    segment keys and no layout.
     """
     N, T = _check_2d(batch, "pack_forecasts")
     lengths = batch["attention_mask"].sum(-1).tolist()
@@ -98,13 +104,25 @@ def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastCh
             ctx_end[r, c0:c1] = ctx  # the history h_t (up to the anchor)
             seg_start[r, c0:c1] = c0  # causal inside the segment
             real[r, c0:c1] = 1
-        out["attn_context_end"], out["attn_segment_start"] = ctx_end, seg_start
+        if tree:
+            out["tree_layout"] = _segment_tree(lengths, segs, T_new)
+        else:
+            out["attn_context_end"], out["attn_segment_start"] = ctx_end, seg_start
         out["input_ids"], out["position_ids"], out["attention_mask"] = ids_t, pos_t, real
     out["forecast_mask"], out["forecast_chunk"] = fmask, fchunk
     out["forecast_actions"] = torch.tensor([c.num_actions for c in chunks], dtype=torch.long)  # (C,)
     out["forecast_weight"] = torch.tensor([c.weight for c in chunks], dtype=torch.float32)  # (C,)
     out["aux_row"] = batch.get("aux_row", torch.zeros(N, dtype=torch.bool))  # (N,): no rows added
     return out
+
+
+def _segment_tree(lengths: list[int], segs: list[tuple], length: int) -> TreeLayout:
+    """The packed rows as trees: per row, its transcript ``[0, lengths[r])`` (the root) and each segment
+    ``(row, first column, context, ids, ...)`` a child that sees the transcript's first ``context`` tokens."""
+    rows: list[list[TreeNode]] = [[TreeNode(0, n, -1, 0)] for n in lengths]
+    for r, c0, ctx, ids, *_ in segs:
+        rows[r].append(TreeNode(c0, c0 + len(ids), 0, ctx))
+    return TreeLayout(rows=tuple(tuple(nodes) for nodes in rows), length=length)
 
 
 def plain_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:

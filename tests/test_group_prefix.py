@@ -1,0 +1,174 @@
+"""GRPO groups with their common prefix forwarded once (``data.share_prefix=true``, :mod:`cope.train.group_prefix`).
+
+The packed view holds every real token of the minibatch, the group prefix once, at the positions of the unshared
+rows; old and reference log-probs, the policy-gradient + ECHO + KL loss and every LoRA gradient equal the unshared
+minibatch's, on Qwen2 and Llama, whole and in micro-batches of whole packed rows, at T = 1 and T = 0.7; CoPE's
+temporal-ensemble rows likewise; a batch that is already a tree is refused."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_fixtures import exactness_model, exactness_module, scored_step
+
+from cope.algos.echo import ObservationLoss
+from cope.algos.grpo import KLPenalty, PolicyGradient
+from cope.chat import ChatFormat
+from cope.envs.base import Task
+from cope.episode import Episode, Role, Step
+from cope.train.batch import collate
+from cope.train.group_prefix import pack_groups
+from cope.train.tree_batch import use_tree_attention
+
+PAD = 0
+CHAT = ChatFormat(system_open=(1,), user_open=(2,), assistant_open=(3,), turn_end=(4,), newline=(5,))
+
+
+def _episode(task: int, group: int, seed: int, steps: int, first_action: list[int] | None = None) -> Episode:
+    """A transcript whose prefix (system prompt, task, first observation) is fixed by ``task``; actions and later
+    observations are drawn from ``seed``; ``first_action`` fixes the first action (to share beyond the prompt)."""
+    task_rng, rng = random.Random(task), random.Random(seed)
+    ep = Episode(task=Task("toy", "train", task), group=group, success=False, score=0.0)
+    ep.append([*CHAT.system_open, *(task_rng.randrange(6, 64) for _ in range(6)), *CHAT.turn_end, *CHAT.newline, *CHAT.user_open],
+              Role.PROMPT)
+    ep.append([task_rng.randrange(6, 64) for _ in range(5)], Role.OBSERVATION)
+    ep.append(CHAT.close_turn(), Role.PROMPT)
+    for j in range(steps):
+        action = first_action if j == 0 and first_action else [rng.randrange(6, 64) for _ in range(rng.randint(1, 3))]
+        a0, a1 = ep.append([*action, *CHAT.turn_end], Role.ACTION)
+        o0, _ = ep.append(CHAT.after_action(True), Role.PROMPT)
+        ep.append([rng.randrange(6, 64) for _ in range(rng.randint(2, 4))], Role.OBSERVATION)
+        _, o1 = ep.append(CHAT.close_turn() if j < steps - 1 else [], Role.PROMPT)
+        ep.steps.append(Step(a0, a1, True, True, f"a{j}", obs_start=o0, obs_end=o1))
+    return ep
+
+
+def _episodes() -> list[Episode]:
+    """Group 0: three episodes (two with the same first action: their common ids go past it, the prefix must not);
+    group 1: two; group 2: one (alone in its group: no sharing). Advantages that do not cancel."""
+    eps = [_episode(0, 0, 1, 3, [20, 21]), _episode(1, 1, 2, 2), _episode(0, 0, 3, 2, [20, 21]), _episode(2, 2, 4, 1),
+           _episode(1, 1, 5, 3), _episode(0, 0, 6, 2)]
+    for e, adv in zip(eps, (0.9, -0.4, 0.3, 0.5, 0.7, -1.1)):
+        e.advantage = adv
+    return eps
+
+
+def _batch(eps):
+    return collate(eps, PAD)
+
+
+def test_the_packed_view_holds_every_token_once_per_group_prefix():
+    eps = [*_episodes(), _episode(3, 3, 7, 0)]  # + a prompt alone (18 tokens): it fits after group 1's row
+    batch = pack_groups(_batch(eps), eps)
+    pack = batch["group_pack"]
+    real = batch["attention_mask"].bool()
+    flat_ids, flat_pos = pack.input_ids.flatten(), pack.position_ids.flatten()
+    assert torch.equal(flat_ids[pack.index[real]], batch["input_ids"][real])  # every token where it is said to be
+    assert torch.equal(flat_pos[pack.index[real]], batch["position_ids"][real])  # at the unshared row's position
+    assert bool((pack.index[~real] == -1).all())
+    assert pack.members == ((0, 2, 5), (1, 4, 6), (3,))  # rows filled longest first; group 2 alone
+    assert pack.lengths[0] == max(pack.lengths) and [n.parent for n in pack.layout.rows[1]] == [-1, 0, 0, -1]
+    prefix = pack.layout.rows[0][0].end
+    assert prefix == 10 + 5 + 3  # the system turn (1 + 6 + 3), the observation (5), close_turn (3): up to the first action
+    first_action = [int(r.tolist().index(int(Role.ACTION))) for r in batch["roles"][[0, 2, 5]]]
+    assert prefix == min(first_action) and torch.equal(batch["input_ids"][0, :prefix + 2], batch["input_ids"][2, :prefix + 2])
+    assert pack.layout.rows[1][0].end == prefix  # group 1's prefix: as long (same scaffold, 5 observation tokens)
+    saved = (3 - 1) * prefix - 3 + (2 - 1) * prefix - 2  # per group of m: m - 1 prefixes, less a repeated token per branch
+    assert pack.tokens == int(real.sum()) - saved  # each prefix once, one repeated token per branch
+    # the packed action mask: the batch's action tokens, nothing else
+    assert int(pack.action_mask.sum()) == int(batch["action_mask"].sum())
+
+
+def test_a_batch_that_is_already_a_tree_is_refused():
+    eps = _episodes()
+    batch = _batch(eps)
+    batch["attn_context_end"] = batch["attn_segment_start"] = torch.zeros_like(batch["input_ids"])
+    with pytest.raises(ValueError, match="cope.update=separate or cope.packing=plain"):
+        pack_groups(batch, eps)
+
+
+def _model(arch: str = "qwen2"):
+    return exactness_model(arch, vocab_size=64)
+
+
+def _module(model, temperature, budget):
+    return exactness_module(model, [PolicyGradient(), ObservationLoss(weight=0.5), KLPenalty(weight=0.1)], CHAT, temperature, budget)
+
+
+@pytest.mark.parametrize("budget", [None, 70])  # 70 tokens: one packed row per micro-batch (a group is never split)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_packed_groups_give_the_unshared_loss_and_gradients(arch, temperature, budget):
+    model, eps = _model(arch), _episodes()
+    module = _module(model, temperature, budget)
+    plain = _batch(eps)
+    shared = pack_groups(_batch(eps), eps)
+    if budget is not None:
+        parts = module.micro_batches(shared)
+        assert len(parts) == 3 and sorted(r for rows, _ in parts for r in rows.tolist()) == list(range(len(eps)))
+    ref = scored_step(module, plain)
+    use_tree_attention(model)
+    got = scored_step(module, shared)
+    for a, b in zip(got[:2], ref[:2]):  # old and reference log-probs
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert got[2].item() == pytest.approx(ref[2].item(), abs=1e-5)
+    for k in ("loss/pg", "loss/echo", "loss/kl"):
+        assert abs(float(ref[3][k])) > 0 and float(got[3][k]) == pytest.approx(float(ref[3][k]), abs=1e-5), k
+    assert all(g.abs().sum() > 0 for g in got[4])
+    for a, b in zip(got[4], ref[4]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_temporal_ensemble_rows_come_from_the_packed_rows():
+    """The TE positions ([row, column] of the batch) read the same predictive rows through the packed view, whole
+    and in micro-batches whose rows are not contiguous in the batch."""
+    model, eps = _model("qwen2"), _episodes()
+    plain = _batch(eps)
+    act = plain["action_mask"].nonzero()  # (P, 2)
+    plain["te_position"] = act[torch.randperm(len(act), generator=torch.Generator().manual_seed(0))[:12]]
+    shared = pack_groups(plain, eps)
+    for budget in (None, 70):
+        module = _module(model, 1.0, budget)
+        model.get_base_model().set_attn_implementation("sdpa")
+        ref = {}
+        for rows, n in module.micro_batches(plain):
+            _, _, te_rows, sel = module.logprobs(plain, rows, n, te=True)
+            ref.update(dict(zip(sel.tolist(), te_rows)))
+        use_tree_attention(model)
+        got = {}
+        for rows, n in module.micro_batches(shared):
+            _, _, te_rows, sel = module.logprobs(shared, rows, n, te=True)
+            got.update(dict(zip(sel.tolist(), te_rows)))
+        assert sorted(got) == sorted(ref) == list(range(12))
+        for i in ref:
+            torch.testing.assert_close(got[i], ref[i], atol=1e-5, rtol=1e-5)
+
+
+# A warm-started tiny maze policy (wins and losses in most groups), 4 epochs of 4 groups of 4, minibatches of 8 cut
+# into micro-batches of whole packed rows.
+RUN = ["model.warm_start_steps=150", "model.warm_start_policy=expert", "env.sizes=[5]", "env.min_distance=1",
+       "data.tasks_per_epoch=4", "data.group_size=4", "data.minibatch_size=8", "module.max_tokens_per_microbatch=600",
+       "trainer.max_epochs=4", "trainer.check_val_every_n_epoch=2"]
+SAME = ("loss/", "policy/", "forecast/", "echo/", "val/success", "rollout/success", "adv/")
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("algo", [["algo=grpo", "algo.objectives.kl.weight=0.05"], ["algo=cope", "cope.gate=all"],
+                                  ["algo=cope_echo", "cope.gate=all"]])
+def test_a_run_with_shared_group_prefixes_logs_what_the_unshared_run_logs(run_train, read_metrics, tmp_path, algo):
+    """Sharing on and off: every step and validation logs the same values to fp32 noise (the runs then draw the same
+    rollouts); the shared run logs the fraction of tokens it did not forward."""
+    cols = {}
+    for share in ("true", "false"):
+        run_train([*RUN, *algo, f"data.share_prefix={share}"], tmp_path / share)
+        cols[share] = read_metrics(tmp_path / share / "csv" / "metrics.csv")
+    shared, plain = cols["true"], cols["false"]
+    keys = sorted(k for k in plain if k.startswith(SAME))
+    assert {"loss/pg", "val/success"} <= set(keys) and any(abs(v) > 1e-3 for v in plain["loss/pg"])
+    for k in keys:
+        assert len(shared[k]) == len(plain[k]), k
+        for i, (a, b) in enumerate(zip(shared[k], plain[k])):
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-5), f"{k} row {i}: {a} vs {b}"
+    assert "data/shared_fraction" not in plain and len(shared["data/shared_fraction"]) == 4
+    assert all(0.05 < f < 0.9 for f in shared["data/shared_fraction"])
