@@ -6,7 +6,8 @@ and nothing failed). Now every stream is derived from (seed, rank, epoch) (``cop
 the same 2-process job straight through and killed with SIGKILL at the start of epoch 2 (after the epoch-1
 checkpoint), then resumed; per rank and epoch the tasks and sampled tokens must equal the straight run's, the
 two ranks must differ, both ranks hold the same adapter after every step, and the final adapter is the straight
-run's, bit for bit. With GRPO, and with CoPE under micro-batching."""
+run's, bit for bit. With GRPO, and with CoPE under micro-batching with shared prefixes (its separate steps and the
+GRPO groups, ``data.share_prefix``)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,9 @@ EPOCHS, KILL_AT = 4, 2
 # a maze the warm-started tiny model solves now and then (a reward spread: the policy gradient is not 0)
 LEARNS = ["model.warm_start_steps=150", "env.sizes=[5]", "env.min_distance=1"]
 CASES = {"grpo": ["algo=grpo", *LEARNS],
-         "cope_microbatched": ["algo=cope", "cope.gate=all", "module.max_tokens_per_microbatch=300", *LEARNS]}
+         # both shared-prefix paths (the separate forecast steps' rows; data.share_prefix's packed groups) micro-batched
+         "cope_microbatched": ["algo=cope", "cope.gate=all", "module.max_tokens_per_microbatch=300", "data.share_prefix=true",
+                               *LEARNS]}
 
 
 def _read(out: Path, rank: int) -> tuple[dict[int, dict], dict[int, str]]:

@@ -46,10 +46,11 @@ def _episode(task: int, group: int, seed: int, steps: int, first_action: list[in
 
 def _episodes() -> list[Episode]:
     """Group 0: three episodes (two with the same first action: their common ids go past it, the prefix must not);
-    group 1: two; group 2: one (alone in its group: no sharing). Advantages that do not cancel."""
+    group 1: two; group 2: one (alone in its group: no sharing); group 3: a prompt alone (18 tokens, it fits after
+    group 1's tree: a row of two trees). Advantages that do not cancel."""
     eps = [_episode(0, 0, 1, 3, [20, 21]), _episode(1, 1, 2, 2), _episode(0, 0, 3, 2, [20, 21]), _episode(2, 2, 4, 1),
-           _episode(1, 1, 5, 3), _episode(0, 0, 6, 2)]
-    for e, adv in zip(eps, (0.9, -0.4, 0.3, 0.5, 0.7, -1.1)):
+           _episode(1, 1, 5, 3), _episode(0, 0, 6, 2), _episode(3, 3, 7, 0)]  # the last: a prompt alone, no action
+    for e, adv in zip(eps, (0.9, -0.4, 0.3, 0.5, 0.7, -1.1, 0.0)):
         e.advantage = adv
     return eps
 
@@ -59,7 +60,7 @@ def _batch(eps):
 
 
 def test_the_packed_view_holds_every_token_once_per_group_prefix():
-    eps = [*_episodes(), _episode(3, 3, 7, 0)]  # + a prompt alone (18 tokens): it fits after group 1's row
+    eps = _episodes()
     batch = pack_groups(_batch(eps), eps)
     pack = batch["group_pack"]
     real = batch["attention_mask"].bool()

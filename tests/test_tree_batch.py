@@ -28,6 +28,23 @@ def test_pack_branches_by_hand():
         [[11, 12, 13], [11, 12, 21, 22], [11, 12, 13, 31]]]
 
 
+def test_filled_rows_hold_several_trees_that_see_nothing_of_each_other():
+    """``fill``: the same trees, longest first, side by side in rows no longer than the longest (6 tokens); each tree
+    restarts its positions and sees only itself, so every node's sequence is what it is unfilled."""
+    rows = [([11, 12, 13], [(2, [21, 22]), (3, [31])]), ([], [(0, [41, 42])]), ([51, 52], [(1, [61])])]
+    plain, filled = pack_branches(rows, PAD), pack_branches(rows, PAD, fill=True)
+    assert filled.row_of == (0, 1, 1) and filled.offset == (0, 3, 0)  # tree 2 (3 tokens) first in row 1, then tree 1
+    assert filled.input_ids.tolist() == [[11, 12, 13, 21, 22, 31], [51, 52, 61, 41, 42, PAD]]
+    assert filled.position_ids.tolist() == [[0, 1, 2, 2, 3, 3], [0, 1, 1, 0, 1, 0]]
+    assert filled.starts == ((3, 5), (3,), (2,))
+    assert filled.layout.rows[1] == tuple(TreeLayout.from_lists([[(0, 2, -1, 0), (2, 3, 0, 1), (3, 5, -1, 0)]]).rows[0])
+    def seqs(packed, r):  # the sequence each node of row r stands for, as ids
+        return [packed.input_ids[r, q].tolist() for q in packed.layout.unshared()[r]]
+
+    assert seqs(filled, 0) == seqs(plain, 0) and seqs(filled, 1) == seqs(plain, 2) + seqs(plain, 1)
+    assert int(filled.layout.dense_mask()[1, 0, 3:5, :3].sum()) == 0  # tree 1 sees nothing of tree 2
+
+
 @pytest.mark.parametrize("rows,match", [
     ([([1, 2], [(3, [5])])], r"0 <= anchor=3 <= len\(trunk\)=2"),
     ([([1, 2], [(1, [])])], "needs ids"),

@@ -95,22 +95,35 @@ def test_each_step_equals_one_row_per_sample_on_cuda(budget):
 
 def test_branches_are_the_samples_own_sequences():
     """Each branch with the trunk tokens it sees is the sample's dense row (``tokens[:anchor] + chunk.tokens``), at
-    the same positions, with the same targets; the trunk stops at the largest anchor the step needs."""
+    the same positions, with the same targets; each episode's trunk stops at the largest anchor the step needs; the
+    trees share rows where they fit (no row longer than the longest tree), and a row of one tree names its episode."""
     eps = _episodes()
     for chunks in _steps(eps):
         dense, shared = collate_chunks(eps, chunks, PAD), collate_shared(eps, chunks, PAD)
         layout = shared["tree_layout"]
-        episodes = list(dict.fromkeys(c.episode for c in chunks))  # rows in order of first appearance
-        assert shared["episode_index"].tolist() == episodes and len(layout.rows) == len(episodes)
         assert torch.equal(shared["position_ids"], layout.position_ids())
         assert torch.equal(shared["forecast_weight"], dense["forecast_weight"])
         assert torch.equal(shared["forecast_actions"], dense["forecast_actions"])
-        for r, e in enumerate(episodes):
+        trees = {}  # episode -> (row, root node index, branch node indices)
+        for r, nodes in enumerate(layout.rows):
+            roots = [k for k, n in enumerate(nodes) if n.parent == -1]
+            for k in roots:
+                branches = [b for b, n in enumerate(nodes) if n.parent == k]
+                cids = {int(shared["forecast_chunk"][r, nodes[b].end - 1]) for b in branches}
+                (e,) = {chunks[c].episode for c in cids}  # one episode per tree
+                trees[e] = (r, k, branches)
+            held = {chunks[int(c)].episode for c in shared["forecast_chunk"][r].unique() if c >= 0}
+            assert int(shared["episode_index"][r]) == (held.pop() if len(held) == 1 else -1)
+        assert sorted(trees) == sorted({c.episode for c in chunks})
+        assert max(layout.rows[r][k].end - layout.rows[r][k].start + sum(layout.rows[r][b].end - layout.rows[r][b].start for b in bs)
+                   for r, k, bs in trees.values()) == int(shared["attention_mask"].sum(-1).max())  # the longest tree: a row
+        for e, (r, k, branches) in trees.items():
             mine = [i for i, c in enumerate(chunks) if c.episode == e]
-            trunk, *branches = layout.rows[r]
+            trunk = layout.rows[r][k]
             assert trunk.end - trunk.start == max(chunks[i].anchor for i in mine) - 1
             assert len(branches) == len(mine)
-            for i, seq in zip(mine, layout.unshared()[r][1:]):  # node order = chunk order
+            for i, b in zip(mine, branches):  # node order = chunk order
+                seq = layout.unshared()[r][b]
                 n = int(dense["attention_mask"][i].sum())
                 assert shared["input_ids"][r, seq].tolist() == dense["input_ids"][i, :n].tolist()
                 assert shared["position_ids"][r, seq].tolist() == list(range(n))

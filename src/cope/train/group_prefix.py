@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cope.episode import Episode, Role
+from cope.train.tree_batch import fill_rows, shifted
 from cope.train.tree_layout import TreeLayout, TreeNode
 
 #: Batch keys of layouts that already share within a row (the packed joint CoPE rows): not packable again.
@@ -124,27 +125,14 @@ def pack_groups(batch: dict, episodes: list[Episode]) -> dict:
 
 
 def _fill_rows(seqs: list, nodes: list, members: list, places: list) -> tuple[list, list, list, list]:
-    """Fewer, fuller rows: the units (a group's tree, a row alone) placed first-fit, longest first, into rows no
-    longer than the longest unit; a unit after another in a row keeps its own positions (its root starts at 0 again)
-    and sees nothing of it. Padding per real token drops; what each token attends does not change."""
-    cap = max(len(s) for s in seqs)
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for u in sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), i)):
-        k = next((b for b, free in enumerate(room) if free >= len(seqs[u])), None)
-        if k is None:
-            bins.append([])
-            room.append(cap)
-            k = len(bins) - 1
-        bins[k].append(u)
-        room[k] -= len(seqs[u])
+    """Fewer, fuller rows (:func:`cope.train.tree_batch.fill_rows`): the units (a group's tree, a row alone) side by
+    side; a unit after another keeps its own positions and sees nothing of it. Padding per real token drops."""
     out: tuple[list, list, list, list] = ([], [], [], [])
-    for units in bins:
+    for units in fill_rows([len(q) for q in seqs]):
         seq, row_nodes, row_members, row_places = [], [], [], []
         for u in units:
-            shift, first = len(seq), len(row_nodes)
-            row_nodes += [TreeNode(n.start + shift, n.end + shift, n.parent + first if n.parent >= 0 else -1, n.anchor) for n in nodes[u]]
-            row_places += [(r, start + shift, P, shift) for r, start, P in places[u]]
+            row_places += [(r, start + len(seq), P, len(seq)) for r, start, P in places[u]]
+            row_nodes += shifted(nodes[u], len(seq), len(row_nodes))
             row_members += members[u]
             seq += seqs[u]
         for lst, item in zip(out, (seq, tuple(row_nodes), tuple(row_members), row_places)):
@@ -235,4 +223,8 @@ def packed_logprobs(model, pack: GroupPack, rows: torch.Tensor | None, length: i
     lp, ent, *te = causal_lm_logprobs(model, part["input_ids"], part["attention_mask"], part["position_ids"], tempered=act,
                                       temperature=temperature, entropy_mask=act if entropy else None, rows_at=at_packed,
                                       tree_layout=layout)
-    return (to_rows(lp, local), to_rows(ent, local), *te)
+    # column 0 holds 0 (the log-prob convention): in the packed rows a tree placed after another would read it off
+    # that tree's last token
+    first = torch.zeros_like(local, dtype=torch.bool)
+    first[:, 0] = True
+    return (to_rows(lp, local).masked_fill(first, 0.0), to_rows(ent, local).masked_fill(first, 0.0), *te)

@@ -25,22 +25,26 @@ Row = tuple[Sequence[int], Sequence[tuple[int, Sequence[int]]]]
 
 @dataclass(frozen=True)
 class PackedRows:
-    """Rows of trunk + branches, right padded. ``starts[r][b]``: the column of branch ``b`` of row ``r``.
+    """Rows of trunk + branches, right padded. Input row ``i`` (a tree) sits in packed row ``row_of[i]`` from column
+    ``offset[i]``; ``starts[i][b]``: the column of its branch ``b``.
 
-    ``attention_mask`` is 1 on every trunk and branch token (each row is contiguous from column 0) and 0 on padding;
-    ``position_ids`` are the layout's: a branch token sits where it would in ``trunk[:anchor] + branch``."""
+    ``attention_mask`` is 1 on every trunk and branch token (each packed row is contiguous from column 0) and 0 on
+    padding; ``position_ids`` are the layout's: a branch token sits where it would in ``trunk[:anchor] + branch``."""
 
     input_ids: torch.Tensor  # (N, T) long
     attention_mask: torch.Tensor  # (N, T) long
     position_ids: torch.Tensor  # (N, T) long
     layout: TreeLayout
     starts: tuple[tuple[int, ...], ...]
+    row_of: tuple[int, ...]
+    offset: tuple[int, ...]
 
 
-def pack_branches(rows: Sequence[Row], pad_id: int) -> PackedRows:
-    """Lay each row out as ``[trunk][branch 0][branch 1]...``: the trunk a root node, each branch a child of it
+def pack_branches(rows: Sequence[Row], pad_id: int, fill: bool = False) -> PackedRows:
+    """Lay each input row out as ``[trunk][branch 0][branch 1]...``: the trunk a root node, each branch a child of it
     anchored at its ``anchor`` (``0 <= anchor <= len(trunk)``). An empty trunk is left out and its branches become
-    roots (they must then be anchored at 0)."""
+    roots (they must then be anchored at 0). ``fill``: the trees go side by side into as few packed rows as
+    :func:`fill_rows` finds (padding drops; nothing attends across trees); else one packed row per input row."""
     if not rows:
         raise ValueError("pack_branches needs at least one row")
     nodes, starts, seqs = [], [], []
@@ -59,6 +63,19 @@ def pack_branches(rows: Sequence[Row], pad_id: int) -> PackedRows:
         nodes.append(tuple(row_nodes))
         starts.append(tuple(row_starts))
         seqs.append(seq)
+    bins = fill_rows([len(s) for s in seqs]) if fill else [[i] for i in range(len(seqs))]
+    row_of, offset = [0] * len(seqs), [0] * len(seqs)
+    packed_nodes, packed_seqs = [], []
+    for p, units in enumerate(bins):
+        seq, row_nodes = [], []
+        for u in units:
+            row_of[u], offset[u] = p, len(seq)
+            row_nodes += shifted(nodes[u], len(seq), len(row_nodes))
+            seq += seqs[u]
+        packed_nodes.append(tuple(row_nodes))
+        packed_seqs.append(seq)
+    starts = [tuple(c + offset[i] for c in row) for i, row in enumerate(starts)]
+    nodes, seqs = packed_nodes, packed_seqs
     N, T = len(seqs), max(len(s) for s in seqs)
     ids = torch.full((N, T), pad_id, dtype=torch.long)  # (N, T)
     attn = torch.zeros(N, T, dtype=torch.long)  # (N, T)
@@ -66,7 +83,30 @@ def pack_branches(rows: Sequence[Row], pad_id: int) -> PackedRows:
         ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
         attn[r, : len(s)] = 1
     layout = TreeLayout(rows=tuple(nodes), length=T)
-    return PackedRows(ids, attn, layout.position_ids(), layout, tuple(starts))
+    return PackedRows(ids, attn, layout.position_ids(), layout, tuple(starts), tuple(row_of), tuple(offset))
+
+
+def fill_rows(lengths: Sequence[int]) -> list[list[int]]:
+    """Units (trees) of these lengths placed first-fit, longest first, into rows no longer than the longest unit:
+    per row, its units' indices in placement order. Position ids restart with each unit (each tree's root is a
+    root), so a row of several units computes what they compute alone; only padding is saved."""
+    cap = max(lengths)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for u in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = next((b for b, free in enumerate(room) if free >= lengths[u]), None)
+        if k is None:
+            bins.append([])
+            room.append(cap)
+            k = len(bins) - 1
+        bins[k].append(u)
+        room[k] -= lengths[u]
+    return bins
+
+
+def shifted(nodes: Sequence[TreeNode], shift: int, first: int) -> list[TreeNode]:
+    """``nodes`` of one tree moved ``shift`` columns right, placed after ``first`` nodes of the row (parents renumbered)."""
+    return [TreeNode(n.start + shift, n.end + shift, n.parent + first if n.parent >= 0 else -1, n.anchor) for n in nodes]
 
 
 def batch_tree_layout(model, batch: dict, rows: torch.Tensor | None = None, length: int | None = None) -> TreeLayout | None:

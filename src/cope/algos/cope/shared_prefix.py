@@ -28,10 +28,12 @@ from cope.train.tree_batch import pack_branches
 
 
 def collate_shared(episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
-    """A batch of kind ``forecast`` with one row per episode of ``chunks`` (in order of first appearance): the
-    trunk and the chunks as branches, ``tree_layout`` their :class:`~cope.train.tree_layout.TreeLayout`,
-    ``position_ids`` the layout's; ``forecast_chunk`` indexes ``chunks`` (same order, weights and actions as
-    :func:`~cope.algos.cope.layouts.collate_chunks`). An empty ``chunks`` gives that function's empty batch (no layout)."""
+    """A batch of kind ``forecast`` with one tree per episode of ``chunks``: the trunk and the chunks as branches,
+    ``tree_layout`` their :class:`~cope.train.tree_layout.TreeLayout`, ``position_ids`` the layout's; the trees
+    placed side by side in as few rows as fit (:func:`cope.train.tree_batch.fill_rows`: no row longer than the
+    longest tree; ``episode_index`` -1 on a row of several); ``forecast_chunk`` indexes ``chunks`` (same order,
+    weights and actions as :func:`~cope.algos.cope.layouts.collate_chunks`). An empty ``chunks`` gives that
+    function's empty batch (no layout)."""
     if not chunks:
         return collate_chunks(episodes, chunks, pad_id)
     by_episode: dict[int, list[int]] = {}
@@ -45,15 +47,19 @@ def collate_shared(episodes: list[Episode], chunks: list[ForecastChunk], pad_id:
         tokens = episodes[e].tokens
         trunk = tokens[: max(chunks[c].anchor for c in cids) - 1]
         rows.append((trunk, [(chunks[c].anchor - 1, [tokens[chunks[c].anchor - 1], *chunks[c].tokens]) for c in cids]))
-    packed = pack_branches(rows, pad_id)
+    packed = pack_branches(rows, pad_id, fill=True)
     fmask = torch.zeros(packed.input_ids.shape, dtype=torch.bool)  # (N, T)
     fchunk = torch.full(packed.input_ids.shape, -1, dtype=torch.long)  # (N, T)
-    for r, cids in enumerate(by_episode.values()):
-        for c0, cid in zip(packed.starts[r], cids):
+    for i, cids in enumerate(by_episode.values()):
+        r = packed.row_of[i]
+        for c0, cid in zip(packed.starts[i], cids):
             c1 = c0 + 1 + len(chunks[cid].tokens)  # after the repeated token
             fmask[r, c0 + 1 : c1] = torch.tensor(chunks[cid].target, dtype=torch.bool)
             fchunk[r, c0 + 1 : c1] = cid
-    batch = forecast_batch(packed.input_ids, packed.attention_mask, packed.position_ids, fmask, fchunk,
-                           torch.tensor(list(by_episode), dtype=torch.long), chunks)
+    episode_index = torch.full((packed.input_ids.shape[0],), -1, dtype=torch.long)  # -1: a row of several episodes
+    for r in set(packed.row_of):
+        held = [e for i, e in enumerate(by_episode) if packed.row_of[i] == r]
+        episode_index[r] = held[0] if len(held) == 1 else -1
+    batch = forecast_batch(packed.input_ids, packed.attention_mask, packed.position_ids, fmask, fchunk, episode_index, chunks)
     batch["tree_layout"] = packed.layout
     return batch
