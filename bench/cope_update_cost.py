@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
         g = runs["GRPO"]
         results[name] = dict(mean_s=m, std_s=statistics.stdev(v["times"]) if len(v["times"]) > 1 else 0.0,
                              ratio=m / base, times_s=v["times"], steps=v["steps"], peak_bytes=v["peak_bytes"],
-                             **{k: v[k] for k in ("tokens", "positions", "targets", "cells", "visible")})
+                             **{k: v[k] for k in ("tokens", "positions", "targets", "cells", "visible", "forecast_cells",
+                                                  "forecast_visible")})
         lines.append(f"| {name} | {m:.3f} | {results[name]['std_s']:.3f} | {m / base:.2f} | {v['steps']} | {v['tokens']} | "
                      f"{v['tokens'] / g['tokens']:.2f} | {v['positions']} | {(v['positions'] - v['tokens']) / v['tokens']:.2f} | "
                      f"{v['tokens'] / max(v['targets'], 1):.1f} | {v['cells']:.3g} | {v['visible']:.3g} | "
@@ -181,6 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{flops_7b(v['positions'], v['cells']) / 1e12:.1f} | "
                      f"{flops_7b(v['positions'], v['cells']) / flops_7b(g['positions'], g['cells']):.2f} |")
         results[name]["flops_7b"] = flops_7b(v["positions"], v["cells"])
+    lines += ["", "Attention work of the separate forecast steps alone (score cells computed / needed): " + ", ".join(
+        f"{name} {v['forecast_cells'] / v['forecast_visible']:.2f}" for name, v in runs.items() if v["forecast_visible"])]
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -253,42 +256,51 @@ def _work(batches: list[dict], budget: int | None) -> dict[str, int]:
     model computes (rows x columns of each micro-batch: padding too), trained target tokens (action tokens of the
     policy gradient, forecast targets), attention score cells computed (rows x columns squared per SDPA call with a
     mask; the tree kernels' own count for rows with a tree layout) and the cells an exact method needs (each real
-    token's visible keys)."""
+    token's visible keys); the last two also for the separate forecast steps alone (``forecast_*``)."""
+    out = dict(tokens=0, positions=0, targets=0, cells=0, visible=0, forecast_cells=0, forecast_visible=0)
+    for b in batches:
+        cells0, visible0 = out["cells"], out["visible"]
+        _batch_work(b, budget, out)
+        if b.get("kind") == "forecast":
+            out["forecast_cells"] += out["cells"] - cells0
+            out["forecast_visible"] += out["visible"] - visible0
+    return out
+
+
+def _batch_work(b: dict, budget: int | None, out: dict) -> None:
+    """Adds one batch's counts to ``out`` (see :func:`_work`)."""
     from cope.train.batch import microbatch_plan, row_lengths
     from cope.train.group_prefix import packed_plan
     from cope.train.tree_layout import TreeLayout
 
-    out = dict(tokens=0, positions=0, targets=0, cells=0, visible=0)
-    for b in batches:
-        out["targets"] += int(b["action_mask"].sum()) + int(b["forecast_mask"].sum() if "forecast_mask" in b else 0)
-        if "group_pack" in b:  # what the model forwards: the packed rows, in micro-batches of whole packed rows
-            pack = b["group_pack"]
-            out["tokens"] += pack.tokens
-            for r0, r1 in packed_plan(pack, budget):
-                n = max(pack.lengths[r0:r1])
-                out["positions"] += (r1 - r0) * n
-                cells = TreeLayout(rows=pack.layout.rows[r0:r1], length=n).score_cells()
-                out["cells"] += cells.tree
-                out["visible"] += cells.visible
-            continue
-        out["tokens"] += int(b["attention_mask"].ne(0).sum())
-        lengths = row_lengths(b).tolist()
-        for r0, r1, n in microbatch_plan(lengths, budget) if budget else [(0, len(lengths), b["input_ids"].shape[1])]:
+    out["targets"] += int(b["action_mask"].sum()) + int(b["forecast_mask"].sum() if "forecast_mask" in b else 0)
+    if "group_pack" in b:  # what the model forwards: the packed rows, in micro-batches of whole packed rows
+        pack = b["group_pack"]
+        out["tokens"] += pack.tokens
+        for r0, r1 in packed_plan(pack, budget):
+            n = max(pack.lengths[r0:r1])
             out["positions"] += (r1 - r0) * n
-            if "tree_layout" in b:
-                cells = TreeLayout(rows=b["tree_layout"].rows[r0:r1], length=n).score_cells()
-                out["cells"] += cells.tree
-                out["visible"] += cells.visible
-                continue
-            out["cells"] += (r1 - r0) * n * n
-            real = b["attention_mask"][r0:r1, :n].ne(0)
-            if "attn_context_end" in b:  # segment attention: query i sees j < context_end[i] and segment_start[i] <= j <= i
-                i = torch.arange(n)
-                seen = b["attn_context_end"][r0:r1, :n] + (i - b["attn_segment_start"][r0:r1, :n] + 1)  # (rows, n)
-                out["visible"] += int(seen[real].sum())
-            else:  # causal rows, right padded
-                out["visible"] += sum(k * (k + 1) // 2 for k in real.sum(-1).tolist())
-    return out
+            cells = TreeLayout(rows=pack.layout.rows[r0:r1], length=n).score_cells()
+            out["cells"] += cells.tree
+            out["visible"] += cells.visible
+        return
+    out["tokens"] += int(b["attention_mask"].ne(0).sum())
+    lengths = row_lengths(b).tolist()
+    for r0, r1, n in microbatch_plan(lengths, budget) if budget else [(0, len(lengths), b["input_ids"].shape[1])]:
+        out["positions"] += (r1 - r0) * n
+        if "tree_layout" in b:
+            cells = TreeLayout(rows=b["tree_layout"].rows[r0:r1], length=n).score_cells()
+            out["cells"] += cells.tree
+            out["visible"] += cells.visible
+            continue
+        out["cells"] += (r1 - r0) * n * n
+        real = b["attention_mask"][r0:r1, :n].ne(0)
+        if "attn_context_end" in b:  # segment attention: query i sees j < context_end[i] and segment_start[i] <= j <= i
+            i = torch.arange(n)
+            seen = b["attn_context_end"][r0:r1, :n] + (i - b["attn_segment_start"][r0:r1, :n] + 1)  # (rows, n)
+            out["visible"] += int(seen[real].sum())
+        else:  # causal rows, right padded
+            out["visible"] += sum(k * (k + 1) // 2 for k in real.sum(-1).tolist())
 
 
 if __name__ == "__main__":

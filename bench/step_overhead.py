@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
         runs[name] = dict(module=module, opt=module.optimizer_factory(list(params.values())), state=snapshot(),
                           mbs=[{k: v.to(device) for k, v in mb.items()} for mb in mbs], times=[], mem=[],
                           rows=sum(mb["input_ids"].shape[0] for mb in mbs), cols=max(mb["input_ids"].shape[1] for mb in mbs),
-                          cells=sum(mb["input_ids"].numel() for mb in mbs), chunks=n_chunks)
+                          cells=sum(mb["input_ids"].numel() for mb in mbs), chunks=n_chunks,
+                          real=sum(int(mb["attention_mask"].ne(0).sum()) for mb in mbs))
 
     meter = StepMeter(device.type == "cuda")
     policy.model.train()
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
         m = statistics.mean(v["times"])
         results[name] = dict(mean_s=m, std_s=statistics.stdev(v["times"]) if len(v["times"]) > 1 else 0.0, ratio=m / base_t,
                              rows=v["rows"], cols=v["cols"], cells=v["cells"], forecast_chunks=v["chunks"],
+                             padding_per_real_token=(v["cells"] - v["real"]) / max(v["real"], 1),
                              peak_mem_mib=max(v["mem"]) / 2**20, times_s=v["times"])
     n_succ = sum(e.success for e in eps)
     head = (f"device {device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
@@ -261,11 +263,11 @@ def main(argv: list[str] | None = None) -> dict:
             f"overrides {' '.join(args.model_overrides)}; {len(eps)} episodes "
             f"({n_succ} succeeded) in {math.ceil(len(eps) / size)} minibatch(es) of <= {size}; K={args.K}; "
             f"{args.steps} timed steps per variant after {args.warmup} warmup rounds, interleaved round-robin")
-    lines = [head, "", f"| variant | s/step (mean) | std | vs GRPO | sequences | columns | cells | forecast chunks | {mem_label} |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [head, "", "| variant | s/step (mean) | std | vs GRPO | sequences | columns | cells | padded cells per real token "
+             f"| forecast chunks | {mem_label} |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r_ in results.items():
         lines.append(f"| {name} | {r_['mean_s']:.4f} | {r_['std_s']:.4f} | {r_['ratio']:.2f} | {r_['rows']} | {r_['cols']} | "
-                     f"{r_['cells']} | {r_['forecast_chunks']} | {r_['peak_mem_mib']:.1f} |")
+                     f"{r_['cells']} | {r_['padding_per_real_token']:.2f} | {r_['forecast_chunks']} | {r_['peak_mem_mib']:.1f} |")
     ratio = lambda k: f"{results[k]['ratio']:.2f}" if k in results else "n/a"  # noqa: E731
     summary = f"CoPE packed / GRPO = {ratio('CoPE (packed)')}, CoPE plain / GRPO = {ratio('CoPE (plain)')}, ECHO / GRPO = {ratio('ECHO')}"
     if "CoPE+ECHO" in results:

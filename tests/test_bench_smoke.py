@@ -42,14 +42,21 @@ def test_step_overhead_smoke(tmp_path):
 def test_cope_update_cost_smoke(tmp_path):
     out = tmp_path / "cuc.md"
     _run("cope_update_cost.py", ["--model-overrides", "debug=fast", "model.warm_start_steps=150", "env.sizes=[5]",
-                                 "env.min_distance=1", "--episodes", "8", "--epochs", "1", "--warmup", "0", "--out", str(out)])
+                                 "env.min_distance=1", "--episodes", "8", "--minibatch-size", "8", "--epochs", "1", "--warmup", "0",
+                                 "--out", str(out)])
     text = out.read_text()
-    for name in ("GRPO", "CoPE (separate)", "CoPE (separate, shared)", "CoPE (joint, packed)"):
+    for name in ("GRPO", "GRPO (groups shared)", "CoPE (separate)", "CoPE (separate, shared)", "CoPE (joint, dense mask)",
+                 "CoPE (joint, tree)"):
         assert f"| {name} |" in text
     report = json.loads(out.with_suffix(".json").read_text())
     v = report["variants"]
-    assert v["GRPO"]["ratio"] == pytest.approx(1.0) and all(x["mean_s"] > 0 for x in v.values())
-    assert v["CoPE (joint, packed)"]["steps"] == v["GRPO"]["steps"]  # joint: no step of its own
+    assert v["GRPO"]["ratio"] == pytest.approx(1.0) and all(x["mean_s"] > 0 and x["peak_bytes"] > 0 for x in v.values())
+    assert v["CoPE (joint, tree)"]["steps"] == v["CoPE (joint, dense mask)"]["steps"] == v["GRPO"]["steps"]  # joint: no step of its own
+    tree, mask = v["CoPE (joint, tree)"], v["CoPE (joint, dense mask)"]
+    assert tree["tokens"] == mask["tokens"] and tree["visible"] == mask["visible"] and tree["cells"] < mask["cells"]
+    groups = v["GRPO (groups shared)"]  # each group's prompt once; the same targets
+    assert groups["tokens"] < v["GRPO"]["tokens"] and groups["targets"] == v["GRPO"]["targets"]
+    assert all(x["flops_7b"] > 0 for x in v.values())
     assert v["CoPE (separate)"]["steps"] == v["GRPO"]["steps"] + -(-report["samples"] // 16)  # + one per 16 samples
     dense, shared = v["CoPE (separate)"], v["CoPE (separate, shared)"]
     assert shared["steps"] == dense["steps"] and shared["targets"] == dense["targets"]  # the same samples trained

@@ -173,3 +173,17 @@ def test_a_run_with_shared_group_prefixes_logs_what_the_unshared_run_logs(run_tr
             assert a == pytest.approx(b, rel=1e-4, abs=1e-5), f"{k} row {i}: {a} vs {b}"
     assert "data/shared_fraction" not in plain and len(shared["data/shared_fraction"]) == 4
     assert all(0.05 < f < 0.9 for f in shared["data/shared_fraction"])
+
+
+def test_full_logits_come_back_in_the_rows_shape():
+    """``module._logits`` (probes) of a packed batch: the unshared batch's logits on every real token."""
+    model, eps = _model("qwen2"), _episodes()
+    module = _module(model, 1.0, None)
+    plain = _batch(eps)
+    with torch.no_grad():
+        ref = module._logits(plain)
+        use_tree_attention(model)
+        got = module._logits(pack_groups(plain, eps))
+    real = plain["attention_mask"].bool()
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=1e-5)

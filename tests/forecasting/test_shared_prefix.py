@@ -228,3 +228,28 @@ def _same_rows(shared: dict, dense: dict, keys: list[str]) -> None:
         assert len(shared[k]) == len(dense[k]), k
         for i, (a, b) in enumerate(zip(shared[k], dense[k])):
             assert a == pytest.approx(b, rel=1e-4, abs=1e-5), f"{k} row {i}: {a} vs {b}"
+
+
+def test_temporal_ensemble_members_scored_on_shared_rows():
+    """CoPE's temporal ensemble scores its members (``cope.te.weight > 0``) on the epoch's samples: each episode's
+    samples as one tree over its transcript give the same top-M distributions as one row per sample."""
+    import contextlib
+
+    from cope.algos.cope.te_loss import ensemble_transform
+    from cope.train.batch import collate
+
+    model, eps = _model(), _episodes()
+    chunks, _ = build_prompted(eps, CHAT, PlanPrompt(FakeTokenizer()), K=3)
+    got = []
+    for share in (False, True):
+        if share:
+            use_tree_attention(model)
+        mbs = [collate(eps[:3], PAD, indices=[0, 1, 2]), collate(eps[3:], PAD, indices=[3, 4])]
+        ensemble_transform(lambda: model, lambda _: chunks, contextlib.nullcontext, top_m=8, rows_per_forward=STEP,
+                           share_prefix=share)(mbs, eps)
+        got.append(mbs)
+    assert got[0][0]["te_ids"].shape[0] > 0  # the reference episode's actions have members
+    for plain, shared in zip(*got):
+        assert torch.equal(plain["te_position"], shared["te_position"])
+        assert torch.equal(plain["te_ids"], shared["te_ids"])
+        torch.testing.assert_close(shared["te_probs"], plain["te_probs"], atol=1e-5, rtol=1e-5)

@@ -228,3 +228,14 @@ def packed_logprobs(model, pack: GroupPack, rows: torch.Tensor | None, length: i
     first = torch.zeros_like(local, dtype=torch.bool)
     first[:, 0] = True
     return (to_rows(lp, local).masked_fill(first, 0.0), to_rows(ent, local).masked_fill(first, 0.0), *te)
+
+
+def packed_logits(model, pack: GroupPack) -> torch.Tensor:
+    """Full (N, T, V) logits of the batch rows from their packed rows (probes and tests)."""
+    from cope.train.tree_batch import batch_tree_layout
+
+    part, layout = packed_part(pack, 0, len(pack.lengths))
+    batch_tree_layout(model, {"tree_layout": layout})
+    logits = model(input_ids=part["input_ids"], attention_mask=part["attention_mask"], position_ids=part["position_ids"],
+                   use_cache=False, tree_layout=layout).logits  # (R, L, V)
+    return to_rows(logits, local_index(pack, 0, logits.shape[1], None, None))

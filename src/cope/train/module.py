@@ -30,7 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from cope.models.policy import Policy
 from cope.train.backward import backward_microbatched
 from cope.train.batch import SEGMENT_KEYS, microbatch_plan, model_attention, row_lengths
-from cope.train.group_prefix import local_index, packed_logprobs, packed_part, packed_plan, rows_of, to_rows
+from cope.train.group_prefix import packed_logits, packed_logprobs, packed_plan, rows_of
 from cope.train.logprobs import causal_lm_logprobs, sampler_gap
 from cope.train.objectives import ROLLOUT, ForwardOut, Objective, batch_kind
 from cope.train.seeding import seed_globals
@@ -115,12 +115,7 @@ class AgentRLModule(pl.LightningModule):
     def _logits(self, batch: dict) -> torch.Tensor:
         """Full (N, T, V) logits (probes and tests; training and scoring go through :meth:`logprobs`)."""
         if "group_pack" in batch:
-            pack = batch["group_pack"]
-            part, layout = packed_part(pack, 0, len(pack.lengths))
-            batch_tree_layout(self.model, {"tree_layout": layout})
-            logits = self.model(input_ids=part["input_ids"], attention_mask=part["attention_mask"], use_cache=False,
-                                position_ids=part["position_ids"], tree_layout=layout).logits  # (R, L, V)
-            return to_rows(logits, local_index(pack, 0, logits.shape[1], None, None))
+            return packed_logits(self.model, batch["group_pack"])
         tree = batch_tree_layout(self.model, batch)
         return self.model(input_ids=batch["input_ids"], attention_mask=self._attention(batch), position_ids=batch["position_ids"],
                           use_cache=False, **({"tree_layout": tree} if tree is not None else {})).logits  # (N, T, V)

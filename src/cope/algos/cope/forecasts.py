@@ -113,7 +113,8 @@ class CopeForecasts(Callback):
         if self.te_weight > 0:
             context = pl_module.trainer.precision_plugin.train_step_context  # the training forward's numerics
             pl_module.add_scored_transform(ensemble_transform(lambda: pl_module.model, lambda eps: self.samples(eps)[0],
-                                                              context, self.te_top_m, self.minibatch_size, self._te_metrics))
+                                                              context, self.te_top_m, self.minibatch_size, self._te_metrics,
+                                                              share_prefix=self.shares_prefix))
         self._datamodule = dm
 
     def samples(self, episodes: list[Episode]) -> tuple[list, dict[str, float]]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cope.algos.cope.chunks import ForecastChunk
+from cope.algos.cope.shared_prefix import collate_shared
 from cope.algos.cope.temporal_ensemble import (
     TOPM,
     action_spans,
@@ -60,13 +61,16 @@ class TemporalEnsembleLoss(Objective):
 
 def ensemble_transform(model_of: Callable[[], torch.nn.Module], samples: Callable[[list[Episode]], Sequence[ForecastChunk]],
                        context: Callable[[], object], top_m: int = TOPM, rows_per_forward: int = 16,
-                       metrics_out: dict | None = None) -> Callable[[list[dict], list[Episode]], None]:
+                       metrics_out: dict | None = None, share_prefix: bool = False) -> Callable[[list[dict], list[Episode]], None]:
     """A scored transform (``module.add_scored_transform``) that adds ``te_position`` (P, 2) [row, column],
     ``te_ids`` (P, M) and ``te_probs`` (P, M) to every minibatch: q^F of its rows' covered action tokens.
 
     ``model_of()`` gives the policy to score the members with (no grad, eval mode, under ``context()``: the
     training precision), ``samples(episodes)`` the epoch's forecast samples; the members are scored
-    ``rows_per_forward`` samples at a time. ``metrics_out`` receives the ``te/*`` counts of the epoch."""
+    ``rows_per_forward`` samples at a time, one row per sample, or with ``share_prefix`` each episode's samples as
+    branches of one tree over its transcript (:func:`cope.algos.cope.shared_prefix.collate_shared`; the model must
+    run ``"cope_tree"``): the same distributions, each history forwarded once. ``metrics_out`` receives the
+    ``te/*`` counts of the epoch."""
 
     @torch.no_grad()
     def transform(minibatches: list[dict], episodes: list[Episode]) -> None:
@@ -83,10 +87,20 @@ def ensemble_transform(model_of: Callable[[], torch.nn.Module], samples: Callabl
                 sel = ((members.chunk >= s) & (members.chunk < s + rows_per_forward)).nonzero().squeeze(-1)
                 if sel.numel() == 0:
                     continue
-                inp, att, pos = (x.to(dev) for x in forecast_batch(chunks[s: s + rows_per_forward], [e.tokens for e in episodes]))
+                part, local = chunks[s: s + rows_per_forward], members.chunk[sel] - s
+                layout, rows, cols = None, local, members.position[sel]
+                if share_prefix:  # a member at column q of its sample's row sits (q - anchor) after its branch's first token
+                    batch = collate_shared(episodes, part, 0)
+                    inp, att, pos, layout = batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["tree_layout"]
+                    at = torch.stack([(batch["forecast_chunk"] == c).float().flatten().argmax() for c in range(len(part))])
+                    width = inp.shape[1]
+                    anchor = torch.tensor([c.anchor for c in part])
+                    rows, cols = at[local] // width, at[local] % width + cols - anchor[local]
+                else:
+                    inp, att, pos = forecast_batch(part, [e.tokens for e in episodes])
+                inp, att, pos = inp.to(dev), att.to(dev), pos.to(dev)
                 with context():
-                    i, p = topm_at_positions(model, inp, att, pos, (members.chunk[sel] - s).to(dev),
-                                             members.position[sel].to(dev), M=top_m)
+                    i, p = topm_at_positions(model, inp, att, pos, rows.to(dev), cols.to(dev), M=top_m, tree_layout=layout)
                 ids[sel], probs[sel] = i.cpu(), p.float().cpu()
         finally:
             model.train(was)

@@ -107,7 +107,7 @@ def forecast_batch(chunks: Sequence[ForecastChunk], episode_tokens: Mapping[int,
 @torch.no_grad()
 def topm_at_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                       rows: torch.Tensor, positions: torch.Tensor, M: int = TOPM,
-                      chunk_elems: int = CHUNK_ELEMS) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_elems: int = CHUNK_ELEMS, tree_layout=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-M of the next-token distribution predicting ``input_ids[rows, positions]`` (the logits at position - 1).
 
     The output head runs only on the selected hidden states, ``chunk_elems // V`` at a time (never (N, T, V));
@@ -120,6 +120,8 @@ def topm_at_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         rows, positions: (L,) long, the tokens whose predictive distribution is wanted (positions >= 1).
         M: entries kept (min(M, V)).
         chunk_elems: logits held at once.
+        tree_layout: the rows' :class:`~cope.train.tree_layout.TreeLayout` when they are shared-prefix rows (the model
+            runs ``"cope_tree"``), else None.
 
     Returns:
         ``ids`` (L, M) long and ``probs`` (L, M) float32, sorted by decreasing probability.
@@ -132,6 +134,8 @@ def topm_at_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         m = min(M, V or M)
         return torch.empty(0, m, dtype=torch.long), torch.empty(0, m, dtype=torch.float32)
     kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if tree_layout is not None:
+        kw["tree_layout"] = tree_layout
     r, p = rows.to(input_ids.device), positions.to(input_ids.device) - 1
     if head is not None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
