@@ -123,7 +123,7 @@ def test_kernel_equals_dense_sdpa(monkeypatch, tile, rows, length):
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
 def test_flex_kernel_forward_on_cpu():
-    """The flex kernel (CUDA's default) forced on CPU, forward only (FlexAttention has no CPU backward)."""
+    """The flex kernel (opt-in on CUDA) forced on CPU, forward only (FlexAttention has no CPU backward)."""
     layout = TreeLayout.from_lists(_random_layout_rows(), length=82, kernel="flex")
     q, k, v = (torch.randn(2, h, 82, 8) for h in (6, 2, 2))
     out, _ = tree_attention_forward(types.SimpleNamespace(), q, k, v, None, tree_layout=layout)
@@ -134,7 +134,7 @@ def test_flex_kernel_forward_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (FlexAttention kernel)")
 def test_flex_kernel_equals_dense_on_cuda():
-    layout = TreeLayout.from_lists(_random_layout_rows(), length=82)  # kernel="auto": flex on CUDA
+    layout = TreeLayout.from_lists(_random_layout_rows(), length=82, kernel="flex")
     q, k, v = (torch.randn(2, h, 82, 64, device="cuda", requires_grad=True) for h in (6, 2, 2))
     out, _ = tree_attention_forward(types.SimpleNamespace(), q, k, v, None, tree_layout=layout)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.dense_mask("cuda"), enable_gqa=True).transpose(1, 2)
@@ -269,3 +269,14 @@ def test_misuse_names_the_fix():
 
     assert AttentionInterface._global_mapping[NAME] is tree_attention_forward
     assert AttentionMaskInterface._global_mapping[NAME] is tree_attention.DeferredMask
+
+
+def test_auto_runs_tiles_unless_flex_is_asked_for_on_cuda(monkeypatch):
+    from cope.train.tree_attention import auto_kernel
+
+    assert auto_kernel(cuda=True) == auto_kernel(cuda=False) == "tiles"
+    monkeypatch.setenv("COPE_TREE_KERNEL", "flex")
+    assert auto_kernel(cuda=True) == "flex" and auto_kernel(cuda=False) == "tiles"  # no CPU backward: tiles there
+    monkeypatch.setenv("COPE_TREE_KERNEL", "fast")
+    with pytest.raises(ValueError, match="COPE_TREE_KERNEL='fast'"):
+        auto_kernel(cuda=True)

@@ -87,9 +87,11 @@ def test_each_step_equals_one_row_per_sample(arch, budget):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the tree kernel there is FlexAttention)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernel", ["tiles", "flex"])  # COPE_TREE_KERNEL: the default, and FlexAttention
 @pytest.mark.parametrize("budget", [None, 40])
-def test_each_step_equals_one_row_per_sample_on_cuda(budget):
+def test_each_step_equals_one_row_per_sample_on_cuda(budget, kernel, monkeypatch):
+    monkeypatch.setenv("COPE_TREE_KERNEL", kernel)
     _check_steps("qwen2", budget, "cuda", 1e-4)
 
 

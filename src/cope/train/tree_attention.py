@@ -17,18 +17,21 @@ no (T, T) tensor is ever built (non-monotonic tree ``position_ids`` would otherw
 packed-sequence mask). A forward without one builds it once (shared by all layers) and runs transformers' own
 SDPA path, so the same model serves ordinary padded batches exactly like ``"sdpa"``.
 
-Kernels, with a layout (the layout's ``kernel`` field can force either):
-* ``tiles`` (CPU, and CUDA when forced): nodes that see no ancestor token (roots) run causal SDPA on their own
+Kernels, with a layout (the layout's ``kernel`` field can force either; ``"auto"``: :func:`auto_kernel`, tiles
+unless ``COPE_TREE_KERNEL=flex`` on CUDA):
+* ``tiles`` (the default everywhere): nodes that see no ancestor token (roots) run causal SDPA on their own
   contiguous slice (the flash kernels skip blocks above the diagonal). Every other node is cut in tiles of queries;
   a tile's keys (its visible ancestor ranges, then its own keys up to the tile end) are gathered, and similar tiles
   run as one batched SDPA call with a bottom-right causal mask. Padding tokens output their own value. All torch
   ops, so autograd's gradients are exact; the (G, Lq, Lk) masks are per tile group, never (T, T).
-* ``flex`` (default on CUDA): FlexAttention with a BlockMask whose mask_mod does the same ancestor check.
+* ``flex`` (opt-in on CUDA): FlexAttention with a BlockMask whose mask_mod does the same ancestor check (no CPU
+  backward in torch 2.13; compiled on CUDA, a new row length recompiles).
 Not supported with a layout: sliding-window layers, softcapping, KV-cache decoding (a layout is for whole rows).
 """
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -76,10 +79,20 @@ def tree_attention_forward(
             attention_mask = attention_mask.materialize()
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     _check(tree_layout, query, key, attention_mask, kwargs)
-    kernel = tree_layout.kernel
-    if kernel == "flex" or (kernel == "auto" and query.is_cuda):
+    kernel = tree_layout.kernel if tree_layout.kernel != "auto" else auto_kernel(query.is_cuda)
+    if kernel == "flex":
         return _flex_attention(tree_layout, query, key, value, scaling, dropout), None
     return _tile_attention(tree_layout, query, key, value, scaling, dropout), None
+
+
+def auto_kernel(cuda: bool) -> str:
+    """The kernel a layout's ``"auto"`` runs: ``tiles``, unless ``COPE_TREE_KERNEL=flex`` is set and the tensors are on
+    CUDA. The tiles kernel is the one whose gradients the test suite checks (CPU); FlexAttention's training path has a
+    ``gpu``-marked test and a ``bench/gpu_check.py`` phase, and is opt-in until a GPU run has passed them."""
+    choice = os.environ.get("COPE_TREE_KERNEL", "tiles")
+    if choice not in ("tiles", "flex"):
+        raise ValueError(f"COPE_TREE_KERNEL={choice!r}: use 'tiles' (the default) or 'flex' (FlexAttention on CUDA)")
+    return "flex" if choice == "flex" and cuda else "tiles"
 
 
 def register() -> None:

@@ -99,7 +99,8 @@ class TreeLayout:
     Args:
         rows: per row, its nodes; node ``i``'s parent must have an index below ``i``.
         length: T, the packed row length (at least the largest node end).
-        kernel: ``"auto"`` (FlexAttention on CUDA tensors, tiles elsewhere), ``"tiles"`` or ``"flex"`` to force one
+        kernel: ``"auto"`` (tiles; FlexAttention on CUDA tensors with ``COPE_TREE_KERNEL=flex``: see
+            :func:`cope.train.tree_attention.auto_kernel`), ``"tiles"`` or ``"flex"`` to force one
             (FlexAttention has no CPU backward in torch 2.13).
     """
 
