@@ -21,7 +21,7 @@ computed, attention over the score cells computed).
 * CoPE (joint, packed): the minibatches with the samples packed after their transcripts and the forecast loss
   summed into the policy step (``cope.update=joint cope.packing=packed``): no extra step. Two attentions: the dense
   (T, T) segment mask per forward (``cope.share_prefix=false``, the reference) and tree attention (``true``, the
-  default: each packed row a trunk with its samples as branches).
+  default: each packed row a trunk with its samples as branches, the trees side by side in as few rows as fit).
 
 Each variant owns its optimizer and its weights (swapped in outside the timer), starting from the same LoRA weights;
 variants are interleaved round-robin (A B C A B C ...) and the first ``--warmup`` rounds are discarded, so drift
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     from hydra.utils import instantiate
     from step_overhead import collect
 
-    from cope.algos.cope.layouts import collate_chunks, pack_forecasts
+    from cope.algos.cope.layouts import collate_chunks, pack_forecast_trees, pack_forecasts
     from cope.algos.cope.loss import ForecastLoss
     from cope.algos.cope.prompted import PlanPrompt, build_prompted
     from cope.algos.cope.shared_prefix import collate_shared
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         "CoPE (separate, shared)": (pg + [collate_shared(eps, c, dm.pad_id) for c in steps], separate),
         "CoPE (joint, dense mask)": ([pack_forecasts(mb, eps, chunks, dm.pad_id) for mb in pg],
                                      [*pg_objs, ForecastLoss(weight=0.01, update="joint")]),
-        "CoPE (joint, tree)": ([pack_forecasts(mb, eps, chunks, dm.pad_id, tree=True) for mb in pg],
+        "CoPE (joint, tree)": ([pack_forecast_trees(mb, eps, chunks, dm.pad_id) for mb in pg],
                                [*pg_objs, ForecastLoss(weight=0.01, update="joint")]),
     }
     epochs = {k: v for k, v in epochs.items() if k == "GRPO" or k in args.variants}
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.no_grad():
             for n, q in params.items():
                 q.copy_(init[n])
-        attn = "cope_tree" if any("tree_layout" in b or "group_pack" in b for b in batches) else "sdpa"
+        attn = "cope_tree" if any("tree_layout" in b or "row_pack" in b for b in batches) else "sdpa"
         policy.model.set_attn_implementation(attn)
         module.score_minibatches([b for b in batches if b.get("kind") != "forecast"])
         runs[name] = dict(module=module, batches=batches, opt=module.optimizer_factory(list(params.values())),
@@ -182,8 +182,9 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{flops_7b(v['positions'], v['cells']) / 1e12:.1f} | "
                      f"{flops_7b(v['positions'], v['cells']) / flops_7b(g['positions'], g['cells']):.2f} |")
         results[name]["flops_7b"] = flops_7b(v["positions"], v["cells"])
-    lines += ["", "Attention work of the separate forecast steps alone (score cells computed / needed): " + ", ".join(
-        f"{name} {v['forecast_cells'] / v['forecast_visible']:.2f}" for name, v in runs.items() if v["forecast_visible"])]
+    separate = [f"{name} {v['forecast_cells'] / v['forecast_visible']:.2f}" for name, v in runs.items() if v["forecast_visible"]]
+    if separate:
+        lines += ["", "Attention work of the separate forecast steps alone (score cells computed / needed): " + ", ".join(separate)]
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -274,8 +275,8 @@ def _batch_work(b: dict, budget: int | None, out: dict) -> None:
     from cope.train.tree_layout import TreeLayout
 
     out["targets"] += int(b["action_mask"].sum()) + int(b["forecast_mask"].sum() if "forecast_mask" in b else 0)
-    if "group_pack" in b:  # what the model forwards: the packed rows, in micro-batches of whole packed rows
-        pack = b["group_pack"]
+    if "row_pack" in b:  # what the model forwards: the packed rows, in micro-batches of whole packed rows
+        pack = b["row_pack"]
         out["tokens"] += pack.tokens
         for r0, r1 in packed_plan(pack, budget):
             n = max(pack.lengths[r0:r1])

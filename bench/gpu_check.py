@@ -313,7 +313,7 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
         res.update(chunks=len(chunks), layout=cope["packing"], K=int(cope["K"]))
     elif shared:
         mb = pack_groups(mb, episodes)
-        res["tokens_forwarded"] = mb["group_pack"].tokens
+        res["tokens_forwarded"] = mb["row_pack"].tokens
     if shared:
         use_tree_attention(policy.model)
     res["rows"], res["width"] = int(mb["input_ids"].shape[0]), int(mb["input_ids"].shape[1])

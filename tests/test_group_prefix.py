@@ -62,7 +62,7 @@ def _batch(eps):
 def test_the_packed_view_holds_every_token_once_per_group_prefix():
     eps = _episodes()
     batch = pack_groups(_batch(eps), eps)
-    pack = batch["group_pack"]
+    pack = batch["row_pack"]
     real = batch["attention_mask"].bool()
     flat_ids, flat_pos = pack.input_ids.flatten(), pack.position_ids.flatten()
     assert torch.equal(flat_ids[pack.index[real]], batch["input_ids"][real])  # every token where it is said to be

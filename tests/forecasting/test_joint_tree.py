@@ -16,6 +16,7 @@ from cope.algos.cope.loss import ForecastLoss
 from cope.algos.cope.prompted import PlanPrompt, build_prompted
 from cope.algos.grpo import PolicyGradient
 from cope.train.batch import SEGMENT_KEYS, collate, segment_attention
+from cope.train.group_prefix import pack_groups
 from cope.train.tree_batch import use_tree_attention
 
 PAD = 0
@@ -68,14 +69,19 @@ def _module(model, temperature, budget):
     return exactness_module(model, [PolicyGradient(), ForecastLoss(weight=1.0, update="joint")], CHAT, temperature, budget)
 
 
+@pytest.mark.parametrize("fill", [False, True])  # True: the trees side by side, the module's packed view (the default)
 @pytest.mark.parametrize("reading", ["authors", "continuation"])
 @pytest.mark.parametrize("budget", [None, 60])  # 60 tokens: micro-batches of one or two rows, columns cut short
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_joint_tree_equals_the_segment_mask(arch, temperature, budget, reading):
+def test_joint_tree_equals_the_segment_mask(arch, temperature, budget, reading, fill):
     model, eps = _model(arch), _episodes()
     module = _module(model, temperature, budget)
     tree, dense = _batches(eps, reading)
+    if fill:
+        tree = pack_groups(tree, eps, share=False)
+        pack = tree["row_pack"]
+        assert len(pack.lengths) < tree["input_ids"].shape[0] and pack.tokens == int(tree["attention_mask"].sum())
     if budget is not None:
         assert len(module.micro_batches(tree)) > 1
     ref_old, _, ref_loss, ref_m, ref_grads = scored_step(module, dense)  # reference: SDPA with the dense segment mask
@@ -111,4 +117,4 @@ def test_the_callbacks_switch_the_model_and_pack_trees_when_sharing(share):
         cb.setup(SimpleNamespace(datamodule=dm, global_rank=0), module, "fit")
         assert model.get_base_model().config._attn_implementation == (NAME if share else "sdpa")
         out = fns[0](collate(eps, PAD), eps)
-        assert ("tree_layout" in out) == share and all((k in out) != share for k in SEGMENT_KEYS)
+        assert ("tree_layout" in out) == share == ("row_pack" in out) and all((k in out) != share for k in SEGMENT_KEYS)

@@ -40,7 +40,7 @@ class RolloutBatch(TypedDict, total=False):
     hands it to the model (``"cope_tree"`` attention) with each forward, cut to the micro-batch's rows
     (:func:`cope.train.tree_batch.batch_tree_layout`). The packed joint layout carries one too with
     ``cope.share_prefix`` (instead of the segment keys). With ``data.share_prefix`` the DataModule adds
-    ``group_pack``, a :class:`cope.train.group_prefix.GroupPack`: the rows packed so that each GRPO group's common
+    ``row_pack``, a :class:`cope.train.group_prefix.RowPack`: the rows packed so that each GRPO group's common
     prefix is forwarded once; the model sees only those rows, every other key keeps the one-row-per-episode shape
     and so do the module's log-probs. The temporal ensemble's scored transform adds
     ``te_position`` (P, 2) long [row, column], ``te_ids`` (P, M) long and ``te_probs`` (P, M) float.
@@ -71,7 +71,7 @@ class RolloutBatch(TypedDict, total=False):
     attn_context_end: torch.Tensor
     attn_segment_start: torch.Tensor
     tree_layout: TreeLayout
-    group_pack: object  # cope.train.group_prefix.GroupPack (not imported here: group_prefix imports this module)
+    row_pack: object  # cope.train.group_prefix.RowPack (not imported here: group_prefix imports this module)
     old_logprobs: torch.Tensor
     old_entropy: torch.Tensor
     ref_logprobs: torch.Tensor

@@ -265,7 +265,7 @@ class RolloutDataModule(pl.LightningDataModule):
         m.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
         if self.share_prefix:  # per pass over the minibatches: what the packed rows forward vs the rows they stand for
             rows = sum(int(mb["attention_mask"].ne(0).sum()) for mb in minibatches)
-            packed = sum(mb["group_pack"].tokens for mb in minibatches)
+            packed = sum(mb["row_pack"].tokens for mb in minibatches)
             m.update({"data/tokens_forwarded": float(packed), "data/shared_fraction": 1.0 - packed / max(rows, 1)})
         return EpochRecord(epoch=epoch, episodes=eps, minibatches=minibatches, extra_batches=extra, metrics=m,
                            counters=dict(self.counters),

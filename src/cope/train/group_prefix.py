@@ -2,7 +2,7 @@
 
 The episodes of one GRPO group start with the same tokens: the system prompt, the task, the first observation. A
 minibatch normally forwards that prefix once per episode. :func:`pack_groups` (the DataModule's last collate step)
-adds a packed view, :class:`GroupPack`: per group of the minibatch, one row holding the prefix once (the trunk) and
+adds a packed view, :class:`RowPack`: per group of the minibatch, one row holding the prefix once (the trunk) and
 every episode's remainder as a branch anchored in it (:mod:`cope.train.tree_layout`); such trees and the rows that
 share nothing are then placed side by side in fewer rows (position ids restart with each, so padding drops). A branch is
 ``[prefix[-1]] + episode[P:]`` anchored after ``P - 1`` trunk tokens: its repeated first token sees what the trunk's
@@ -36,7 +36,7 @@ TREE_KEYS = ("tree_layout", "attn_context_end", "attn_segment_start")
 
 
 @dataclass(frozen=True)
-class GroupPack:
+class RowPack:
     """A minibatch's packed view: R packed rows of length L for its N rows of length T.
 
     Attributes:
@@ -57,7 +57,7 @@ class GroupPack:
     members: tuple[tuple[int, ...], ...]
     lengths: tuple[int, ...]
 
-    def to(self, device=None, **kwargs) -> GroupPack:
+    def to(self, device=None, **kwargs) -> RowPack:
         """The same view with its tensors on ``device`` (Lightning moves a batch with ``.to``)."""
         moved = {k: getattr(self, k).to(device, **kwargs) for k in ("input_ids", "attention_mask", "position_ids", "action_mask", "index")}
         return replace(self, **moved)
@@ -68,9 +68,14 @@ class GroupPack:
         return sum(self.lengths)
 
 
-def pack_groups(batch: dict, episodes: list[Episode]) -> dict:
-    """``batch`` with ``group_pack`` added (a new dict; every other key unchanged). See the module docstring."""
-    if any(k in batch for k in TREE_KEYS):
+def pack_groups(batch: dict, episodes: list[Episode], share: bool = True) -> dict:
+    """``batch`` with ``row_pack`` added (a new dict; every other key unchanged). See the module docstring.
+
+    ``share=False``: no group shares anything; the rows are only placed side by side (padding removed). A batch whose
+    rows are trees already (``tree_layout``: CoPE's packed joint rows) can only be packed that way: each row's tree is
+    a unit."""
+    tree = batch.get("tree_layout")
+    if (share and tree is not None) or any(k in batch for k in TREE_KEYS[1:]):
         raise ValueError("data.share_prefix packs rollout rows into trees, but this batch is one already (CoPE's packed "
                          "joint rows): use cope.update=separate or cope.packing=plain, or data.share_prefix=false")
     ids, roles, mask = batch["input_ids"], batch["roles"], batch["attention_mask"]
@@ -81,16 +86,16 @@ def pack_groups(batch: dict, episodes: list[Episode]) -> dict:
     aux = batch.get("aux_row", torch.zeros(N, dtype=torch.bool)).tolist()
     clusters: dict[object, list[int]] = {}
     for r, e in enumerate(batch["episode_index"].tolist()):
-        key = ("group", episodes[e].group) if e >= 0 and not aux[r] else ("row", r)
+        key = ("group", episodes[e].group) if share and e >= 0 and not aux[r] else ("row", r)
         clusters.setdefault(key, []).append(r)
     seqs, nodes, members, index = [], [], [], torch.full((N, T), -1, dtype=torch.long)
     places: list[list[tuple[int, int, int]]] = []  # per unit: (batch row, branch start, prefix) to fill index
     for rows in clusters.values():
         P = _prefix(ids, roles, rows, lengths) if len(rows) > 1 else 0
-        if P < 2:  # nothing worth sharing: each row alone
+        if P < 2:  # nothing worth sharing: each row alone (its own tree, if it is one)
             for r in rows:
                 seqs.append(ids[r, : lengths[r]].tolist())
-                nodes.append((TreeNode(0, lengths[r], -1, 0),))
+                nodes.append(tree.rows[r] if tree is not None else (TreeNode(0, lengths[r], -1, 0),))
                 members.append((r,))
                 places.append([(r, 0, 0)])
             continue
@@ -119,9 +124,9 @@ def pack_groups(batch: dict, episodes: list[Episode]) -> dict:
     real = index >= 0
     act[index[real]] = batch["action_mask"][real]  # a prefix token has several writers, all False (no action in it)
     layout = TreeLayout(rows=tuple(nodes), length=L)
-    pack = GroupPack(input_ids=packed, attention_mask=attn, position_ids=layout.position_ids(), action_mask=act.view(R, L),
+    pack = RowPack(input_ids=packed, attention_mask=attn, position_ids=layout.position_ids(), action_mask=act.view(R, L),
                      layout=layout, index=index, members=tuple(members), lengths=tuple(len(s) for s in seqs))
-    return {**batch, "group_pack": pack}
+    return {**batch, "row_pack": pack}
 
 
 def _fill_rows(seqs: list, nodes: list, members: list, places: list) -> tuple[list, list, list, list]:
@@ -149,7 +154,7 @@ def _prefix(ids: torch.Tensor, roles: torch.Tensor, rows: list[int], lengths: li
     return int(stop.float().argmax()) if bool(stop.any()) else n
 
 
-def packed_plan(pack: GroupPack, budget: int | None) -> list[tuple[int, int]]:
+def packed_plan(pack: RowPack, budget: int | None) -> list[tuple[int, int]]:
     """Packed rows ``[a, b)`` of each micro-batch: consecutive packed rows whose count times their longest length fits
     ``budget`` tokens (one row at least); [(0, R)] without a budget."""
     from cope.train.batch import microbatch_plan
@@ -159,12 +164,12 @@ def packed_plan(pack: GroupPack, budget: int | None) -> list[tuple[int, int]]:
     return [(a, b) for a, b, _ in microbatch_plan(list(pack.lengths), budget)]
 
 
-def rows_of(pack: GroupPack, a: int, b: int) -> list[int]:
+def rows_of(pack: RowPack, a: int, b: int) -> list[int]:
     """The batch rows packed rows ``[a, b)`` hold."""
     return [r for m in pack.members[a:b] for r in m]
 
 
-def packed_part(pack: GroupPack, a: int, b: int) -> tuple[dict, TreeLayout]:
+def packed_part(pack: RowPack, a: int, b: int) -> tuple[dict, TreeLayout]:
     """Packed rows ``[a, b)`` cut to their longest length: ``input_ids``, ``attention_mask``, ``position_ids``,
     ``action_mask`` (each (b - a, L')) and their layout."""
     n = max(pack.lengths[a:b])
@@ -172,7 +177,7 @@ def packed_part(pack: GroupPack, a: int, b: int) -> tuple[dict, TreeLayout]:
     return part, TreeLayout(rows=pack.layout.rows[a:b], length=n, kernel=pack.layout.kernel)
 
 
-def local_index(pack: GroupPack, a: int, width: int, rows: torch.Tensor | None, length: int | None) -> torch.Tensor:
+def local_index(pack: RowPack, a: int, width: int, rows: torch.Tensor | None, length: int | None) -> torch.Tensor:
     """(rows, columns) of ``index`` re-expressed as flat positions in a part of packed rows starting at ``a`` cut to
     ``width`` columns (-1 stays -1)."""
     idx = pack.index if rows is None else pack.index[rows]
@@ -191,7 +196,7 @@ def to_rows(values: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(pad.view(*pad.shape, *([1] * (out.dim() - pad.dim()))), 0)
 
 
-def span_of(pack: GroupPack, rows: torch.Tensor) -> tuple[int, int]:
+def span_of(pack: RowPack, rows: torch.Tensor) -> tuple[int, int]:
     """The packed rows ``[a, b)`` that hold exactly the batch rows ``rows`` (a micro-batch of :func:`packed_plan`)."""
     want = sorted(rows.tolist())
     where = {r: p for p, m in enumerate(pack.members) for r in m}
@@ -202,7 +207,7 @@ def span_of(pack: GroupPack, rows: torch.Tensor) -> tuple[int, int]:
     return a, b
 
 
-def packed_logprobs(model, pack: GroupPack, rows: torch.Tensor | None, length: int | None, at: torch.Tensor | None,
+def packed_logprobs(model, pack: RowPack, rows: torch.Tensor | None, length: int | None, at: torch.Tensor | None,
                     temperature: float, entropy: bool) -> tuple[torch.Tensor, ...]:
     """:func:`cope.train.logprobs.causal_lm_logprobs` of batch rows ``rows`` (all: None), first ``length`` columns,
     computed on their packed rows and gathered back to the rows' shape: (log-probs, entropy[, TE rows]). ``at``:
@@ -230,7 +235,7 @@ def packed_logprobs(model, pack: GroupPack, rows: torch.Tensor | None, length: i
     return (to_rows(lp, local).masked_fill(first, 0.0), to_rows(ent, local).masked_fill(first, 0.0), *te)
 
 
-def packed_logits(model, pack: GroupPack) -> torch.Tensor:
+def packed_logits(model, pack: RowPack) -> torch.Tensor:
     """Full (N, T, V) logits of the batch rows from their packed rows (probes and tests)."""
     from cope.train.tree_batch import batch_tree_layout
 

@@ -114,8 +114,8 @@ class AgentRLModule(pl.LightningModule):
 
     def _logits(self, batch: dict) -> torch.Tensor:
         """Full (N, T, V) logits (probes and tests; training and scoring go through :meth:`logprobs`)."""
-        if "group_pack" in batch:
-            return packed_logits(self.model, batch["group_pack"])
+        if "row_pack" in batch:
+            return packed_logits(self.model, batch["row_pack"])
         tree = batch_tree_layout(self.model, batch)
         return self.model(input_ids=batch["input_ids"], attention_mask=self._attention(batch), position_ids=batch["position_ids"],
                           use_cache=False, **({"tree_layout": tree} if tree is not None else {})).logits  # (N, T, V)
@@ -134,8 +134,8 @@ class AgentRLModule(pl.LightningModule):
                 inside &= te_pos[:, 1] < length
             sel = inside.nonzero().squeeze(-1)  # (P_live,)
             at = te_pos[sel]
-        if "group_pack" in batch:  # data.share_prefix: the model sees the packed rows; the result has the rows' shape
-            lp, ent, *te_rows = packed_logprobs(self.model, batch["group_pack"], rows, length, at, self.temperature, entropy)
+        if "row_pack" in batch:  # data.share_prefix: the model sees the packed rows; the result has the rows' shape
+            lp, ent, *te_rows = packed_logprobs(self.model, batch["row_pack"], rows, length, at, self.temperature, entropy)
             return (lp, ent, te_rows[0], sel) if at is not None else (lp, ent)
         if at is not None and rows is not None:  # [row in this micro-batch, column]
             at = torch.stack([torch.searchsorted(rows, at[:, 0]), at[:, 1]], 1)
@@ -159,8 +159,8 @@ class AgentRLModule(pl.LightningModule):
         if self.max_tokens_per_microbatch is None:
             return [(None, None)]
         dev = batch["input_ids"].device
-        if "group_pack" in batch:  # whole packed rows (a group's trunk and branches are never split)
-            pack, lengths = batch["group_pack"], row_lengths(batch).tolist()
+        if "row_pack" in batch:  # whole packed rows (a group's trunk and branches are never split)
+            pack, lengths = batch["row_pack"], row_lengths(batch).tolist()
             parts = [rows_of(pack, a, b) for a, b in packed_plan(pack, self.max_tokens_per_microbatch)]
             return [(torch.tensor(sorted(r), device=dev), max(lengths[i] for i in r)) for r in parts]
         return [(torch.arange(a, b, device=dev), n) for a, b, n in microbatch_plan(row_lengths(batch).tolist(),

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.algos.cope.chunks import build_chunks, check_chunk_args
-from cope.algos.cope.layouts import LAYOUTS, pack_forecasts
+from cope.algos.cope.layouts import LAYOUTS, pack_forecast_trees, pack_forecasts
 from cope.episode import Episode
 from cope.train.seeding import stream
 from cope.train.tree_batch import use_tree_attention
@@ -118,7 +118,9 @@ class ForecastTargets(Callback):
             self._sums[k] += metrics[k]
         self._calls += 1
         if self.layout == "packed":
-            return pack_forecasts(batch, episodes, chunks, self._pad_id, tree=self.share_prefix)
+            if self.share_prefix:
+                return pack_forecast_trees(batch, episodes, chunks, self._pad_id)
+            return pack_forecasts(batch, episodes, chunks, self._pad_id)
         return LAYOUTS[self.layout](batch, episodes, chunks, self._pad_id)
 
     @property

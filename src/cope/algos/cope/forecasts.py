@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from lightning.pytorch import Callback
 
-from cope.algos.cope.layouts import LAYOUTS, collate_chunks, pack_forecasts
+from cope.algos.cope.layouts import LAYOUTS, collate_chunks, pack_forecast_trees, pack_forecasts
 from cope.algos.cope.prompted import PlanPrompt, build_prompted, check_prompted_args
 from cope.algos.cope.shared_prefix import collate_shared
 from cope.algos.cope.te_loss import ensemble_transform
@@ -147,7 +147,9 @@ class CopeForecasts(Callback):
     def transform(self, batch: dict, episodes: list[Episode]) -> dict:
         chunks, _ = self.samples(episodes)
         if self.packing == "packed":
-            return pack_forecasts(batch, episodes, chunks, self._pad_id, tree=self.share_prefix)
+            if self.share_prefix:
+                return pack_forecast_trees(batch, episodes, chunks, self._pad_id)
+            return pack_forecasts(batch, episodes, chunks, self._pad_id)
         return LAYOUTS[self.packing](batch, episodes, chunks, self._pad_id)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:

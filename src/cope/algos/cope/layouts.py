@@ -116,6 +116,16 @@ def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastCh
     return out
 
 
+def pack_forecast_trees(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
+    """:func:`pack_forecasts` with ``tree``, then the rows placed side by side in as few rows as fit
+    (:func:`cope.train.group_prefix.pack_groups` without sharing: the module forwards the packed view and hands the
+    objectives the usual one-row-per-episode log-probs), so that padding no longer costs."""
+    from cope.train.group_prefix import pack_groups
+
+    out = pack_forecasts(batch, episodes, chunks, pad_id, tree=True)
+    return pack_groups(out, episodes, share=False)
+
+
 def _segment_tree(lengths: list[int], segs: list[tuple], length: int) -> TreeLayout:
     """The packed rows as trees: per row, its transcript ``[0, lengths[r])`` (the root) and each segment
     ``(row, first column, context, ids, ...)`` a child that sees the transcript's first ``context`` tokens."""
