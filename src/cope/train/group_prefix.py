@@ -16,10 +16,14 @@ the packed rows; a prefix token's log-prob is gathered by every episode of its g
 them, as the unshared batch's does). Only the model sees the packed rows. So every objective, the scoring pass
 (old and reference log-probs), EMPG and CoPE's temporal ensemble work unchanged.
 
+The same view without any sharing (``share=False``) only places rows side by side, padding removed: CoPE's packed
+joint rows, trees already, use it (:func:`cope.algos.cope.layouts.pack_forecast_trees`).
+
 The prefix ends before the group's first action token (so no policy-gradient target is shared; an observation
 there, ECHO's target, is gathered by each episode): it is the longest common prefix of the group's ids and roles,
 cut at the first ``ACTION`` of any member. Groups whose prefix is shorter than 2 tokens are not packed.
-Refused: a batch that is already a tree (CoPE's packed joint rows, segment attention).
+Refused: group sharing of a batch that is already a tree (CoPE's packed joint rows), and any packing of the dense
+segment mask's rows.
 """
 from __future__ import annotations
 
