@@ -105,14 +105,15 @@ def main(argv: list[str] | None = None) -> dict:
     pg_objs = [instantiate(node) for node in cfg.algo.objectives.values() if node is not None]
     steps = [chunks[s: s + args.forecast_minibatch] for s in range(0, len(chunks), args.forecast_minibatch)]
     separate = [*pg_objs, ForecastLoss(weight=0.01, update="separate")]
+    budget = cfg.module.get("max_tokens_per_microbatch")  # as in training: shared rows never exceed a micro-batch
     epochs = {
         "GRPO": (pg, pg_objs),
-        "GRPO (groups shared)": ([pack_groups(b, eps) for b in pg], pg_objs),
+        "GRPO (groups shared)": ([pack_groups(b, eps, max_row_tokens=budget) for b in pg], pg_objs),
         "CoPE (separate)": (pg + [collate_chunks(eps, c, dm.pad_id) for c in steps], separate),
-        "CoPE (separate, shared)": (pg + [collate_shared(eps, c, dm.pad_id) for c in steps], separate),
+        "CoPE (separate, shared)": (pg + [collate_shared(eps, c, dm.pad_id, budget) for c in steps], separate),
         "CoPE (joint, dense mask)": ([pack_forecasts(mb, eps, chunks, dm.pad_id) for mb in pg],
                                      [*pg_objs, ForecastLoss(weight=0.01, update="joint")]),
-        "CoPE (joint, tree)": ([pack_forecast_trees(mb, eps, chunks, dm.pad_id) for mb in pg],
+        "CoPE (joint, tree)": ([pack_forecast_trees(mb, eps, chunks, dm.pad_id, budget) for mb in pg],
                                [*pg_objs, ForecastLoss(weight=0.01, update="joint")]),
     }
     epochs = {k: v for k, v in epochs.items() if k == "GRPO" or k in args.variants}
@@ -122,7 +123,6 @@ def main(argv: list[str] | None = None) -> dict:
     init = {n: q.detach().clone() for n, q in params.items()}
     clip = cfg.module.get("gradient_clip_val")
     runs = {}
-    budget = cfg.module.get("max_tokens_per_microbatch")
     memory = SavedTensorPeak({q.untyped_storage().data_ptr() for q in policy.model.parameters()})
     for name, (batches, objs) in epochs.items():
         module = AgentRLModule(policy, objs, optimizer=instantiate(cfg.module.optimizer), max_tokens_per_microbatch=budget)

@@ -292,7 +292,7 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
     os.environ["COPE_TREE_KERNEL"] = kernel
 
     from cope.algos.cope.chunks import build_chunks
-    from cope.algos.cope.layouts import LAYOUTS, pack_forecasts
+    from cope.algos.cope.layouts import LAYOUTS, pack_forecast_trees, pack_forecasts
     from cope.train.batch import collate, row_lengths
     from cope.train.group_prefix import pack_groups
     from cope.train.module import AgentRLModule
@@ -306,13 +306,15 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
         # the ForecastTargets callback's call: every knob of the `cope:` node that build_chunks takes
         known = inspect.signature(build_chunks).parameters
         chunks, _ = build_chunks(episodes, chat, rng=random.Random(0), **{k: v for k, v in cope.items() if k in known})
-        if cope["packing"] == "packed":
-            mb = pack_forecasts(mb, episodes, chunks, pad, tree=shared)
+        if cope["packing"] == "packed" and shared:  # the trees side by side, rows within the micro-batch budget
+            mb = pack_forecast_trees(mb, episodes, chunks, pad, sizes.microbatch_tokens)
+        elif cope["packing"] == "packed":
+            mb = pack_forecasts(mb, episodes, chunks, pad)
         else:
             mb = LAYOUTS[cope["packing"]](mb, episodes, chunks, pad)
         res.update(chunks=len(chunks), layout=cope["packing"], K=int(cope["K"]))
     elif shared:
-        mb = pack_groups(mb, episodes)
+        mb = pack_groups(mb, episodes, max_row_tokens=sizes.microbatch_tokens)
         res["tokens_forwarded"] = mb["row_pack"].tokens
     if shared:
         use_tree_attention(policy.model)

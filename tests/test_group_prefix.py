@@ -104,10 +104,13 @@ def test_packed_groups_give_the_unshared_loss_and_gradients(arch, temperature, b
     model, eps = _model(arch), _episodes()
     module = _module(model, temperature, budget)
     plain = _batch(eps)
-    shared = pack_groups(_batch(eps), eps)
-    if budget is not None:
-        parts = module.micro_batches(shared)
-        assert len(parts) == 3 and sorted(r for rows, _ in parts for r in rows.tolist()) == list(range(len(eps)))
+    shared = pack_groups(_batch(eps), eps, max_row_tokens=budget)  # as the DataModule does (data.packed_row_tokens)
+    if budget is not None:  # groups cut so that no packed row is longer than the budget (or than one episode)
+        parts, pack = module.micro_batches(shared), shared["row_pack"]
+        longest = int(plain["attention_mask"].sum(-1).max())
+        assert len(parts) > 3 and max(pack.lengths) <= max(budget, longest)
+        assert any(len(m) > 1 for m in pack.members)  # some sharing is left
+        assert sorted(r for rows, _ in parts for r in rows.tolist()) == list(range(len(eps)))
     ref = scored_step(module, plain)
     use_tree_attention(model)
     got = scored_step(module, shared)

@@ -72,7 +72,11 @@ def _check_steps(arch: str, budget: int | None, device: str = "cpu", tol: float 
     use_tree_attention(model)
     assert model.get_base_model().config._attn_implementation == NAME
     for chunks, (ref_loss, ref_m, ref_grads) in zip(steps, dense):
-        loss, m, grads = _step(module, move_data_to_device(collate_shared(eps, chunks, PAD), device))
+        shared = collate_shared(eps, chunks, PAD, budget)  # as the callback builds it: rows within the budget
+        if budget is not None:
+            alone = max(c.anchor + len(c.tokens) for c in chunks)  # the longest one-sample tree
+            assert int(shared["attention_mask"].sum(-1).max()) <= max(budget, alone)
+        loss, m, grads = _step(module, move_data_to_device(shared, device))
         assert loss.item() == pytest.approx(ref_loss.item(), abs=tol) and loss.item() > 0
         assert m["forecast/chunks"] == ref_m["forecast/chunks"] == len(chunks) and m["forecast/tokens"] == ref_m["forecast/tokens"]
         assert len(grads) == len(ref_grads) and all(g.abs().sum() > 0 for g in grads)

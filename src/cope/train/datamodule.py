@@ -21,6 +21,7 @@ late through :meth:`connect`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -61,6 +62,8 @@ class RolloutDataModule(pl.LightningDataModule):
         share_prefix: each minibatch also gets a packed view in which the episodes of one GRPO group forward their
             common prefix once (:mod:`cope.train.group_prefix`; the policy is switched to tree attention at
             ``connect``). The batch itself, the losses and the gradients stay those of the unshared minibatch.
+        packed_row_tokens: the longest packed row ``share_prefix`` builds (``${module.max_tokens_per_microbatch}``: a
+            micro-batch is whole packed rows, so a longer row would hold more tokens than the budget); None: no cap.
         advantage_mode: ``grpo`` (std-normalized) or ``drgrpo``.
         val_tasks: held-out tasks evaluated greedily at each validation (a fixed panel of the ``test``
             split: indices ``val_offset .. val_offset + val_tasks - 1``).
@@ -90,6 +93,7 @@ class RolloutDataModule(pl.LightningDataModule):
         minibatch_size: int = 16,
         ppo_epochs: int = 1,
         share_prefix: bool = False,
+        packed_row_tokens: int | None = None,
         advantage_mode: str = "grpo",
         val_tasks: int = 64,
         val_batch_size: int = 64,
@@ -117,6 +121,7 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError(f"data.advantage_mode (algo.advantage_mode): {e}") from None
         self.tasks_per_epoch, self.group_size, self.minibatch_size = tasks_per_epoch, group_size, minibatch_size
         self.ppo_epochs, self.advantage_mode, self.share_prefix = ppo_epochs, advantage_mode, bool(share_prefix)
+        self.packed_row_tokens = packed_row_tokens
         self.val_tasks, self.val_batch_size, self.seed, self.progress = val_tasks, val_batch_size, seed, progress
         self.val_offset = val_offset
         self.sampling = sampling or Sampling()
@@ -243,7 +248,8 @@ class RolloutDataModule(pl.LightningDataModule):
         eps, stats = self._rollout(tasks, groups, self.sampling, self._rng.randrange(2**31), "rollouts")
         t_roll = time.perf_counter() - t0
         adv_metrics = assign_advantages(eps, groups, self.advantage_mode)
-        transforms = [*self._collate_transforms, pack_groups] if self.share_prefix else self._collate_transforms
+        pack = functools.partial(pack_groups, max_row_tokens=self.packed_row_tokens)
+        transforms = [*self._collate_transforms, pack] if self.share_prefix else self._collate_transforms
         minibatches = cut_minibatches(eps, self.minibatch_size, self.pad_id, self._rng, transforms)
         extra = self._extra_batches(eps)
         tokens = train_tokens(minibatches, self.pad_id, self.ppo_epochs) + train_tokens(extra, self.pad_id)

@@ -72,12 +72,14 @@ class RowPack:
         return sum(self.lengths)
 
 
-def pack_groups(batch: dict, episodes: list[Episode], share: bool = True) -> dict:
+def pack_groups(batch: dict, episodes: list[Episode], share: bool = True, max_row_tokens: int | None = None) -> dict:
     """``batch`` with ``row_pack`` added (a new dict; every other key unchanged). See the module docstring.
 
     ``share=False``: no group shares anything; the rows are only placed side by side (padding removed). A batch whose
     rows are trees already (``tree_layout``: CoPE's packed joint rows) can only be packed that way: each row's tree is
-    a unit."""
+    a unit. ``max_row_tokens`` (the module's micro-batch budget): a group whose tree would be longer is split into
+    consecutive subgroups that each fit (each shares the prefix once), and rows are filled up to it, so a micro-batch
+    holds no more tokens than without the packing."""
     tree = batch.get("tree_layout")
     if (share and tree is not None) or any(k in batch for k in TREE_KEYS[1:]):
         raise ValueError("data.share_prefix packs rollout rows into trees, but this batch is one already (CoPE's packed "
@@ -94,7 +96,7 @@ def pack_groups(batch: dict, episodes: list[Episode], share: bool = True) -> dic
         clusters.setdefault(key, []).append(r)
     seqs, nodes, members, index = [], [], [], torch.full((N, T), -1, dtype=torch.long)
     places: list[list[tuple[int, int, int]]] = []  # per unit: (batch row, branch start, prefix) to fill index
-    for rows in clusters.values():
+    for rows in (sub for c in clusters.values() for sub in _fit(c, ids, roles, lengths, max_row_tokens)):
         P = _prefix(ids, roles, rows, lengths) if len(rows) > 1 else 0
         if P < 2:  # nothing worth sharing: each row alone (its own tree, if it is one)
             for r in rows:
@@ -113,7 +115,7 @@ def pack_groups(batch: dict, episodes: list[Episode], share: bool = True) -> dic
         nodes.append(tuple(row_nodes))
         members.append(tuple(rows))
         places.append(place)
-    seqs, nodes, members, places = _fill_rows(seqs, nodes, members, places)
+    seqs, nodes, members, places = _fill_rows(seqs, nodes, members, places, max_row_tokens)
     R, L = len(seqs), max(len(s) for s in seqs)
     packed = torch.zeros(R, L, dtype=torch.long)  # padding: any id (it attends only itself; its outputs are dropped)
     attn = torch.zeros(R, L, dtype=torch.long)
@@ -133,11 +135,28 @@ def pack_groups(batch: dict, episodes: list[Episode], share: bool = True) -> dic
     return {**batch, "row_pack": pack}
 
 
-def _fill_rows(seqs: list, nodes: list, members: list, places: list) -> tuple[list, list, list, list]:
+def _fit(rows: list[int], ids: torch.Tensor, roles: torch.Tensor, lengths: list[int], cap: int | None) -> list[list[int]]:
+    """``rows`` (one group) cut into consecutive subgroups whose shared tree (prefix once, then each member's rest
+    and one repeated token) fits ``cap`` tokens; a member too long alone is a subgroup of its own."""
+    if cap is None or len(rows) < 2:
+        return [rows]
+    P = _prefix(ids, roles, rows, lengths)
+    out, size = [[]], 0
+    for r in rows:
+        grow = lengths[r] - P + 1
+        if out[-1] and P + size + grow > cap:
+            out.append([])
+            size = 0
+        out[-1].append(r)
+        size += grow
+    return out
+
+
+def _fill_rows(seqs: list, nodes: list, members: list, places: list, cap: int | None) -> tuple[list, list, list, list]:
     """Fewer, fuller rows (:func:`cope.train.tree_batch.fill_rows`): the units (a group's tree, a row alone) side by
     side; a unit after another keeps its own positions and sees nothing of it. Padding per real token drops."""
     out: tuple[list, list, list, list] = ([], [], [], [])
-    for units in fill_rows([len(q) for q in seqs]):
+    for units in fill_rows([len(q) for q in seqs], cap):
         seq, row_nodes, row_members, row_places = [], [], [], []
         for u in units:
             row_places += [(r, start + len(seq), P, len(seq)) for r, start, P in places[u]]

@@ -40,11 +40,12 @@ class PackedRows:
     offset: tuple[int, ...]
 
 
-def pack_branches(rows: Sequence[Row], pad_id: int, fill: bool = False) -> PackedRows:
+def pack_branches(rows: Sequence[Row], pad_id: int, fill: bool = False, max_row_tokens: int | None = None) -> PackedRows:
     """Lay each input row out as ``[trunk][branch 0][branch 1]...``: the trunk a root node, each branch a child of it
     anchored at its ``anchor`` (``0 <= anchor <= len(trunk)``). An empty trunk is left out and its branches become
     roots (they must then be anchored at 0). ``fill``: the trees go side by side into as few packed rows as
-    :func:`fill_rows` finds (padding drops; nothing attends across trees); else one packed row per input row."""
+    :func:`fill_rows` finds (rows up to ``max_row_tokens`` or the longest tree; padding drops; nothing attends across
+    trees); else one packed row per input row."""
     if not rows:
         raise ValueError("pack_branches needs at least one row")
     nodes, starts, seqs = [], [], []
@@ -63,7 +64,7 @@ def pack_branches(rows: Sequence[Row], pad_id: int, fill: bool = False) -> Packe
         nodes.append(tuple(row_nodes))
         starts.append(tuple(row_starts))
         seqs.append(seq)
-    bins = fill_rows([len(s) for s in seqs]) if fill else [[i] for i in range(len(seqs))]
+    bins = fill_rows([len(s) for s in seqs], max_row_tokens) if fill else [[i] for i in range(len(seqs))]
     row_of, offset = [0] * len(seqs), [0] * len(seqs)
     packed_nodes, packed_seqs = [], []
     for p, units in enumerate(bins):
@@ -86,11 +87,12 @@ def pack_branches(rows: Sequence[Row], pad_id: int, fill: bool = False) -> Packe
     return PackedRows(ids, attn, layout.position_ids(), layout, tuple(starts), tuple(row_of), tuple(offset))
 
 
-def fill_rows(lengths: Sequence[int]) -> list[list[int]]:
-    """Units (trees) of these lengths placed first-fit, longest first, into rows no longer than the longest unit:
-    per row, its units' indices in placement order. Position ids restart with each unit (each tree's root is a
-    root), so a row of several units computes what they compute alone; only padding is saved."""
-    cap = max(lengths)
+def fill_rows(lengths: Sequence[int], cap: int | None = None) -> list[list[int]]:
+    """Units (trees) of these lengths placed first-fit, longest first, into rows no longer than ``cap`` (a micro-batch's
+    token budget: a row is never cut) or the longest unit, whichever is larger: per row, its units' indices in
+    placement order. Position ids restart with each unit (each tree's root is a root), so a row of several units
+    computes what they compute alone; only padding is saved."""
+    cap = max(max(lengths), cap or 0)
     bins: list[list[int]] = []
     room: list[int] = []
     for u in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):

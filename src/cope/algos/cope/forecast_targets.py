@@ -76,7 +76,7 @@ class ForecastTargets(Callback):
         self._rng, self._stream_of = stream(self.seed, "anchors", 0, 0), (0, 0)  # (rank, epoch) of the current stream
         self._rank = 0  # the trainer's global rank, set in setup
         self._datamodule = None
-        self._chat, self._pad_id = None, 0  # the policy's, bound at setup
+        self._chat, self._pad_id, self._row_tokens = None, 0, None  # the policy's and the module's, bound at setup
         self._sums: dict[str, float] = defaultdict(float)
         self._calls = 0
 
@@ -85,6 +85,7 @@ class ForecastTargets(Callback):
         if dm is None or not hasattr(dm, "add_collate_transform"):
             raise TypeError("ForecastTargets needs a datamodule with add_collate_transform (cope.train.datamodule.RolloutDataModule)")
         self._chat, self._pad_id = pl_module.policy.chat, pl_module.policy.pad_id
+        self._row_tokens = getattr(pl_module, "max_tokens_per_microbatch", None)  # packed rows never exceed a micro-batch
         self._rank = trainer.global_rank
         if self.shares_prefix:  # before any forward
             use_tree_attention(pl_module.policy.model)
@@ -119,7 +120,7 @@ class ForecastTargets(Callback):
         self._calls += 1
         if self.layout == "packed":
             if self.share_prefix:
-                return pack_forecast_trees(batch, episodes, chunks, self._pad_id)
+                return pack_forecast_trees(batch, episodes, chunks, self._pad_id, self._row_tokens)
             return pack_forecasts(batch, episodes, chunks, self._pad_id)
         return LAYOUTS[self.layout](batch, episodes, chunks, self._pad_id)
 

@@ -88,7 +88,7 @@ class CopeForecasts(Callback):
         self.te_weight, self.te_top_m = float(te_weight), int(te_top_m)
         self._te_metrics: dict[str, float] = {}
         self._plan: PlanPrompt | None = None
-        self._chat, self._pad_id, self._datamodule = None, 0, None
+        self._chat, self._pad_id, self._datamodule, self._row_tokens = None, 0, None, None
         self._built: tuple[list, list, dict] | None = None  # (the epoch's episode list, its chunks, their metrics)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -103,6 +103,7 @@ class CopeForecasts(Callback):
         if self.shares_prefix:  # before any forward; every forward without a layout (rollouts) is SDPA
             use_tree_attention(policy.model)
         self._chat, self._pad_id = policy.chat, policy.pad_id
+        self._row_tokens = getattr(pl_module, "max_tokens_per_microbatch", None)  # shared rows never exceed a micro-batch
         self._plan = PlanPrompt(policy.tokenizer, self.layout, self.prompt)
         if dm is self._datamodule:
             return  # registered already (setup runs once per stage)
@@ -136,8 +137,10 @@ class CopeForecasts(Callback):
     # -- separate: a batch source --------------------------------------------------------------
     def batches(self, episodes: list[Episode]) -> list[dict]:
         chunks, _ = self.samples(episodes)
-        collate = collate_shared if self.shares_prefix else collate_chunks
-        return [collate(episodes, chunks[s: s + self.minibatch_size], self._pad_id)
+        if self.shares_prefix:
+            return [collate_shared(episodes, chunks[s: s + self.minibatch_size], self._pad_id, self._row_tokens)
+                    for s in range(0, len(chunks), self.minibatch_size)]
+        return [collate_chunks(episodes, chunks[s: s + self.minibatch_size], self._pad_id)
                 for s in range(0, len(chunks), self.minibatch_size)]
 
     def empty(self) -> dict:
@@ -148,7 +151,7 @@ class CopeForecasts(Callback):
         chunks, _ = self.samples(episodes)
         if self.packing == "packed":
             if self.share_prefix:
-                return pack_forecast_trees(batch, episodes, chunks, self._pad_id)
+                return pack_forecast_trees(batch, episodes, chunks, self._pad_id, self._row_tokens)
             return pack_forecasts(batch, episodes, chunks, self._pad_id)
         return LAYOUTS[self.packing](batch, episodes, chunks, self._pad_id)
 

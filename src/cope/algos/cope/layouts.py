@@ -116,14 +116,16 @@ def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastCh
     return out
 
 
-def pack_forecast_trees(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
-    """:func:`pack_forecasts` with ``tree``, then the rows placed side by side in as few rows as fit
-    (:func:`cope.train.group_prefix.pack_groups` without sharing: the module forwards the packed view and hands the
-    objectives the usual one-row-per-episode log-probs), so that padding no longer costs."""
+def pack_forecast_trees(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int,
+                        max_row_tokens: int | None = None) -> dict:
+    """:func:`pack_forecasts` with ``tree``, then the rows placed side by side in as few rows as fit, up to
+    ``max_row_tokens`` (the module's micro-batch budget) or the longest row (:func:`cope.train.group_prefix.pack_groups`
+    without sharing: the module forwards the packed view and hands the objectives the usual one-row-per-episode
+    log-probs), so that padding no longer costs."""
     from cope.train.group_prefix import pack_groups
 
     out = pack_forecasts(batch, episodes, chunks, pad_id, tree=True)
-    return pack_groups(out, episodes, share=False)
+    return pack_groups(out, episodes, share=False, max_row_tokens=max_row_tokens)
 
 
 def _segment_tree(lengths: list[int], segs: list[tuple], length: int) -> TreeLayout:

@@ -27,13 +27,15 @@ from cope.episode import Episode
 from cope.train.tree_batch import pack_branches
 
 
-def collate_shared(episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
+def collate_shared(episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int, max_row_tokens: int | None = None) -> dict:
     """A batch of kind ``forecast`` with one tree per episode of ``chunks``: the trunk and the chunks as branches,
     ``tree_layout`` their :class:`~cope.train.tree_layout.TreeLayout`, ``position_ids`` the layout's; the trees
-    placed side by side in as few rows as fit (:func:`cope.train.tree_batch.fill_rows`: no row longer than the
-    longest tree; ``episode_index`` -1 on a row of several); ``forecast_chunk`` indexes ``chunks`` (same order,
-    weights and actions as :func:`~cope.algos.cope.layouts.collate_chunks`). An empty ``chunks`` gives that
-    function's empty batch (no layout)."""
+    placed side by side in as few rows as fit (:func:`cope.train.tree_batch.fill_rows`: no row longer than
+    ``max_row_tokens`` or the longest tree; ``episode_index`` -1 on a row of several); ``forecast_chunk`` indexes
+    ``chunks`` (same order, weights and actions as :func:`~cope.algos.cope.layouts.collate_chunks`).
+    ``max_row_tokens`` (the module's micro-batch budget): an episode whose tree would be longer gives several trees
+    of consecutive samples that each fit (each with its own trunk), so a micro-batch holds no more tokens than one row
+    per sample would. An empty ``chunks`` gives that function's empty batch (no layout)."""
     if not chunks:
         return collate_chunks(episodes, chunks, pad_id)
     by_episode: dict[int, list[int]] = {}
@@ -42,15 +44,16 @@ def collate_shared(episodes: list[Episode], chunks: list[ForecastChunk], pad_id:
         if not 1 <= c.anchor <= len(tokens):
             raise ValueError(f"collate_shared: chunk {cid} anchors at {c.anchor}, outside episode {c.episode}'s {len(tokens)} tokens")
         by_episode.setdefault(c.episode, []).append(cid)
+    trees = [(e, sub) for e, cids in by_episode.items() for sub in _fit(chunks, cids, max_row_tokens)]
     rows = []
-    for e, cids in by_episode.items():
+    for e, cids in trees:
         tokens = episodes[e].tokens
         trunk = tokens[: max(chunks[c].anchor for c in cids) - 1]
         rows.append((trunk, [(chunks[c].anchor - 1, [tokens[chunks[c].anchor - 1], *chunks[c].tokens]) for c in cids]))
-    packed = pack_branches(rows, pad_id, fill=True)
+    packed = pack_branches(rows, pad_id, fill=True, max_row_tokens=max_row_tokens)
     fmask = torch.zeros(packed.input_ids.shape, dtype=torch.bool)  # (N, T)
     fchunk = torch.full(packed.input_ids.shape, -1, dtype=torch.long)  # (N, T)
-    for i, cids in enumerate(by_episode.values()):
+    for i, (_, cids) in enumerate(trees):
         r = packed.row_of[i]
         for c0, cid in zip(packed.starts[i], cids):
             c1 = c0 + 1 + len(chunks[cid].tokens)  # after the repeated token
@@ -58,8 +61,24 @@ def collate_shared(episodes: list[Episode], chunks: list[ForecastChunk], pad_id:
             fchunk[r, c0 + 1 : c1] = cid
     episode_index = torch.full((packed.input_ids.shape[0],), -1, dtype=torch.long)  # -1: a row of several episodes
     for r in set(packed.row_of):
-        held = [e for i, e in enumerate(by_episode) if packed.row_of[i] == r]
-        episode_index[r] = held[0] if len(held) == 1 else -1
+        held = {e for i, (e, _) in enumerate(trees) if packed.row_of[i] == r}
+        episode_index[r] = held.pop() if len(held) == 1 else -1
     batch = forecast_batch(packed.input_ids, packed.attention_mask, packed.position_ids, fmask, fchunk, episode_index, chunks)
     batch["tree_layout"] = packed.layout
     return batch
+
+
+def _fit(chunks: list[ForecastChunk], cids: list[int], cap: int | None) -> list[list[int]]:
+    """One episode's samples ``cids`` cut into consecutive groups whose tree (trunk up to the group's last anchor, then
+    each sample and its repeated token) fits ``cap`` tokens; a sample too long alone is a group of its own."""
+    if cap is None:
+        return [cids]
+    out: list[list[int]] = [[]]
+    for c in cids:
+        grow = out[-1] + [c]
+        size = max(chunks[i].anchor for i in grow) - 1 + sum(1 + len(chunks[i].tokens) for i in grow)
+        if out[-1] and size > cap:
+            out.append([c])
+        else:
+            out[-1] = grow
+    return out
