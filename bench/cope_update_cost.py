@@ -33,6 +33,10 @@ target tokens), and attention score cells (query-key pairs) the kernels compute:
 mask (every cell of the padded rows, the packed joint layout's segment mask included), the tree kernels' count
 (``TreeLayout.score_cells``) for the shared rows; beside it the cells any exact method needs (causal, unmasked).
 
+``--kept-tiles`` adds each tree variant again with ``TreeLayout.recompute=False``: the tiles kernel keeps every tile's
+gathered ancestor keys and values for backward instead of recomputing its tile calls there (the default), so the
+two rows side by side give what the recompute saves in activation memory and costs in time.
+
 Usage: ``python bench/cope_update_cost.py [--model-overrides debug=fast ...] [--episodes 32] [--epochs 5]``.
 """
 from __future__ import annotations
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), help="GRPO always runs (the base)")
+    p.add_argument("--kept-tiles", action="store_true",
+                   help="also run each tree variant with TreeLayout.recompute=False (the tile calls' activations kept)")
     p.add_argument("--out", type=Path, default=REPO / "bench/results/cope_update_cost.md")
     args = p.parse_args(argv)
 
@@ -117,6 +123,10 @@ def main(argv: list[str] | None = None) -> dict:
                                [*pg_objs, ForecastLoss(weight=0.01, update="joint")]),
     }
     epochs = {k: v for k, v in epochs.items() if k == "GRPO" or k in args.variants}
+    if args.kept_tiles:  # each tree variant again with its tile calls' activations kept (TreeLayout.recompute=False)
+        for name, (batches, objs) in list(epochs.items()):
+            if any("tree_layout" in b or "row_pack" in b for b in batches):
+                epochs[name[:-1] + ", tiles kept)"] = ([_tiles_kept(b) for b in batches], objs)
     use_tree_attention(policy.model)  # registers "cope_tree"; each variant runs under its own implementation below
     policy.model.set_attn_implementation("sdpa")
     params = {n: q for n, q in policy.model.named_parameters() if q.requires_grad}
@@ -174,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
         results[name] = dict(mean_s=m, std_s=statistics.stdev(v["times"]) if len(v["times"]) > 1 else 0.0,
                              ratio=m / base, times_s=v["times"], steps=v["steps"], peak_bytes=v["peak_bytes"],
                              **{k: v[k] for k in ("tokens", "positions", "targets", "cells", "visible", "forecast_cells",
-                                                  "forecast_visible")})
+                                                  "forecast_visible", "forecast_tokens")})
         lines.append(f"| {name} | {m:.3f} | {results[name]['std_s']:.3f} | {m / base:.2f} | {v['steps']} | {v['tokens']} | "
                      f"{v['tokens'] / g['tokens']:.2f} | {v['positions']} | {(v['positions'] - v['tokens']) / v['tokens']:.2f} | "
                      f"{v['tokens'] / max(v['targets'], 1):.1f} | {v['cells']:.3g} | {v['visible']:.3g} | "
@@ -185,12 +195,20 @@ def main(argv: list[str] | None = None) -> dict:
     separate = [f"{name} {v['forecast_cells'] / v['forecast_visible']:.2f}" for name, v in runs.items() if v["forecast_visible"]]
     if separate:
         lines += ["", "Attention work of the separate forecast steps alone (score cells computed / needed): " + ", ".join(separate)]
+    floor = forecast_token_floor(eps, chunks)
+    fc = {name: v["forecast_tokens"] for name, v in runs.items() if v["forecast_tokens"]}
+    if fc:
+        g = runs["GRPO"]["tokens"]
+        lines += ["", f"Tokens of the separate forecast steps alone vs their floor ({floor}: each sample-giving episode's "
+                  f"history once, up to its last anchor, plus every sample's own tokens; {floor / g:.2f}x GRPO's, so "
+                  f"a separate update forwards at least {1 + floor / g:.2f}x GRPO's tokens on this batch): "
+                  + ", ".join(f"{name} {t / floor:.2f}" for name, t in fc.items())]
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     report = dict(argv=sys.argv[1:] if argv is None else argv, episodes=len(eps), won=n_succ, samples=len(chunks),
-                  forecast_metrics=fm, variants=results)
+                  forecast_metrics=fm, forecast_token_floor=floor, variants=results)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     return report
 
@@ -258,14 +276,37 @@ def _work(batches: list[dict], budget: int | None) -> dict[str, int]:
     policy gradient, forecast targets), attention score cells computed (rows x columns squared per SDPA call with a
     mask; the tree kernels' own count for rows with a tree layout) and the cells an exact method needs (each real
     token's visible keys); the last two also for the separate forecast steps alone (``forecast_*``)."""
-    out = dict(tokens=0, positions=0, targets=0, cells=0, visible=0, forecast_cells=0, forecast_visible=0)
+    out = dict(tokens=0, positions=0, targets=0, cells=0, visible=0, forecast_cells=0, forecast_visible=0, forecast_tokens=0)
     for b in batches:
-        cells0, visible0 = out["cells"], out["visible"]
+        cells0, visible0, tokens0 = out["cells"], out["visible"], out["tokens"]
         _batch_work(b, budget, out)
         if b.get("kind") == "forecast":
             out["forecast_cells"] += out["cells"] - cells0
             out["forecast_visible"] += out["visible"] - visible0
+            out["forecast_tokens"] += out["tokens"] - tokens0
     return out
+
+
+def _tiles_kept(batch: dict) -> dict:
+    """``batch`` with its tree layout's ``recompute`` off (the tiles kernel keeps its gathered keys for backward)."""
+    from dataclasses import replace
+
+    out = dict(batch)
+    if "tree_layout" in out:
+        out["tree_layout"] = replace(out["tree_layout"], recompute=False)
+    if "row_pack" in out:
+        out["row_pack"] = replace(out["row_pack"], layout=replace(out["row_pack"].layout, recompute=False))
+    return out
+
+
+def forecast_token_floor(episodes: list, chunks: list) -> int:
+    """The fewest tokens a separate forecast update can forward for ``chunks``: each episode that gives samples
+    forwards its history once, up to its last sample's anchor (the policy step changed the weights, so the policy
+    forward's activations cannot be reused), and every sample its own tokens (the plan-ahead prompt and the targets)."""
+    last: dict[int, int] = {}
+    for c in chunks:
+        last[c.episode] = max(last.get(c.episode, 0), c.anchor)
+    return sum(last.values()) + sum(len(c.tokens) for c in chunks)  # a sample's row: tokens[:anchor] + its tokens
 
 
 def _batch_work(b: dict, budget: int | None, out: dict) -> None:

@@ -43,7 +43,7 @@ def test_cope_update_cost_smoke(tmp_path):
     out = tmp_path / "cuc.md"
     _run("cope_update_cost.py", ["--model-overrides", "debug=fast", "model.warm_start_steps=150", "env.sizes=[5]",
                                  "env.min_distance=1", "--episodes", "8", "--minibatch-size", "8", "--epochs", "1", "--warmup", "0",
-                                 "--out", str(out)])
+                                 "--kept-tiles", "--out", str(out)])
     text = out.read_text()
     for name in ("GRPO", "GRPO (groups shared)", "CoPE (separate)", "CoPE (separate, shared)", "CoPE (joint, dense mask)",
                  "CoPE (joint, tree)"):
@@ -61,7 +61,13 @@ def test_cope_update_cost_smoke(tmp_path):
     dense, shared = v["CoPE (separate)"], v["CoPE (separate, shared)"]
     assert shared["steps"] == dense["steps"] and shared["targets"] == dense["targets"]  # the same samples trained
     assert shared["tokens"] < dense["tokens"] and shared["cells"] < dense["cells"] and shared["visible"] < dense["visible"]
+    floor = report["forecast_token_floor"]  # each history once, plus the samples: no layout forwards fewer
+    assert floor <= shared["forecast_tokens"] < dense["forecast_tokens"] and "vs their floor" in text
+    assert shared["tokens"] - shared["forecast_tokens"] == v["GRPO"]["tokens"]  # the policy steps: GRPO's batches
     assert all(x["visible"] <= x["cells"] for x in v.values())
+    kept = v["CoPE (joint, tree, tiles kept)"]  # the same work, its tile calls' activations kept for backward
+    assert (kept["tokens"], kept["cells"], kept["steps"]) == (tree["tokens"], tree["cells"], tree["steps"])
+    assert kept["peak_bytes"] > tree["peak_bytes"] and "GRPO (groups shared, tiles kept)" in v
 
 
 def test_step_vs_raw_smoke(tmp_path):

@@ -3,6 +3,8 @@ SDPA with the dense mask in value and gradient; whole Llama/Qwen2 models (and a 
 give every token the logits and gradients of its unshared sequence; without a layout the model is plain SDPA."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import types
 
 import pytest
@@ -104,9 +106,10 @@ def _random_layout_rows() -> list[list[tuple[int, int, int, int]]]:
     (_random_layout_rows(), 82),
     ([[(0, 10, -1, 0), (10, 300, 0, 5)]], 300),  # a 290-token branch: several tiles at the default size
 ])
-def test_kernel_equals_dense_sdpa(monkeypatch, tile, rows, length):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_kernel_equals_dense_sdpa(monkeypatch, tile, rows, length, recompute):
     monkeypatch.setattr(tree_layout, "TILE", tile)
-    layout = TreeLayout.from_lists(rows, length=length)
+    layout = dataclasses.replace(TreeLayout.from_lists(rows, length=length), recompute=recompute)
     torch.manual_seed(0)
     N, T = len(rows), length
     q, k, v = (torch.randn(N, h, T, 8, requires_grad=True) for h in (6, 2, 2))  # GQA: 6 query heads, 2 kv heads
@@ -119,6 +122,61 @@ def test_kernel_equals_dense_sdpa(monkeypatch, tile, rows, length):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     if tile == 4 and N == 2 and T == 82:
         assert len(layout.plan().groups) >= 3, "the case should exercise several padded tile groups"
+
+
+def _saved_bytes(fn) -> tuple[int, torch.Tensor]:
+    """Bytes of the tensors autograd keeps for backward while ``fn()`` builds its graph (storages counted once), and
+    the attention output (``fn()[0]``)."""
+    live: dict[int, int] = {}
+
+    def pack(t):
+        live[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()[0]
+    return sum(live.values()), out
+
+
+def test_recompute_keeps_only_qkv_for_backward():
+    """A separate CoPE step's row: a 200-token trunk and 12 samples branching along it. Kept, every branch tile holds
+    its own copy of the trunk's keys and values; recomputed, backward keeps little more than q, k, v themselves."""
+    rows = [[(0, 200, -1, 0), *((200 + 20 * i, 220 + 20 * i, 0, 15 * (i + 1)) for i in range(12))]]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, 440, 16, requires_grad=True) for h in (6, 2, 2))
+    qkv = sum(x.numel() * 4 for x in (q, k, v))
+    mod = types.SimpleNamespace(num_key_value_groups=3)
+    got = {}
+    for recompute in (True, False):
+        layout = dataclasses.replace(TreeLayout.from_lists(rows, length=440), recompute=recompute)
+        got[recompute], out = _saved_bytes(functools.partial(tree_attention_forward, mod, q, k, v, None, tree_layout=layout))
+        out.sum().backward()  # the recomputed graph still backpropagates
+    assert got[True] < 1.5 * qkv < 2 * got[True] < got[False], (got, qkv)
+
+
+def test_kernel_in_bf16_is_as_close_to_fp32_as_dense_sdpa():
+    """bf16 (``trainer.precision=bf16-mixed`` autocasts q, k, v to bf16): the tiles kernel's output and gradients are
+    no further from the fp32 reference than the dense-mask SDPA call in bf16 is (same inputs, same rounding)."""
+    layout = TreeLayout.from_lists(_random_layout_rows(), length=82)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 82, 16) for h in (6, 2, 2))
+    g = torch.randn(2, 82, 6, 16)
+    mod = types.SimpleNamespace(num_key_value_groups=3)
+
+    def run(dtype, tree):
+        x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        if tree:
+            out = tree_attention_forward(mod, *x, None, tree_layout=layout)[0]
+        else:
+            out = F.scaled_dot_product_attention(*x, attn_mask=layout.dense_mask(), enable_gqa=True).transpose(1, 2)
+        return [out.float(), *(t.float() for t in torch.autograd.grad(out, x, g.to(dtype)))]
+
+    ref, dense, tiles = run(torch.float32, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
+    for name, r, d, t in zip(("out", "dq", "dk", "dv"), ref, dense, tiles):
+        assert t.dtype == torch.float32 and torch.isfinite(t).all()
+        err_dense, err_tiles = (r - d).abs().max().item(), (r - t).abs().max().item()
+        assert err_tiles <= 2 * err_dense + 1e-2, (name, err_tiles, err_dense)
+        assert err_tiles > 0  # really ran in bf16
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")

@@ -197,7 +197,7 @@ def packed_part(pack: RowPack, a: int, b: int) -> tuple[dict, TreeLayout]:
     ``action_mask`` (each (b - a, L')) and their layout."""
     n = max(pack.lengths[a:b])
     part = {k: getattr(pack, k)[a:b, :n] for k in ("input_ids", "attention_mask", "position_ids", "action_mask")}
-    return part, TreeLayout(rows=pack.layout.rows[a:b], length=n, kernel=pack.layout.kernel)
+    return part, replace(pack.layout, rows=pack.layout.rows[a:b], length=n)  # kernel, recompute kept
 
 
 def local_index(pack: RowPack, a: int, width: int, rows: torch.Tensor | None, length: int | None) -> torch.Tensor:

@@ -23,7 +23,9 @@ unless ``COPE_TREE_KERNEL=flex`` on CUDA):
   contiguous slice (the flash kernels skip blocks above the diagonal). Every other node is cut in tiles of queries;
   a tile's keys (its visible ancestor ranges, then its own keys up to the tile end) are gathered, and similar tiles
   run as one batched SDPA call with a bottom-right causal mask. Padding tokens output their own value. All torch
-  ops, so autograd's gradients are exact; the (G, Lq, Lk) masks are per tile group, never (T, T).
+  ops, so autograd's gradients are exact; the (G, Lq, Lk) masks are per tile group, never (T, T). With the
+  layout's ``recompute`` (the default) the tile calls are checkpointed: backward gathers and attends again rather
+  than keep every tile's copy of its ancestors' keys and values (a branch tile's keys are mostly its trunk's).
 * ``flex`` (opt-in on CUDA): FlexAttention with a BlockMask whose mask_mod does the same ancestor check (no CPU
   backward in torch 2.13; compiled on CUDA, a new row length recompiles).
 Not supported with a layout: sliding-window layers, softcapping, KV-cache decoding (a layout is for whole rows).
@@ -37,6 +39,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -123,22 +126,39 @@ def _tile_attention(layout: TreeLayout, query: torch.Tensor, key: torch.Tensor, 
     Hkv = key.shape[1]
     sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout, scale=scaling, enable_gqa=H != Hkv)
     plan = layout.cached(("tiles", str(query.device)), lambda: _TileTensors.build(layout, query.device))
-    flat = [x.transpose(1, 2).reshape(N * T, x.shape[1], D) for x in (query, key, value)]  # (N*T, heads, D)
     pieces = []  # (tokens, H, D) each, concatenated in plan order
     for a, b, rows in plan.causal:
         q, k, v = (x[:, :, a:b] if rows is None else x.index_select(0, rows)[:, :, a:b] for x in (query, key, value))
         pieces.append(sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(-1, H, D))  # (R*L, H, D)
-    if plan.masks:  # one gather per input for all groups: each gather's backward fills an (N*T, heads, D) zero tensor
-        qs = flat[0].index_select(0, plan.q_index).split([m.shape[0] * m.shape[2] for m in plan.masks])
-        ks, vs = (x.index_select(0, plan.k_index).split([m.shape[0] * m.shape[3] for m in plan.masks]) for x in flat[1:])
-        for q, k, v, mask in zip(qs, ks, vs, plan.masks):
-            G, _, Lq, Lk = mask.shape
-            q = q.view(G, Lq, H, D).transpose(1, 2)  # (G, H, Lq, D)
-            k, v = (x.view(G, Lk, Hkv, D).transpose(1, 2) for x in (k, v))  # (G, Hkv, Lk, D)
-            pieces.append(sdpa(q, k, v, attn_mask=mask).transpose(1, 2).reshape(-1, H, D))  # (G*Lq, H, D)
+    if plan.masks:
+        tiles = functools.partial(_tile_groups, plan, sdpa)
+        if layout.recompute and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+            # Backward keeps q, k, v (the causal calls keep them anyway) and gathers and attends again, instead of
+            # keeping every tile's gathered ancestor keys and values and its outputs.
+            pieces.append(checkpoint(tiles, query, key, value, use_reentrant=False))
+        else:
+            pieces.append(tiles(query, key, value))
     if plan.pad_index.numel():  # padding attends only itself: softmax over one key is 1
-        pieces.append(flat[2].index_select(0, plan.pad_index).repeat_interleave(H // Hkv, dim=1))  # (P, H, D)
+        flat_v = value.transpose(1, 2).reshape(N * T, Hkv, D)
+        pieces.append(flat_v.index_select(0, plan.pad_index).repeat_interleave(H // Hkv, dim=1))  # (P, H, D)
     return torch.cat(pieces).index_select(0, plan.out_index).view(N, T, H, D)
+
+
+def _tile_groups(plan: _TileTensors, sdpa: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Every tile group's queries against its gathered keys (one gather per input for all groups: each gather's
+    backward fills an (N*T, heads, D) zero tensor): (N, H, T, D) inputs -> (tile queries, H, D) in plan order."""
+    N, H, T, D = query.shape
+    Hkv = key.shape[1]
+    flat = [x.transpose(1, 2).reshape(N * T, x.shape[1], D) for x in (query, key, value)]  # (N*T, heads, D)
+    qs = flat[0].index_select(0, plan.q_index).split([m.shape[0] * m.shape[2] for m in plan.masks])
+    ks, vs = (x.index_select(0, plan.k_index).split([m.shape[0] * m.shape[3] for m in plan.masks]) for x in flat[1:])
+    out = []
+    for q, k, v, mask in zip(qs, ks, vs, plan.masks):
+        G, _, Lq, Lk = mask.shape
+        q = q.view(G, Lq, H, D).transpose(1, 2)  # (G, H, Lq, D)
+        k, v = (x.view(G, Lk, Hkv, D).transpose(1, 2) for x in (k, v))  # (G, Hkv, Lk, D)
+        out.append(sdpa(q, k, v, attn_mask=mask).transpose(1, 2).reshape(-1, H, D))  # (G*Lq, H, D)
+    return torch.cat(out)
 
 
 @dataclass(frozen=True)

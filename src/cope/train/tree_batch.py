@@ -12,7 +12,7 @@ rollouts and scoring are unchanged). Who packs what is the caller's business (Co
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -125,7 +125,7 @@ def batch_tree_layout(model, batch: dict, rows: torch.Tensor | None = None, leng
     if rows is None and length in (None, layout.length):
         return layout
     picked = layout.rows if rows is None else tuple(layout.rows[i] for i in rows.tolist())
-    return TreeLayout(rows=picked, length=layout.length if length is None else int(length), kernel=layout.kernel)
+    return replace(layout, rows=picked, length=layout.length if length is None else int(length))  # kernel, recompute kept
 
 
 def use_tree_attention(model) -> None:

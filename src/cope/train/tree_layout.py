@@ -102,11 +102,17 @@ class TreeLayout:
         kernel: ``"auto"`` (tiles; FlexAttention on CUDA tensors with ``COPE_TREE_KERNEL=flex``: see
             :func:`cope.train.tree_attention.auto_kernel`), ``"tiles"`` or ``"flex"`` to force one
             (FlexAttention has no CPU backward in torch 2.13).
+        recompute: the tiles kernel's tile calls (queries against gathered ancestor keys) are recomputed in backward
+            rather than kept: only q, k, v stay alive, not each tile's copy of its ancestors' keys and values (at
+            SmolLM2's shape about a quarter less activation memory per step, for one more forward of those calls;
+            see ``bench/cope_update_cost.py``). False keeps them: under the model's own layer checkpointing
+            (the 7B preset) the layer is recomputed anyway, so recomputing inside it adds that forward for nothing.
     """
 
     rows: tuple[tuple[TreeNode, ...], ...]
     length: int
     kernel: str = "auto"
+    recompute: bool = True
     # The plan and the per-device tensors the kernels build once per layout and reuse in every layer.
     _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
