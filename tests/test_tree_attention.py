@@ -154,6 +154,24 @@ def test_recompute_keeps_only_qkv_for_backward():
     assert got[True] < 1.5 * qkv < 2 * got[True] < got[False], (got, qkv)
 
 
+def test_recompute_replays_attention_dropout():
+    """With attention dropout the recomputed tile calls draw the forward's dropout masks again: the same output and
+    gradients as keeping them, under the same seed."""
+    rows = _random_layout_rows()
+    got = []
+    for recompute in (True, False):
+        layout = dataclasses.replace(TreeLayout.from_lists(rows, length=82), recompute=recompute)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, h, 82, 8, requires_grad=True) for h in (6, 2, 2))
+        torch.manual_seed(1)
+        out = tree_attention_forward(types.SimpleNamespace(num_key_value_groups=3), q, k, v, None, dropout=0.3,
+                                     tree_layout=layout)[0]
+        torch.manual_seed(2)  # backward (the recompute) runs under another RNG state
+        got.append([out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))])
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_kernel_in_bf16_is_as_close_to_fp32_as_dense_sdpa():
     """bf16 (``trainer.precision=bf16-mixed`` autocasts q, k, v to bf16): the tiles kernel's output and gradients are
     no further from the fp32 reference than the dense-mask SDPA call in bf16 is (same inputs, same rounding)."""

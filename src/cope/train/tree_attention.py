@@ -135,7 +135,7 @@ def _tile_attention(layout: TreeLayout, query: torch.Tensor, key: torch.Tensor, 
         if layout.recompute and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
             # Backward keeps q, k, v (the causal calls keep them anyway) and gathers and attends again, instead of
             # keeping every tile's gathered ancestor keys and values and its outputs.
-            pieces.append(checkpoint(tiles, query, key, value, use_reentrant=False))
+            pieces.append(checkpoint(tiles, query, key, value, use_reentrant=False, preserve_rng_state=dropout > 0))
         else:
             pieces.append(tiles(query, key, value))
     if plan.pad_index.numel():  # padding attends only itself: softmax over one key is 1
