@@ -103,10 +103,10 @@ class TreeLayout:
             :func:`cope.train.tree_attention.auto_kernel`), ``"tiles"`` or ``"flex"`` to force one
             (FlexAttention has no CPU backward in torch 2.13).
         recompute: the tiles kernel's tile calls (queries against gathered ancestor keys) are recomputed in backward
-            rather than kept: only q, k, v stay alive, not each tile's copy of its ancestors' keys and values (at
-            SmolLM2's shape about a quarter less activation memory per step, for one more forward of those calls;
-            see ``bench/cope_update_cost.py``). False keeps them: under the model's own layer checkpointing
-            (the 7B preset) the layer is recomputed anyway, so recomputing inside it adds that forward for nothing.
+            rather than kept: only q, k, v stay alive, not each tile's copy of its ancestors' keys and values (the
+            tree rows' activation peak 13-28% lower in ``bench/cope_update_cost.py``'s runs, for one more forward
+            of those calls). False keeps them: under the model's own layer checkpointing (the 7B preset) the layer
+            is recomputed anyway, so recomputing inside it adds that forward for nothing.
     """
 
     rows: tuple[tuple[TreeNode, ...], ...]
