@@ -133,8 +133,8 @@ def _tile_attention(layout: TreeLayout, query: torch.Tensor, key: torch.Tensor, 
     if plan.masks:
         tiles = functools.partial(_tile_groups, plan, sdpa)
         if layout.recompute and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
-            # Backward keeps q, k, v (the causal calls keep them anyway) and gathers and attends again, instead of
-            # keeping every tile's gathered ancestor keys and values and its outputs.
+            # Backward keeps only q, k, v (the checkpoint's inputs; the causal calls mostly keep them anyway) and
+            # gathers and attends again, instead of keeping every tile's gathered ancestor keys, values and outputs.
             pieces.append(checkpoint(tiles, query, key, value, use_reentrant=False, preserve_rng_state=dropout > 0))
         else:
             pieces.append(tiles(query, key, value))
