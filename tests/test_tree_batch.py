@@ -72,6 +72,36 @@ def test_batch_tree_layout_cuts_rows_and_columns():
         batch_tree_layout(_model("sdpa"), batch)
 
 
+def test_a_layer_checkpointed_model_does_not_recompute_the_tiles_again(monkeypatch):
+    """Under the model's own layer checkpointing (the 7B preset) the tile calls are not checkpointed inside it too (that
+    would add a forward for no memory); without it they are (``TreeLayout.recompute``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import cope.train.tree_attention as tree_attention
+
+    tree_attention.register()
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=16, attn_implementation=NAME))
+    model.train()
+    packed = pack_branches([([1, 2, 3, 4, 5], [(2, [6, 7]), (5, [8, 9, 10])])], PAD)
+    batch = {"input_ids": packed.input_ids, "tree_layout": packed.layout}
+    calls = []
+    real = tree_attention.checkpoint
+    monkeypatch.setattr(tree_attention, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for checkpointed in (False, True):
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        layout = batch_tree_layout(model, batch)
+        assert layout.recompute is not checkpointed and layout.rows == packed.layout.rows
+        calls.clear()
+        model(packed.input_ids, position_ids=layout.position_ids(), tree_layout=layout, use_cache=False).logits.sum().backward()
+        assert bool(calls) is not checkpointed  # one checkpointed tile call per layer forward, or none
+    off = {"input_ids": packed.input_ids, "tree_layout": TreeLayout(rows=packed.layout.rows, length=packed.layout.length,
+                                                                    recompute=False)}
+    model.gradient_checkpointing_disable()
+    assert batch_tree_layout(model, off).recompute is False  # asked off stays off
+
+
 def test_a_batch_moves_with_its_layout():
     """Lightning moves a batch with ``.to``; a frozen dataclass without it made the transfer raise."""
     packed = pack_branches([([1, 2, 3], [(2, [4, 5])])], PAD)

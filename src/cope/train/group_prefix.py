@@ -240,7 +240,7 @@ def packed_logprobs(model, pack: RowPack, rows: torch.Tensor | None, length: int
 
     a, b = (0, len(pack.lengths)) if rows is None else span_of(pack, rows)
     part, layout = packed_part(pack, a, b)
-    batch_tree_layout(model, {"tree_layout": layout})  # refuses a model whose attention would ignore the layout
+    layout = batch_tree_layout(model, {"tree_layout": layout})  # refuses a model whose attention would ignore it
     width = part["input_ids"].shape[1]
     local = local_index(pack, a, width, rows, length)
     at_packed = None
@@ -263,7 +263,7 @@ def packed_logits(model, pack: RowPack) -> torch.Tensor:
     from cope.train.tree_batch import batch_tree_layout
 
     part, layout = packed_part(pack, 0, len(pack.lengths))
-    batch_tree_layout(model, {"tree_layout": layout})
+    layout = batch_tree_layout(model, {"tree_layout": layout})
     logits = model(input_ids=part["input_ids"], attention_mask=part["attention_mask"], position_ids=part["position_ids"],
                    use_cache=False, tree_layout=layout).logits  # (R, L, V)
     return to_rows(logits, local_index(pack, 0, logits.shape[1], None, None))

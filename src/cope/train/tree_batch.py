@@ -114,7 +114,9 @@ def shifted(nodes: Sequence[TreeNode], shift: int, first: int) -> list[TreeNode]
 def batch_tree_layout(model, batch: dict, rows: torch.Tensor | None = None, length: int | None = None) -> TreeLayout | None:
     """The tree layout of ``batch`` rows ``rows`` (all: None), first ``length`` columns (all: None), for a forward of
     ``model``; None when the batch has none. A model whose attention is not ``"cope_tree"`` would ignore the layout
-    (every branch would attend the rows' other branches): that is refused."""
+    (every branch would attend the rows' other branches): that is refused. A model that checkpoints its layers
+    recomputes them in backward anyway, so its layout's ``recompute`` is turned off (one forward of the tile calls
+    less per step, and no memory lost: the layer's activations live only during its own backward)."""
     layout = batch.get("tree_layout")
     if layout is None:
         return None
@@ -122,10 +124,11 @@ def batch_tree_layout(model, batch: dict, rows: torch.Tensor | None = None, leng
     if impl != NAME:
         raise ValueError(f"this batch packs shared prefixes (tree_layout) but the model's attention is {impl!r}, which would "
                          f"ignore the layout: switch it with cope.train.tree_batch.use_tree_attention(model) ('{NAME}')")
-    if rows is None and length in (None, layout.length):
+    recompute = layout.recompute and not getattr(model, "is_activation_checkpointing", False)
+    if rows is None and length in (None, layout.length) and recompute == layout.recompute:
         return layout
     picked = layout.rows if rows is None else tuple(layout.rows[i] for i in rows.tolist())
-    return replace(layout, rows=picked, length=layout.length if length is None else int(length))  # kernel, recompute kept
+    return replace(layout, rows=picked, length=layout.length if length is None else int(length), recompute=recompute)
 
 
 def use_tree_attention(model) -> None:

@@ -105,8 +105,8 @@ class TreeLayout:
         recompute: the tiles kernel's tile calls (queries against gathered ancestor keys) are recomputed in backward
             rather than kept: only q, k, v stay alive, not each tile's copy of its ancestors' keys and values (the
             tree rows' activation peak 13-28% lower in ``bench/cope_update_cost.py``'s runs, for one more forward
-            of those calls). False keeps them: under the model's own layer checkpointing (the 7B preset) the layer
-            is recomputed anyway, so recomputing inside it adds that forward for nothing.
+            of those calls). False keeps them. A model that checkpoints its layers (the 7B preset) gets False
+            from :func:`cope.train.tree_batch.batch_tree_layout`: its layer is recomputed anyway.
     """
 
     rows: tuple[tuple[TreeNode, ...], ...]
