@@ -104,7 +104,7 @@ class TreeLayout:
             (FlexAttention has no CPU backward in torch 2.13).
         recompute: the tiles kernel's tile calls (queries against gathered ancestor keys) are recomputed in backward
             rather than kept: only q, k, v stay alive, not each tile's copy of its ancestors' keys and values (the
-            tree rows' activation peak 13-28% lower in ``bench/cope_update_cost.py``'s runs, for one more forward
+            step's activation peak 15-28% lower where tree rows set it, in ``bench/cope_update_cost.py``'s runs, for one more forward
             of those calls). False keeps them. A model that checkpoints its layers (the 7B preset) gets False
             from :func:`cope.train.tree_batch.batch_tree_layout`: its layer is recomputed anyway.
     """
