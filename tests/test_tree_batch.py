@@ -9,7 +9,7 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from cope.train.tree_attention import NAME
-from cope.train.tree_batch import batch_tree_layout, pack_branches
+from cope.train.tree_batch import batch_tree_layout, pack_branches, split_to_fit
 from cope.train.tree_layout import TreeLayout
 
 PAD = 0
@@ -100,6 +100,13 @@ def test_a_layer_checkpointed_model_does_not_recompute_the_tiles_again(monkeypat
                                                                     recompute=False)}
     model.gradient_checkpointing_disable()
     assert batch_tree_layout(model, off).recompute is False  # asked off stays off
+
+
+def test_split_to_fit_by_hand():
+    size = {0: 4, 1: 3, 2: 9, 3: 1, 4: 2}.__getitem__
+    cost = lambda group: 2 + sum(size(i) for i in group)  # noqa: E731  (a shared prefix of 2, then each item)
+    assert split_to_fit([0, 1, 2, 3, 4], cost, 10) == [[0, 1], [2], [3, 4]]  # 2 alone is over the cap: its own group
+    assert split_to_fit([0, 1, 2, 3, 4], cost, None) == [[0, 1, 2, 3, 4]]
 
 
 def test_a_batch_moves_with_its_layout():

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cope.episode import Episode, Role
-from cope.train.tree_batch import fill_rows, shifted
+from cope.train.tree_batch import fill_rows, shifted, split_to_fit
 from cope.train.tree_layout import TreeLayout, TreeNode
 
 #: Batch keys of layouts that already share within a row (the packed joint CoPE rows): not packable again.
@@ -137,19 +137,11 @@ def pack_groups(batch: dict, episodes: list[Episode], share: bool = True, max_ro
 
 def _fit(rows: list[int], ids: torch.Tensor, roles: torch.Tensor, lengths: list[int], cap: int | None) -> list[list[int]]:
     """``rows`` (one group) cut into consecutive subgroups whose shared tree (prefix once, then each member's rest
-    and one repeated token) fits ``cap`` tokens; a member too long alone is a subgroup of its own."""
+    and one repeated token) fits ``cap`` tokens (:func:`cope.train.tree_batch.split_to_fit`)."""
     if cap is None or len(rows) < 2:
         return [rows]
     P = _prefix(ids, roles, rows, lengths)
-    out, size = [[]], 0
-    for r in rows:
-        grow = lengths[r] - P + 1
-        if out[-1] and P + size + grow > cap:
-            out.append([])
-            size = 0
-        out[-1].append(r)
-        size += grow
-    return out
+    return split_to_fit(rows, lambda sub: P + sum(lengths[r] - P + 1 for r in sub), cap)
 
 
 def _fill_rows(seqs: list, nodes: list, members: list, places: list, cap: int | None) -> tuple[list, list, list, list]:

@@ -11,7 +11,7 @@ rollouts and scoring are unchanged). Who packs what is the caller's business (Co
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -85,6 +85,19 @@ def pack_branches(rows: Sequence[Row], pad_id: int, fill: bool = False, max_row_
         attn[r, : len(s)] = 1
     layout = TreeLayout(rows=tuple(nodes), length=T)
     return PackedRows(ids, attn, layout.position_ids(), layout, tuple(starts), tuple(row_of), tuple(offset))
+
+
+def split_to_fit(items: Sequence[int], cost: Callable[[list[int]], int], cap: int | None) -> list[list[int]]:
+    """``items`` cut into consecutive groups, each as long as ``cost(group)`` (the tokens of the tree the group would
+    make) stays within ``cap``; an item too long alone is a group of its own. None: one group."""
+    if cap is None:
+        return [list(items)]
+    out: list[list[int]] = [[]]
+    for i in items:
+        if out[-1] and cost(out[-1] + [i]) > cap:
+            out.append([])
+        out[-1].append(i)
+    return out
 
 
 def fill_rows(lengths: Sequence[int], cap: int | None = None) -> list[list[int]]:

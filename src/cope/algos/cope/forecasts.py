@@ -30,6 +30,8 @@ The samples of an epoch are built once (the group weights are normalized over al
 """
 from __future__ import annotations
 
+import functools
+
 from lightning.pytorch import Callback
 
 from cope.algos.cope.layouts import LAYOUTS, collate_chunks, pack_forecast_trees, pack_forecasts
@@ -137,10 +139,8 @@ class CopeForecasts(Callback):
     # -- separate: a batch source --------------------------------------------------------------
     def batches(self, episodes: list[Episode]) -> list[dict]:
         chunks, _ = self.samples(episodes)
-        if self.shares_prefix:
-            return [collate_shared(episodes, chunks[s: s + self.minibatch_size], self._pad_id, self._row_tokens)
-                    for s in range(0, len(chunks), self.minibatch_size)]
-        return [collate_chunks(episodes, chunks[s: s + self.minibatch_size], self._pad_id)
+        collate = functools.partial(collate_shared, max_row_tokens=self._row_tokens) if self.shares_prefix else collate_chunks
+        return [collate(episodes, chunks[s: s + self.minibatch_size], self._pad_id)
                 for s in range(0, len(chunks), self.minibatch_size)]
 
     def empty(self) -> dict:

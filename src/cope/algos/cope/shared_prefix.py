@@ -24,7 +24,7 @@ import torch
 from cope.algos.cope.chunks import ForecastChunk
 from cope.algos.cope.layouts import collate_chunks, forecast_batch
 from cope.episode import Episode
-from cope.train.tree_batch import pack_branches
+from cope.train.tree_batch import pack_branches, split_to_fit
 
 
 def collate_shared(episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int, max_row_tokens: int | None = None) -> dict:
@@ -44,7 +44,10 @@ def collate_shared(episodes: list[Episode], chunks: list[ForecastChunk], pad_id:
         if not 1 <= c.anchor <= len(tokens):
             raise ValueError(f"collate_shared: chunk {cid} anchors at {c.anchor}, outside episode {c.episode}'s {len(tokens)} tokens")
         by_episode.setdefault(c.episode, []).append(cid)
-    trees = [(e, sub) for e, cids in by_episode.items() for sub in _fit(chunks, cids, max_row_tokens)]
+    def tree_tokens(cids: list[int]) -> int:  # trunk up to the last anchor, then each sample and its repeated token
+        return max(chunks[c].anchor for c in cids) - 1 + sum(1 + len(chunks[c].tokens) for c in cids)
+
+    trees = [(e, sub) for e, cids in by_episode.items() for sub in split_to_fit(cids, tree_tokens, max_row_tokens)]
     rows = []
     for e, cids in trees:
         tokens = episodes[e].tokens
@@ -67,18 +70,3 @@ def collate_shared(episodes: list[Episode], chunks: list[ForecastChunk], pad_id:
     batch["tree_layout"] = packed.layout
     return batch
 
-
-def _fit(chunks: list[ForecastChunk], cids: list[int], cap: int | None) -> list[list[int]]:
-    """One episode's samples ``cids`` cut into consecutive groups whose tree (trunk up to the group's last anchor, then
-    each sample and its repeated token) fits ``cap`` tokens; a sample too long alone is a group of its own."""
-    if cap is None:
-        return [cids]
-    out: list[list[int]] = [[]]
-    for c in cids:
-        grow = out[-1] + [c]
-        size = max(chunks[i].anchor for i in grow) - 1 + sum(1 + len(chunks[i].tokens) for i in grow)
-        if out[-1] and size > cap:
-            out.append([c])
-        else:
-            out[-1] = grow
-    return out
