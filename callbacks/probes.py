@@ -2,7 +2,8 @@
 
 * ``probe/forecast_token_acc`` and ``probe/forecast_action_acc``: teacher-forced accuracy of
   forecasting the next K actions on the *successful* held-out episodes of the validation run (``sample``:
-  ``prompted``, CoPE's sample as its authors built it, the default; ``continuation``, the earlier reading):
+  ``prompted``, CoPE's sample as its authors built it, the default, in ``layout`` ``list`` or ``turns``;
+  ``continuation``, the earlier reading):
   token-level argmax accuracy, and the share of chunk actions whose every token is predicted exactly.
   ``probe/forecast_chunks`` says how many chunks were probed
   (0 early on: the probe needs held-out successes); ``probe/forecast_tokens`` and
@@ -32,7 +33,7 @@ from lightning.pytorch import Callback
 
 from cope.algos.cope.chunks import build_chunks
 from cope.algos.cope.layouts import plain_forecasts
-from cope.algos.cope.prompted import PlanPrompt, build_prompted
+from cope.algos.cope.prompted import LAYOUTS, PlanPrompt, build_prompted
 from cope.episode import Role
 from cope.records import val_record
 from cope.train.batch import collate
@@ -74,14 +75,24 @@ class HeldOutProbes(Callback):
         max_episodes: cap on held-out episodes used per probe (bounds the cost).
         batch_size: episodes collated together (their forecast chunks become extra rows); each batch is
             scored in the module's micro-batches.
+        sample: ``prompted`` (CoPE's sample as its authors built it) or ``continuation``.
+        layout: the prompted sample's layout, ``list`` or ``turns`` (as ``cope.layout``; the config follows the
+            run's ``cope.layout`` and is ``list`` without one).
+        mask_projected: actions the env read out of free text (``env.action_parsing=project``) count as invalid,
+            as in ``cope.mask_projected``. Set it false where the policy's answers are read by the projection
+            (SmolLM2 on the maze: ``experiment=smollm2_maze``), or no chunk is ever probed.
     """
 
-    def __init__(self, K: int = 3, max_episodes: int = 32, batch_size: int = 16, sample: str = "prompted"):
+    def __init__(self, K: int = 3, max_episodes: int = 32, batch_size: int = 16, sample: str = "prompted",
+                 layout: str = "list", mask_projected: bool = True):
         if K < 1 or max_episodes < 1 or batch_size < 1:
             raise ValueError("HeldOutProbes: K, max_episodes and batch_size must be >= 1")
         if sample not in ("prompted", "continuation"):
             raise ValueError(f"callbacks.probes.sample must be 'prompted' or 'continuation', got {sample!r}")
         self.K, self.max_episodes, self.batch_size, self.sample = K, max_episodes, batch_size, sample
+        if layout not in LAYOUTS:
+            raise ValueError(f"callbacks.probes.layout must be one of {LAYOUTS}, got {layout!r}")
+        self.layout, self.mask_projected = layout, bool(mask_projected)
         self._plan = None
 
     @staticmethod
@@ -139,10 +150,11 @@ class HeldOutProbes(Callback):
 
     def _chunks(self, pl_module, episodes, chat) -> list:
         if self.sample == "continuation":
-            return build_chunks(episodes, chat, K=self.K, mask_invalid=True)[0]
+            return build_chunks(episodes, chat, K=self.K, mask_invalid=True, mask_projected=self.mask_projected)[0]
         if self._plan is None:
-            self._plan = PlanPrompt(pl_module.policy.tokenizer)
-        return build_prompted(episodes, chat, self._plan, K=self.K, group_weights=False)[0]  # wins, invalid skipped
+            self._plan = PlanPrompt(pl_module.policy.tokenizer, self.layout)
+        return build_prompted(episodes, chat, self._plan, K=self.K, mask_projected=self.mask_projected,
+                              group_weights=False)[0]  # wins, invalid skipped
 
     def probe(self, pl_module, episodes, chat, pad_id: int) -> dict[str, float]:
         """The ``probe/*`` metrics of ``episodes`` in this process alone (no reduction over ranks)."""

@@ -87,6 +87,21 @@ def _compose_plain(overrides: list[str], tmp_path):
         return compose(config_name="config", overrides=[f"paths.output_dir={tmp_path}", *overrides])
 
 
+@pytest.mark.parametrize("overrides, layout, masked", [
+    (["algo=grpo"], "list", True), (["algo=cope", "cope.layout=turns"], "turns", True),
+    (["algo=cope", "experiment=smollm2_maze", "model=smollm2-135m"], "list", False),  # SmolLM2's answers are projected
+])
+def test_probes_follow_the_run(tmp_path, overrides, layout, masked):
+    """The held-out probe forecasts in the run's ``cope.layout`` (``list`` without one); the SmolLM2 preset probes
+    the answers the projection read, which the default mask would skip (no chunk at all)."""
+    from cope.run.train import instantiate_plain
+
+    probes = instantiate_plain(_compose_plain(overrides, tmp_path).callbacks.probes)
+    assert (probes.layout, probes.mask_projected) == (layout, masked)
+    with pytest.raises(Exception, match="callbacks.probes.layout must be one of"):  # hydra wraps the ValueError
+        instantiate_plain(_compose_plain([*overrides, "callbacks.probes.layout=grid"], tmp_path).callbacks.probes)
+
+
 def _fails_fast(run, tmp_path, monkeypatch) -> str:
     """Run ``run()`` (a train call) with an empty COPE_CACHE: it must raise a ValueError quickly, before the
     tiny model is built. Returns the message."""

@@ -56,6 +56,54 @@ def test_the_exported_adapter_reproduces_the_last_validation(trained, tmp_path):
 
 
 @pytest.mark.long
+def test_probes_reproduce_the_last_validations_probes(trained, tmp_path):
+    """``eval.probes=true``: the training run's held-out probes, on the same adapter and panel, give the numbers
+    its last validation logged (the same greedy episodes, the same forecast samples and scoring)."""
+    run, _ = trained
+    s = _eval([f"adapter={run / 'csv' / 'adapter'}", "eval.start=0", "eval.count=8", "eval.probes=true"], tmp_path)
+    logged = [r for r in _rows(run / "csv" / "metrics.csv") if r.get("probe/obs_nll")][-1]
+    keys = [k for k in logged if k.startswith("probe/")]
+    assert len(keys) == 7 and s["probe/episodes"] == 8.0 and s["probe/obs_tokens"] > 0 and s["probe/forecast_chunks"] > 0
+    for k in keys:
+        assert s[k] == pytest.approx(float(logged[k]), rel=1e-4, abs=1e-6), k
+    assert json.loads((tmp_path / "summary.json").read_text())["probe/obs_nll"] == s["probe/obs_nll"]
+
+
+@pytest.mark.long
+def test_study_probes_on_a_finished_run_folder(trained, tmp_path, capsys):
+    """bench/study_probes.py on a study-shaped run folder (overrides, done marker, final adapter): eval.py with the
+    run's episode-shaping overrides and panel gives the run's last validation and its probes; a rerun reuses them."""
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import study_probes
+
+    run, result = trained
+    folder = tmp_path / "test" / "grpo" / "lr1e-3" / "seed0"
+    (folder / ".hydra").mkdir(parents=True)
+    shutil.copytree(run / "csv" / "adapter", folder / "csv" / "adapter")
+    shutil.copy(run / "csv" / "learning_curve.csv", folder / "csv" / "learning_curve.csv")
+    (folder / "done").touch()
+    lines = ["debug=fast", *RUN, "seed=0", "trainer.check_val_every_n_epoch=1", "data.val_offset=0", "data.val_tasks=8",
+             "hydra.run.dir=elsewhere"]  # seed, trainer and hydra keys do not shape the held-out episodes: dropped
+    (folder / ".hydra" / "overrides.yaml").write_text("".join(f"- {x}\n" for x in lines))
+    assert study_probes.run_overrides(folder)[0] == ["debug=fast", *RUN[1:]]
+    out = tmp_path / "probes.md"
+    assert study_probes.main([str(tmp_path / "test"), "--layouts", "list", "--out", str(out)]) == 0
+    (row,) = json.loads(out.with_suffix(".json").read_text())
+    logged = [r for r in _rows(run / "csv" / "metrics.csv") if r.get("probe/obs_nll")][-1]
+    assert row["success"] == row["last_val_success"] == result["val/success"] and row["probe/episodes"] == 8.0
+    for k in ("probe/forecast_action_acc", "probe/forecast_chunks", "probe/obs_nll"):
+        assert row[k] == pytest.approx(float(logged[k]), rel=1e-4, abs=1e-6), k
+    assert "| grpo | list | 1 |" in out.read_text()
+    summary = folder / "probe_eval" / "list" / "summary.json"
+    before = summary.stat().st_mtime_ns
+    assert study_probes.main([str(tmp_path / "test"), "--layouts", "list", "--out", str(out)]) == 0
+    assert summary.stat().st_mtime_ns == before  # reused, not evaluated again
+
+
+@pytest.mark.long
 def test_sampling_n_per_task_gives_pass_at_k(trained, tmp_path):
     run, _ = trained
     s = _eval([f"adapter={run / 'csv' / 'adapter'}", "eval.count=4", "eval.n=3", "eval.temperature=1.0"], tmp_path)

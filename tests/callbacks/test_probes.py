@@ -1,9 +1,10 @@
 """HeldOutProbes on a tiny policy and real maze episodes (cope.rollout.loop.run_episodes with a scripted
 actor that follows MazeEnv.shortest_path): chunk count, accuracy ranges, obs NLL against an independent
 per-episode forward, equality with the full-softmax probe in every micro-batch split, cold start, train/eval
-mode restored, a perfect forecaster, and a bounded peak at a 152k vocabulary."""
+mode restored, a perfect forecaster, answers read by the projection, and a bounded peak at a 152k vocabulary."""
 from __future__ import annotations
 
+import copy
 import functools
 from types import SimpleNamespace
 
@@ -173,6 +174,20 @@ def test_probe_without_successes(setup):
     assert HeldOutProbes(sample="continuation", K=K).probe(module(model), [], chat, pad) == dict.fromkeys(KEYS, 0.0)
 
 
+def test_projected_answers_are_probed_only_without_the_mask(setup):
+    """Answers the env read out of prose (SmolLM2 on the maze) are invalid to the default probe, as to
+    ``cope.mask_projected``: no chunk. ``mask_projected=False`` probes them like any accepted action."""
+    model, chat, pad = setup.policy.model, setup.chat, setup.tok.pad_token_id
+    prose = copy.deepcopy(setup.eps)
+    for e in prose:
+        for s in e.steps:
+            s.projected = s.valid
+    plain = HeldOutProbes(K=K).probe(module(model), setup.eps, chat, pad)
+    assert plain["probe/forecast_chunks"] > 0
+    assert HeldOutProbes(K=K).probe(module(model), prose, chat, pad)["probe/forecast_chunks"] == 0
+    assert HeldOutProbes(K=K, mask_projected=False).probe(module(model), prose, chat, pad) == pytest.approx(plain, rel=1e-6)
+
+
 class NextTokenOracle(torch.nn.Module):
     """Cheats: the logits at t put (almost) all mass on input t + 1, so teacher-forced argmax is always right."""
 
@@ -233,13 +248,15 @@ def test_peak_bounded_at_152k_vocabulary(setup):
 
 
 @pytest.mark.long
-def test_prompted_probe_equals_the_full_softmax_reference(setup):
-    """The default probe forecasts CoPE's prompted samples (the authors' sample: plan-ahead turn, listed actions)."""
+@pytest.mark.parametrize("layout", ["list", "turns"])
+def test_prompted_probe_equals_the_full_softmax_reference(setup, layout):
+    """The default probe forecasts CoPE's prompted samples (the authors' sample: plan-ahead turn, listed actions),
+    in the layout it is given (``turns``: one assistant turn per action)."""
     from cope.algos.cope.prompted import PlanPrompt, build_prompted
 
     model, eps, chat, pad = setup.policy.model.eval(), setup.eps, setup.chat, setup.tok.pad_token_id
-    m = HeldOutProbes(K=K).probe(module(model, budget=700), eps, chat, pad)
-    plan = PlanPrompt(tiny_tokenizer())
+    m = HeldOutProbes(K=K, layout=layout).probe(module(model, budget=700), eps, chat, pad)
+    plan = PlanPrompt(tiny_tokenizer(), layout)
     ref = full_softmax_probe(model, eps, chat, pad, chunks_of=lambda part: build_prompted(part, chat, plan, K=K, group_weights=False)[0])
     assert m["probe/forecast_chunks"] == ref["probe/forecast_chunks"] > 0
     for k, v in ref.items():

@@ -103,6 +103,31 @@ def test_projected_actions_count_only_with_mask_projected():
     assert [c.step for c in chunks] == [0, 1, 2, 3, 4] and chunks[3].tokens == head(2) + [26, 27, 5, 28, 29, 4]
 
 
+def test_projected_masked_is_counted_and_warned_once_when_it_leaves_no_sample(caplog):
+    """``forecast/projected_masked`` counts the accepted actions read out of prose in kept episodes (0 without the
+    mask); when they leave an epoch without a sample, CopeForecasts says once which key to set."""
+    from cope.algos.cope.forecasts import CopeForecasts
+
+    ep = reference_episode()
+    assert build([ep], K=3, mask_projected=False)[1]["forecast/projected_masked"] == 0.0
+    prose = simple_episode(3, reward=1.0, group=0)
+    for s in prose.steps:
+        s.projected = True  # every answer read by the projection (SmolLM2's early answers)
+    chunks, m = build([prose], K=3)
+    assert chunks == [] and m["forecast/projected_masked"] == 3.0
+    cb = CopeForecasts(K=3)
+    cb._chat, cb._plan = CHAT, PlanPrompt(FakeTokenizer())  # what setup() reads from the policy
+    with caplog.at_level("WARNING", logger="cope.algos.cope.forecasts"):
+        for _ in range(2):  # two epochs: one warning
+            assert cb.samples([prose])[0] == []
+        assert cb.samples([ep])[0] != []  # masked, but other samples remain: no warning
+    warned = [r.getMessage() for r in caplog.records if "cope.mask_projected=false" in r.getMessage()]
+    assert len(warned) == 1 and "3 actions" in warned[0]
+    cb = CopeForecasts(K=3, mask_projected=False)
+    cb._chat, cb._plan = CHAT, PlanPrompt(FakeTokenizer())
+    assert len(cb.samples([prose])[0]) == 3
+
+
 def test_metrics_and_prompt_tokenized_once_per_k():
     tok = FakeTokenizer()
     ep = reference_episode()
@@ -111,7 +136,7 @@ def test_metrics_and_prompt_tokenized_once_per_k():
                  "forecast/k_mean": (3 + 2 + 2 + 1 + 1) / 5, "forecast/weight_std": 0.0,
                  "forecast/target_tokens": 9 + 6 + 6 + 3 + 3, "forecast/dropped_long": 0.0,
                  # t=0 looks past a1 and a3, t=1 past a1 and a3, t=2 and t=3 past a3
-                 "forecast/invalid_skipped": 2 + 2 + 1 + 1}
+                 "forecast/invalid_skipped": 2 + 2 + 1 + 1, "forecast/projected_masked": 1.0}  # a3
     assert {LIST_TEXT.format(k): 1 for k in (1, 2, 3)}.items() <= tok.calls.items()
     assert sum(tok.calls.values()) == 3 + 1  # + "Next action?" once, at construction
     _, m = build([ep], K=3, invalid="mask")

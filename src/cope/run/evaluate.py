@@ -13,6 +13,11 @@ default), ``n`` episodes each, sampled at ``temperature`` (greedy by default), w
 * the configured logger (``logger=csv|wandb``, ``~logger`` for none): the summary's numbers as ``eval/*``
   metrics, and with W&B the episodes as a table (``eval/episodes``).
 
+``eval.probes=true`` adds the held-out probes of training (``callbacks.probes``, :mod:`cope.callbacks.probes`) to the
+summary (``probe/*``): how well the policy forecasts its own next K actions on the evaluated successes, and its
+observation NLL, over the first ``callbacks.probes.max_episodes`` episodes evaluated by this invocation (a resumed
+evaluation probes only its new episodes; ``probe/episodes`` says how many were probed).
+
 Resumable and SIGTERM-safe: episodes are appended after every wave, a rerun with the same ``eval.out`` skips the
 finished tasks, and a SIGTERM ends the evaluation after the current wave with ``complete: false`` in the summary.
 Bad input (a missing folder, an adapter of another base model or LoRA rank, an unknown split, a task range outside
@@ -117,6 +122,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         _load_checkpoint_adapter(policy, ckpt)
     dm = instantiate_plain(cfg.data, env=env_factory, progress=False)
     dm.connect(policy)
+    probed: list = []  # this invocation's episodes, for eval.probes
     stop = {"now": False}
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     from tqdm.auto import tqdm
@@ -135,6 +141,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             sampling = Sampling(temperature=float(e.temperature), top_p=float(e.top_p),
                                 max_action_tokens=dm.sampling.max_action_tokens, seed=seed)
             episodes, _ = dm.engine.rollout(batch, list(range(len(batch))), sampling, progress=bar.update)
+            if e.get("probes"):
+                probed += episodes
             new = [_row(ep, j % int(e.n)) for j, ep in enumerate(episodes)]
             _append(out / "episodes.csv", new)
             _append_jsonl(out / "trajectories.jsonl", episodes, policy.tokenizer)
@@ -147,6 +155,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     rows = [r for r in _read(out / "episodes.csv") if int(r["index"]) in set(tasks)]
     summary = {**summarize(rows, int(e.n), len(tasks)), "split": e.split, "adapter": adapter, "ckpt_path": ckpt,
                "base_model": str(policy.source), "temperature": float(e.temperature)}
+    if e.get("probes"):
+        summary.update(_probe(cfg, policy, probed, resumed=bool(done)))
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if cfg.get("logger"):
         _log(instantiate_plain(cfg.logger), summary, rows)
@@ -164,6 +174,23 @@ def _log(logger, summary: dict, rows: list[dict]) -> None:
     if isinstance(logger, WandbLogger):
         logger.log_table(key="eval/episodes", columns=COLUMNS, data=[[r[c] for c in COLUMNS] for r in rows], step=0)
     logger.finalize("success")
+
+
+def _probe(cfg: DictConfig, policy, episodes: list, resumed: bool) -> dict[str, float]:
+    """``eval.probes``: the training run's held-out probes (``callbacks.probes``) on this invocation's episodes,
+    scored in the module's micro-batches (``module.max_tokens_per_microbatch``)."""
+    from cope.run.train import instantiate_named, instantiate_plain
+
+    if not cfg.get("callbacks") or not cfg.callbacks.get("probes"):
+        raise ValueError("eval.probes=true needs callbacks.probes in the config (conf/config.yaml has it)")
+    if resumed:
+        log.warning("eval.probes: a resumed evaluation probes only the %d episodes it ran now", len(episodes))
+    probes = instantiate_plain(cfg.callbacks.probes)
+    module = instantiate_plain(cfg.module, _partial_=True)(policy=policy, objectives=instantiate_named(cfg.algo.objectives,
+                                                                                                        "algo.objectives"))
+    module.to(next(policy.model.parameters()).device)  # what Lightning does before fit: the batches follow module.device
+    kept = [ep for ep in episodes if not ep.aborted][: probes.max_episodes]
+    return {**probes.probe(module, kept, policy.chat, policy.pad_id), "probe/episodes": float(len(kept))}
 
 
 def _load_checkpoint_adapter(policy, path: str) -> None:

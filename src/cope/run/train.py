@@ -28,7 +28,9 @@ def instantiate_plain(node: Any, **kwargs: Any) -> Any:
     return instantiate(node, _convert_="all", **kwargs)
 
 
-def _instantiate_named(section: DictConfig | None, what: str) -> list[Any]:
+def instantiate_named(section: DictConfig | None, what: str) -> list[Any]:
+    """Each non-null entry of a named config section (``algo.objectives``, ``callbacks``), built; an entry that
+    fails to build is named by its full key (``what.name``)."""
     out = []
     for name, node in (section or {}).items():
         if node is None:
@@ -94,8 +96,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         check_adapter(cfg.model.adapter, base.source if base else "", model_factory.keywords.get("lora"),
                       bool(base and base.keyed))
     datamodule = instantiate_plain(cfg.data, env=env_factory)
-    objectives = _instantiate_named(cfg.algo.objectives, "algo.objectives")
-    callbacks = _instantiate_named(cfg.callbacks, "callbacks") + _instantiate_named(cfg.algo.get("callbacks"), "algo.callbacks")
+    objectives = instantiate_named(cfg.algo.objectives, "algo.objectives")
+    callbacks = instantiate_named(cfg.callbacks, "callbacks") + instantiate_named(cfg.algo.get("callbacks"), "algo.callbacks")
     logger = instantiate_plain(cfg.logger) if cfg.get("logger") else False
     trainer = instantiate_plain(cfg.trainer, callbacks=callbacks, logger=logger)
     policy = model_factory(env_factory=env_factory)

@@ -31,6 +31,7 @@ The samples of an epoch are built once (the group weights are normalized over al
 from __future__ import annotations
 
 import functools
+import logging
 
 from lightning.pytorch import Callback
 
@@ -42,6 +43,7 @@ from cope.episode import Episode
 from cope.train.tree_batch import use_tree_attention
 
 UPDATES = ("separate", "joint")
+log = logging.getLogger(__name__)
 
 
 class CopeForecasts(Callback):
@@ -92,6 +94,7 @@ class CopeForecasts(Callback):
         self._plan: PlanPrompt | None = None
         self._chat, self._pad_id, self._datamodule, self._row_tokens = None, 0, None, None
         self._built: tuple[list, list, dict] | None = None  # (the epoch's episode list, its chunks, their metrics)
+        self._warned_projected = False  # warned once: projected actions masked left an epoch without a sample
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         dm = trainer.datamodule
@@ -128,6 +131,13 @@ class CopeForecasts(Callback):
                 gate=self.gate, success_threshold=self.success_threshold, group_weights=self.group_weights,
                 max_context=self.max_context)
             self._built = (episodes, chunks, metrics)
+            if not chunks and metrics["forecast/projected_masked"] and not self._warned_projected:
+                self._warned_projected = True
+                log.warning("CoPE built no forecast sample this epoch: %d actions of the winning episodes were read out of "
+                            "free text (env.action_parsing=project) and cope.mask_projected=true counts them as invalid. "
+                            "Where the policy's answers are read by the projection (SmolLM2 on the maze), set "
+                            "cope.mask_projected=false, or the run is GRPO (forecast/projected_masked counts them)",
+                            int(metrics["forecast/projected_masked"]))
         return self._built[1], self._built[2]
 
     @property

@@ -207,7 +207,8 @@ def build_prompted(
         (samples, metrics): ``forecast/samples``, ``forecast/trajectories`` (kept, with samples),
         ``forecast/groups_skipped_mixed``, ``forecast/k_mean``, ``forecast/weight_std`` (n - 1, as theirs),
         ``forecast/target_tokens``, ``forecast/dropped_long``, ``forecast/invalid_skipped`` (actions the
-        returned samples looked past).
+        returned samples looked past), ``forecast/projected_masked`` (actions of the kept episodes the env accepted
+        but read out of free text, counted invalid by ``mask_projected``).
     """
     check_prompted_args(K, invalid, gate)
     if plan.layout == "list" and not chat.newline:
@@ -217,11 +218,12 @@ def build_prompted(
         raise ValueError(f"build_prompted: {len(idx)} indices for {len(episodes)} episodes")
     keep, skipped_groups = _kept(episodes, gate, success_threshold)
     trajectories: list[tuple[int, list[ForecastChunk]]] = []
-    dropped = looked_past = 0
+    dropped = looked_past = masked = 0
     for ei, ep, kept in zip(idx, episodes, keep):
         if not kept:
             continue
         acts, mine = _actions(ep, chat, mask_projected), []
+        masked += sum(s.valid and s.projected for s in ep.steps) if mask_projected else 0
         for t in range(ep.num_steps):
             sel, past = _select(acts, t, K, invalid)
             if not any(sup for _, sup in sel):
@@ -253,5 +255,6 @@ def build_prompted(
         "forecast/target_tokens": float(sum(sum(c.target) for c in chunks)),
         "forecast/dropped_long": float(dropped),
         "forecast/invalid_skipped": float(looked_past),
+        "forecast/projected_masked": float(masked),
     }
     return chunks, metrics
