@@ -126,6 +126,8 @@ def test_pass_at_k_and_the_summary():
     (["eval.split=valid"], "eval.split='valid'"),
     (["eval.start=5", "eval.count=1000"], "are not in the 'test' split"),
     (["ckpt_path=/nonexistent.ckpt"], "no such checkpoint file"),
+    (["eval.probes=true", "callbacks.probes.layout=grid"], "callbacks.probes.*layout must be one of"),
+    (["eval.probes=true", "~callbacks.probes"], "eval.probes=true needs callbacks.probes"),
 ])
 def test_bad_input_fails_before_the_model_loads(tmp_path, monkeypatch, overrides, match):
     import cope.models.tiny as tiny

@@ -96,6 +96,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"eval.n must be >= 1 and eval.temperature >= 0, got {e.n}, {e.temperature}")
     if cfg.get("adapter") and cfg.get("ckpt_path"):
         raise ValueError("give adapter=<dir> or ckpt_path=<file>, not both")
+    probes = _probes(cfg) if e.get("probes") else None  # a bad probe setting fails before any rollout
     env_factory = instantiate_plain(cfg.env)
     facts = env_facts(env_factory)
     tasks = _task_range(cfg, facts.train_tasks if e.split == "train" else facts.test_tasks)
@@ -155,8 +156,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     rows = [r for r in _read(out / "episodes.csv") if int(r["index"]) in set(tasks)]
     summary = {**summarize(rows, int(e.n), len(tasks)), "split": e.split, "adapter": adapter, "ckpt_path": ckpt,
                "base_model": str(policy.source), "temperature": float(e.temperature)}
-    if e.get("probes"):
-        summary.update(_probe(cfg, policy, probed, resumed=bool(done)))
+    if probes is not None:
+        summary.update(_probe(cfg, probes, policy, probed, resumed=bool(done)))
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     if cfg.get("logger"):
         _log(instantiate_plain(cfg.logger), summary, rows)
@@ -176,16 +177,22 @@ def _log(logger, summary: dict, rows: list[dict]) -> None:
     logger.finalize("success")
 
 
-def _probe(cfg: DictConfig, policy, episodes: list, resumed: bool) -> dict[str, float]:
-    """``eval.probes``: the training run's held-out probes (``callbacks.probes``) on this invocation's episodes,
-    scored in the module's micro-batches (``module.max_tokens_per_microbatch``)."""
-    from cope.run.train import instantiate_named, instantiate_plain
+def _probes(cfg: DictConfig):
+    """``callbacks.probes``, built (the training run's held-out probes) for ``eval.probes``."""
+    from cope.run.train import instantiate_named
 
     if not cfg.get("callbacks") or not cfg.callbacks.get("probes"):
         raise ValueError("eval.probes=true needs callbacks.probes in the config (conf/config.yaml has it)")
+    return instantiate_named({"probes": cfg.callbacks.probes}, "callbacks")[0]
+
+
+def _probe(cfg: DictConfig, probes, policy, episodes: list, resumed: bool) -> dict[str, float]:
+    """``eval.probes``: ``probes`` on this invocation's episodes, scored in the module's micro-batches
+    (``module.max_tokens_per_microbatch``)."""
+    from cope.run.train import instantiate_named, instantiate_plain
+
     if resumed:
         log.warning("eval.probes: a resumed evaluation probes only the %d episodes it ran now", len(episodes))
-    probes = instantiate_plain(cfg.callbacks.probes)
     module = instantiate_plain(cfg.module, _partial_=True)(policy=policy, objectives=instantiate_named(cfg.algo.objectives,
                                                                                                         "algo.objectives"))
     module.to(next(policy.model.parameters()).device)  # what Lightning does before fit: the batches follow module.device

@@ -133,7 +133,7 @@ class CopeForecasts(Callback):
             self._built = (episodes, chunks, metrics)
             if not chunks and metrics["forecast/projected_masked"] and not self._warned_projected:
                 self._warned_projected = True
-                log.warning("CoPE built no forecast sample this epoch: %d actions of the winning episodes were read out of "
+                log.warning("CoPE built no forecast sample this epoch: %d actions of the kept episodes (cope.gate) were read out of "
                             "free text (env.action_parsing=project) and cope.mask_projected=true counts them as invalid. "
                             "Where the policy's answers are read by the projection (SmolLM2 on the maze), set "
                             "cope.mask_projected=false, or the run is GRPO (forecast/projected_masked counts them)",
