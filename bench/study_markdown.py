@@ -96,6 +96,12 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
             )
             + " |"
         )
+    between = summary.get("between", {}).get(regime, [])
+    if between:
+        lines += ["", "Between the other arms (the first minus the second, paired by seed, as the Δ columns above):", "",
+                  "| arm | vs | Δ AUC | Δ final |", "|---|---|---|---|"]
+        lines += [f"| {NAMES.get(p['arm'], p['arm'])} | {NAMES.get(p['base'], p['base'])} | {delta_cell(p, 'delta_auc')} "
+                  f"| {delta_cell(p, 'delta_final')} |" for p in between]
     lines += [
         "",
         "Mechanism (gradients: means over the steps where both are non-zero, then over seeds; probes and answer "

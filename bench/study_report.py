@@ -233,10 +233,19 @@ def summarize(results: list[dict], meta: dict) -> dict:
             rates = [c["invalid_rate"] for c in cs if c.get("invalid_rate") is not None]
             row["invalid_rate"] = mean_of(rates)
             row["collapsed"] = sum(r >= 0.99 for r in rates)  # seeds whose held-out actions are all invalid
+    between = {r: _between(arms) for r, arms in table.items() if _between(arms)}
     for arms in table.values():
         for row in arms.values():
             row.pop("size_runs", None)  # summarized in by_size
-    return {"test": table, "tuning": tuning, "by_size": by_size}
+    return {"test": table, "tuning": tuning, "by_size": by_size, "between": between}
+
+
+def _between(arms: dict) -> list[dict]:
+    """Each later non-GRPO arm against each earlier one (e.g. CoPE turns vs CoPE list), paired by seed as
+    :func:`_deltas`: [{arm, base, delta_auc, delta_auc_t, delta_final, delta_final_t}]."""
+    aux = [a for a in arms if a != "grpo"]
+    return [{"arm": b, "base": a, **_deltas(arms[b]["runs"], arms[a]["runs"])}
+            for i, a in enumerate(aux) for b in aux[i + 1:]]
 
 
 def plot(summary: dict, meta: dict, out: Path) -> None:

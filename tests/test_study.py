@@ -71,4 +71,6 @@ def test_study_smoke_smollm2(tmp_path):
         cfg = (run / ".hydra/config.yaml").read_text()
         assert "mask_projected: false" in cfg and "smollm2" in cfg, arm
         assert f"test {arm} " in proc.stdout and "forecast samples" in proc.stdout.split(f"test {arm} ")[1].splitlines()[0]
-    assert test["grpo"]["val/projected_actions"] is not None and "projected answers" in (out / "study.md").read_text()
+    text = (out / "study.md").read_text()
+    assert test["grpo"]["val/projected_actions"] is not None and "projected answers" in text
+    assert "| CoPE (authors', turns) | CoPE (authors') |" in text  # the two layouts against each other

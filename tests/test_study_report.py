@@ -109,3 +109,19 @@ def test_invalid_rate_is_read_from_the_last_validation(tmp_path):
     (d / "episodes1024.csv").write_text(head + "test,0,0,0,0,20,20,max_steps\ntest,1,1,1,1,5,0,done\n")
     (d / "episodes256.csv").write_text(head + "test,0,0,0,0,20,1,max_steps\n")
     assert invalid_rate(tmp_path) == pytest.approx(20 / 25)  # the newest file by episodes, not by name
+
+
+def test_between_pairs_the_non_grpo_arms_by_seed():
+    """CoPE turns vs CoPE list: the later arm minus the earlier one, on the seeds both have, both intervals."""
+    from study_report import _between
+
+    def runs(finals: dict[int, float]) -> dict:
+        return {"runs": {s: {"auc": f / 2, "final": f} for s, f in finals.items()}}
+
+    arms = {"grpo": runs({0: 0.5, 1: 0.5}), "cope_authors": runs({0: 0.6, 1: 0.4, 2: 0.9}), "cope_turns": runs({0: 0.7, 1: 0.6})}
+    (pair,) = _between(arms)
+    assert (pair["arm"], pair["base"]) == ("cope_turns", "cope_authors")
+    mean, lo, hi, n = pair["delta_final"]
+    assert n == 2 and mean == pytest.approx((0.1 + 0.2) / 2) and lo > 0  # seed 2 has no turns run: not paired
+    assert pair["delta_auc"][0] == pytest.approx(0.075) and pair["delta_final_t"][3] == 2
+    assert _between({"grpo": arms["grpo"], "cope_turns": arms["cope_turns"]}) == []
