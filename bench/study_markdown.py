@@ -123,9 +123,9 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
             f"{_f(row.get('val/projected_actions'))} | {row.get('collapsed', 0)} of {len(row['seeds'])} |"
         )
     lines += ["", "Stability (per run its worst epoch, then the mean over seeds and the worst seed; rollouts: sampled training "
-              "episodes; held-out stop p: the end-of-turn token's probability after a complete action):", "",
+              "episodes; held-out stop p: the end-of-turn token's probability after a complete action, where one was measured):", "",
               "| arm | peak rollout invalid | peak rollout multi-action | lowest held-out stop p | seeds with a validation "
-              "all invalid | policy steps dropped (trust region) |", "|---|---|---|---|---:|---|"]
+              "all invalid after one that was not | policy steps dropped (trust region) |", "|---|---|---|---|---:|---|"]
     for arm, row in arms.items():
         cells = [_pair(row.get(f"{k}/{how}"), ".0f" if k.startswith("train/") else ".2f") for k, how in STABILITY]
         lines.append(f"| {NAMES.get(arm, arm)} | {cells[0]} | {cells[1]} | {cells[2]} | "

@@ -72,13 +72,34 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
         out[k + "/last"] = vals[-1] if vals else None
     out["forecast/samples_early"] = early_forecast_samples(metrics)
     for k, how in STABILITY:  # the run's extreme of an epoch metric: how close it came to a collapse
-        vals = [r[k] for r in metrics if r.get(k) is not None]
+        vals = [r[k] for r in metrics if r.get(k) is not None and measured_stop(r, k)]
         out[f"{k}/{how}"] = (max if how == "max" else min)(vals) if vals else None
-    out["collapsed_validations"] = sum(1 for r in metrics if (r.get("val/invalid_rate") or 0) >= 0.99)
+    out["collapsed_validations"] = collapsed_validations([r["val/invalid_rate"] for r in metrics if r.get("val/invalid_rate") is not None])
     out["invalid_rate"] = invalid_rate(d)
     done = d / "done"
     out["wall_s"] = json.loads(done.read_text())["wall_s"] if done.exists() else None
     return out
+
+
+def collapsed_validations(rates: list[float], level: float = 0.99) -> int:
+    """Validations with every held-out action invalid (rate >= ``level``) after one that was not: a regression.
+    All invalid from the start is a cold start (SmolLM2 before it learns a readable answer), not a collapse."""
+    seen_readable, count = False, 0
+    for r in rates:
+        count += seen_readable and r >= level
+        seen_readable = seen_readable or r < level
+    return count
+
+
+def measured_stop(row: dict, key: str) -> bool:
+    """Whether ``row``'s end-of-turn probability (``stop/prob``, ``stop/prob_val``) measured anything: over at least
+    one complete action (``stop/positions``, ``stop/positions_val``). A row from before those counts were logged is
+    taken as measured unless its value is exactly 0, which a softmax probability is not; the callback logs 0 for none
+    (answers in prose that the projection reads, SmolLM2's: no complete action)."""
+    if key not in ("stop/prob", "stop/prob_val"):
+        return True
+    count = row.get(key.replace("prob", "positions"))
+    return count > 0 if count is not None else row[key] != 0.0
 
 
 def early_forecast_samples(metrics: list[dict]) -> float | None:

@@ -11,7 +11,10 @@ the module's: the policy is the one that sampled the epoch), on the epoch's roll
 * ``stop/push``: the signed net push of the update on the end-of-turn logits after complete actions, in the
   same units (< 0: the update makes stopping less likely). :mod:`cope.train.stop_stats` has the math.
 
-After each validation run, on the greedy held-out episodes: ``stop/prob_val`` (the same probability; with
+``stop/positions`` counts the complete actions ``stop/prob`` is over: 0 means no measurement (the logged 0 is no
+probability), e.g. while every answer is prose that the env's projection reads (SmolLM2 on the maze).
+
+After each validation run, on the greedy held-out episodes: ``stop/prob_val`` over ``stop/positions_val`` (the same probability; with
 ``rollout/multi_action``, ``val/multi_action``, ``*/action_cap`` from the episode metrics, this is the format's
 early warning). It costs one no-grad forward over at most ``max_episodes`` episodes of the epoch, and as many
 of the panel; it feeds nothing (on or off, training is the same). Under DDP the per-rank sums are pooled.
@@ -138,4 +141,4 @@ class StopTokenStats(Callback):
         record = val_record(trainer)
         pooled = pool(self.panel_tally(pl_module, record.episodes if record is not None else []), trainer.strategy, pl_module.device)
         prob = pooled["p_stop_sum"] / pooled["positions"] if pooled["positions"] else 0.0
-        pl_module.log_dict({"stop/prob_val": prob}, on_step=False, on_epoch=True)
+        pl_module.log_dict({"stop/prob_val": prob, "stop/positions_val": float(pooled["positions"])}, on_step=False, on_epoch=True)

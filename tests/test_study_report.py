@@ -125,3 +125,19 @@ def test_between_pairs_the_non_grpo_arms_by_seed():
     assert n == 2 and mean == pytest.approx((0.1 + 0.2) / 2) and lo > 0  # seed 2 has no turns run: not paired
     assert pair["delta_auc"][0] == pytest.approx(0.075) and pair["delta_final_t"][3] == 2
     assert _between({"grpo": arms["grpo"], "cope_turns": arms["cope_turns"]}) == []
+
+
+def test_stability_skips_unmeasured_stop_probabilities_and_the_cold_start(tmp_path):
+    """SmolLM2's prose answers have no complete action: its stop p rows (logged 0) measure nothing, by count or, in
+    older records without the count, by the exact 0; all-invalid validations before the first readable one are a
+    cold start, not a collapse (a collapse is all invalid after a validation that was not)."""
+    from study_report import run_curve
+
+    (tmp_path / "csv").mkdir()
+    rows = ["epoch,step,val/invalid_rate,stop/prob_val,stop/positions_val",
+            "0,0,0.994,0.0,0", "2,5,0.994,0.0,0", "5,11,0.6,0.42,7", "8,17,0.99,0.9,", "11,23,0.5,0.9,"]
+    (tmp_path / "csv/metrics.csv").write_text("\n".join(rows) + "\n")
+    c = run_curve(tmp_path)
+    assert c["stop/prob_val/min"] == pytest.approx(0.42) and c["collapsed_validations"] == 1  # step 17 only
+    (tmp_path / "csv/metrics.csv").write_text("epoch,step,stop/prob_val\n0,0,0.0\n2,5,0.0\n")
+    assert run_curve(tmp_path)["stop/prob_val/min"] is None

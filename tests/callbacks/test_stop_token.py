@@ -90,6 +90,9 @@ def test_rollout_tally_matches_a_plain_forward(agg, budget, temperature):
     assert got["adv_net"] == pytest.approx(float(aw.sum()), rel=1e-5, abs=1e-9) and got["adv_abs"] == pytest.approx(float(aw.abs().sum()))
     m = stop_metrics(got)
     assert 0 < m["stop/prob"] < 1 and m["stop/share_neg"] > 0 and m["stop/share_pos"] > 0
+    assert m["stop/positions"] == len(p_stop)
+    none = stop_metrics({**got, "positions": 0.0, "p_stop_sum": 0.0})  # nothing measured: the 0 says so by its count
+    assert none["stop/prob"] == 0.0 and none["stop/positions"] == 0.0
     # the panel's probability is the same measurement on the held-out episodes
     assert StopTokenStats().panel_tally(module, eps)["positions"] == len(p_stop)
 

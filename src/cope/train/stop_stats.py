@@ -86,10 +86,12 @@ def stop_metrics(tally: dict[str, float], prefix: str = "stop") -> dict[str, flo
     ``/share_neg`` (the end-of-turn ids' share of the push on sampled tokens, episodes with A > 0 / A < 0), and
     ``/push`` (the signed net push on the end-of-turn logits after complete actions, in the same units: < 0
     means the update lowers the probability of stopping); and ``pg/adv_balance``: the net advantage mass over its
-    absolute sum, in [-1, 1] (0: the update pushes sampled tokens up as much as down)."""
+    absolute sum, in [-1, 1] (0: the update pushes sampled tokens up as much as down); ``<prefix>/positions``: the
+    complete actions ``/prob`` is over (0: no measurement, e.g. answers in prose that the env's projection reads)."""
     tot = tally["total_push"]
     return {
         f"{prefix}/prob": tally["p_stop_sum"] / tally["positions"] if tally["positions"] else 0.0,
+        f"{prefix}/positions": float(tally["positions"]),
         f"{prefix}/share_pos": tally["stop_push_pos"] / tot if tot else 0.0,
         f"{prefix}/share_neg": tally["stop_push_neg"] / tot if tot else 0.0,
         f"{prefix}/push": tally["net_push"] / tot if tot else 0.0,
