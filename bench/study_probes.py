@@ -20,13 +20,14 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from study_report import run_curve  # bench/ is on sys.path as a script
 
 REPO = Path(__file__).resolve().parents[1]
 KEEP = ("debug=", "algo=", "model", "experiment=", "env.", "cope.", "data.max_context", "data.sampling.")  # shapes the episodes
@@ -42,12 +43,6 @@ def run_overrides(run: Path) -> tuple[list[str], dict[str, str]]:
 def layouts_of(kv: dict[str, str], layouts: list[str]) -> list[str]:
     """A CoPE run is probed in its own layout; any other run in every layout asked for."""
     return [kv.get("cope.layout", "list")] if kv.get("algo", "").startswith("cope") else layouts
-
-
-def last_val_success(run: Path) -> float | None:
-    with (run / "csv" / "learning_curve.csv").open(newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("val_success")]
-    return float(rows[-1]["val_success"]) if rows else None
 
 
 def probe(run: Path, layout: str, threads: int) -> dict:
@@ -78,11 +73,11 @@ def table(rows: list[dict]) -> str:
     def cell(vals: list[float], fmt: str = ".3f") -> str:
         return f"{statistics.fmean(vals):{fmt}} ({min(vals):{fmt}}-{max(vals):{fmt}})" if len(vals) > 1 else f"{vals[0]:{fmt}}"
 
-    out = ["| arm | probe layout | seeds | greedy success (last validation) | forecast action acc | forecast token acc "
-           "| chunks probed | obs NLL |", "|---|---|---:|---|---|---|---|---|"]
+    out = ["| arm | probe layout | seeds | greedy success | runs whose greedy success is their last validation's "
+           "| forecast action acc | forecast token acc | chunks probed | obs NLL |", "|---|---|---:|---|---:|---|---|---|---|"]
     for (arm, layout), rs in sorted(groups.items()):
-        out.append(f"| {arm} | {layout} | {len(rs)} | {cell([r['success'] for r in rs])} "
-                   f"({cell([r['last_val_success'] for r in rs if r['last_val_success'] is not None])}) "
+        same = sum(r["last_val_success"] is not None and abs(r["success"] - r["last_val_success"]) < 1e-6 for r in rs)
+        out.append(f"| {arm} | {layout} | {len(rs)} | {cell([r['success'] for r in rs])} | {same} of {len(rs)} "
                    f"| {cell([r['probe/forecast_action_acc'] for r in rs])} | {cell([r['probe/forecast_token_acc'] for r in rs])} "
                    f"| {cell([r['probe/forecast_chunks'] for r in rs], '.0f')} | {cell([r['probe/obs_nll'] for r in rs])} |")
     return "\n".join(out)
@@ -107,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         for layout in layouts_of(kv, args.layouts):
             s = probe(run, layout, args.threads)
             row = {"run": str(run.relative_to(args.root)), "arm": run.relative_to(args.root).parts[0], "layout": layout,
-                   "success": s["success"], "last_val_success": last_val_success(run),
+                   "success": s["success"], "last_val_success": run_curve(run)["final"],
                    **{k: v for k, v in s.items() if k.startswith("probe/")}}
             rows.append(row)
             print(f"{row['run']} [{layout}]: greedy success {row['success']:.3f} (last validation {row['last_val_success']}),"

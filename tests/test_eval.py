@@ -84,7 +84,7 @@ def test_study_probes_on_a_finished_run_folder(trained, tmp_path, capsys):
     (folder / ".hydra").mkdir(parents=True)
     shutil.copytree(run / "csv" / "adapter", folder / "csv" / "adapter")
     shutil.copy(run / "csv" / "learning_curve.csv", folder / "csv" / "learning_curve.csv")
-    (folder / "done").touch()
+    (folder / "done").write_text(json.dumps({"wall_s": 1.0}))  # as the study launcher writes it
     lines = ["debug=fast", *RUN, "seed=0", "trainer.check_val_every_n_epoch=1", "data.val_offset=0", "data.val_tasks=8",
              "hydra.run.dir=elsewhere"]  # seed, trainer and hydra keys do not shape the held-out episodes: dropped
     (folder / ".hydra" / "overrides.yaml").write_text("".join(f"- {x}\n" for x in lines))

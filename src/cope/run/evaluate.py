@@ -123,7 +123,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         _load_checkpoint_adapter(policy, ckpt)
     dm = instantiate_plain(cfg.data, env=env_factory, progress=False)
     dm.connect(policy)
-    probed: list = []  # this invocation's episodes, for eval.probes
+    probed: list = []  # this invocation's episodes that eval.probes scores
     stop = {"now": False}
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     from tqdm.auto import tqdm
@@ -142,8 +142,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
             sampling = Sampling(temperature=float(e.temperature), top_p=float(e.top_p),
                                 max_action_tokens=dm.sampling.max_action_tokens, seed=seed)
             episodes, _ = dm.engine.rollout(batch, list(range(len(batch))), sampling, progress=bar.update)
-            if e.get("probes"):
-                probed += episodes
+            if probes is not None:  # only what the probe reads: its first max_episodes finished episodes
+                probed += [ep for ep in episodes if not ep.aborted][: probes.max_episodes - len(probed)]
             new = [_row(ep, j % int(e.n)) for j, ep in enumerate(episodes)]
             _append(out / "episodes.csv", new)
             _append_jsonl(out / "trajectories.jsonl", episodes, policy.tokenizer)
@@ -196,8 +196,7 @@ def _probe(cfg: DictConfig, probes, policy, episodes: list, resumed: bool) -> di
     module = instantiate_plain(cfg.module, _partial_=True)(policy=policy, objectives=instantiate_named(cfg.algo.objectives,
                                                                                                         "algo.objectives"))
     module.to(next(policy.model.parameters()).device)  # what Lightning does before fit: the batches follow module.device
-    kept = [ep for ep in episodes if not ep.aborted][: probes.max_episodes]
-    return {**probes.probe(module, kept, policy.chat, policy.pad_id), "probe/episodes": float(len(kept))}
+    return {**probes.probe(module, episodes, policy.chat, policy.pad_id), "probe/episodes": float(len(episodes))}
 
 
 def _load_checkpoint_adapter(policy, path: str) -> None:
