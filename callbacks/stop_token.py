@@ -140,5 +140,5 @@ class StopTokenStats(Callback):
             return
         record = val_record(trainer)
         pooled = pool(self.panel_tally(pl_module, record.episodes if record is not None else []), trainer.strategy, pl_module.device)
-        prob = pooled["p_stop_sum"] / pooled["positions"] if pooled["positions"] else 0.0
-        pl_module.log_dict({"stop/prob_val": prob, "stop/positions_val": float(pooled["positions"])}, on_step=False, on_epoch=True)
+        m = stop_metrics(pooled)
+        pl_module.log_dict({"stop/prob_val": m["stop/prob"], "stop/positions_val": m["stop/positions"]}, on_step=False, on_epoch=True)
