@@ -141,6 +141,12 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
                 cell = f"`{label}` {_f(mean_of([c['auc'] for c in cs]))} / {_f(mean_of([c['final'] for c in cs]))}"
                 cells.append(f"**{cell}**" if label == chosen else cell)
             lines.append(f"- {NAMES.get(arm, arm)}: " + ", ".join(cells))
+    tune_walls = [c["wall_s"] for s in (tune.values() if not info["tuned_in"] else ()) for cs in s.values() for c in cs]
+    test_walls = [c["wall_s"] for row in arms.values() for c in row["runs"].values()]
+    walls = [w for w in (*tune_walls, *test_walls) if w is not None]
+    if walls:  # what the regime cost: each run's wall time (done marker; shared cores included)
+        lines += ["", f"Wall time of the finished runs: {len(tune_walls)} tuning + {len(test_walls)} test runs, "
+                      f"{sum(walls) / 3600:.1f} run-hours in all."]
     return [*lines, ""]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,7 @@ def test_study_smoke(tmp_path):
         assert steps and len(cos) == (len(steps) + 3) // 4 and all(-1.0 <= v <= 1.0 for v in cos), run
     text = (out / "study.md").read_text()
     assert "## prior:" in text and "## echo6:" in text and "Δ AUC vs GRPO" in text and "Tuning" in text
+    assert re.search(r"Wall time of the finished runs: [1-9]\d* tuning \+ 6 test runs", text)  # prior: 3 arms x 2 seeds
     sized = report["by_size"]["prior"]  # from the runs' csv/val_episodes files; echo6 has one size only
     assert sized and all(row["n"] == 2 for arms in sized.values() for row in arms.values())
     assert "Per maze size" in text and "echo6" not in report["by_size"]
