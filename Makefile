@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install system-deps train test test-fast test-all lint bench bench-envs appworld-venv vllm-venv bench-rollout clean
+.PHONY: install system-deps train test test-fast test-all lint bench appworld-venv vllm-venv bench-rollout clean
 
 system-deps:
 	bash scripts/system_deps.sh
@@ -48,8 +48,10 @@ test-fast: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "" $(ARGS)
 
+# the study launcher (bench/study/): GRPO vs CoPE vs ECHO, equally tuned, paired seeds; ARGS="--report" rebuilds the
+# tables from the committed runs; bench/README.md has every regime's command
 bench: $(STAMP)
-	$(BIN)/python bench/sample_efficiency.py $(ARGS)
+	$(BIN)/python -m bench.study $(ARGS)
 
 # AppWorld pins pydantic 1: it gets its own venv; the env runs there through cope.envs.runtime.remote.RemoteEnv.
 # Its data needs a download on a machine with internet (docs/envs/appworld.md).
@@ -80,7 +82,7 @@ vllm-venv: .venv-vllm/.installed
 
 # hf (in-process) vs vllm (server) rollout speed, side by side; needs .venv-vllm
 bench-rollout: $(STAMP) vllm-venv
-	$(BIN)/python bench/rollout_engines.py $(ARGS)
+	$(BIN)/python -m bench.rollout_engines $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -12,7 +12,7 @@ greedy) with ``--max-tokens`` per answer, and counts per temperature:
 * ``substring``: a direction appears anywhere in the lower-cased text, inside words too ("northern"): a
   looser count than the projection's whole words, for comparison with counts made that way.
 
-Usage: ``OMP_NUM_THREADS=2 python bench/cold_start.py [--samples 64] [--temperatures 1.0 0.7 0]
+Usage: ``OMP_NUM_THREADS=2 python -m bench.cold_start [--samples 64] [--temperatures 1.0 0.7 0]
 [--max-tokens 16] [--seed 0] [--out bench/results/cold_start_smollm2.json]``. The model is
 ``model=smollm2-135m`` (converted once into ``$COPE_CACHE/gguf``).
 """

@@ -1,6 +1,6 @@
 """The default demo (`make train`: GRPO on the maze, 60 epochs) over several seeds: does any seed collapse?
 
-Issue 27: a fresh clone's `make train` ended with every held-out action invalid (``westwestwest...``: the
+The demo's collapse: a fresh clone's `make train` ended with every held-out action invalid (``westwestwest...``: the
 policy stopped emitting the end-of-turn id). This runs ``python train.py seed=<s>`` at the defaults for each
 seed (plus ``--overrides``, the same for every seed: e.g. ``algo.objectives.pg.agg=token-mean`` for the
 defaults before the fix) and reports, per seed, the held-out success at the start and at the end, the
@@ -13,7 +13,7 @@ one continues from its epoch checkpoint), and a checkpoint-free copy of each fin
 ``bench/results/demo_seeds/runs/<name>/seed<s>`` (committed; a fresh checkout restores it instead of rerunning).
 Results in ``bench/results/demo_seeds``: ``<name>.md``, ``<name>.json``, ``<name>.png``.
 
-Usage: ``python bench/demo_seeds.py`` (five seeds one after another, 2 threads each as ``make train`` runs on 2 cores:
+Usage: ``python -m bench.demo_seeds`` (five seeds one after another, 2 threads each as ``make train`` runs on 2 cores:
 about 7 minutes a seed);
 ``--name before --overrides algo.objectives.pg.agg=token-mean``; ``--report`` rebuilds from finished runs.
 """
@@ -27,8 +27,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import study_records  # bench/ is on sys.path as a script
-from sample_efficiency import finished, stop_on_sigterm, train_one
+from bench.study import records as study_records
+from bench.study.runs import finished, stop_on_sigterm, train_one
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "demo_seeds"

@@ -16,7 +16,7 @@ Timers cover resets and steps only (instances are created and warmed up before).
 ``pool 2 / pool 1`` (goal > 1). Env packages must be installed (extras); envs whose package is
 missing are skipped with the reason.
 
-Usage: ``python bench/env_speed.py [--envs maze textworld scienceworld alfworld webshop terminal]
+Usage: ``python -m bench.env_speed [--envs maze textworld scienceworld alfworld webshop terminal]
 [--episodes 4] [--steps 10] [--rounds 3] [--workers 1 2] [--out bench/results/env_speed]``
 """
 from __future__ import annotations
@@ -27,14 +27,12 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+from bench.env_raw import RAW, RAW_NOTES
 
-from env_raw import RAW, RAW_NOTES  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 ENV_OVERRIDES = {  # small, fast settings per env for the benchmark (each still the real engine)
     "alfworld": ["env.source=generated"],

@@ -9,7 +9,7 @@ in-place ``/v1/load_lora_adapter``) over ``--syncs`` changed adapters, and the s
 Fair on CPU only with the same cores on both sides: ``OMP_NUM_THREADS`` for hf, ``--threads`` (the
 server's ``VLLM_CPU_OMP_THREADS_BIND``) for vllm; the defaults give both the machine's first two cores.
 
-Usage: ``OMP_NUM_THREADS=2 python bench/rollout_engines.py [--env maze webshop] [--episodes 32] [--rounds 3]
+Usage: ``OMP_NUM_THREADS=2 python -m bench.rollout_engines [--env maze webshop] [--episodes 32] [--rounds 3]
 [--overrides model.num_layers=2] [--dtype float32]``; needs ``make vllm-venv`` (or ``--python``).
 """
 from __future__ import annotations

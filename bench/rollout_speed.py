@@ -12,7 +12,7 @@ It prints the median rollout seconds and the speed-up over in-process. The polic
 (``debug=fast`` by default: a micro model, so generation is cheap and env time dominates, as it does
 for slow envs with a large model on a GPU; ``--overrides`` changes that).
 
-Usage: ``python bench/rollout_speed.py --env textworld [--workers 2] [--episodes 16] [--rounds 3]
+Usage: ``python -m bench.rollout_speed --env textworld [--workers 2] [--episodes 16] [--rounds 3]
 [--overrides model.warm_start_tasks=16]``
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ number of forecast chunks is printed next to the ratio. Memory is the peak over 
 on CUDA from ``torch.cuda.max_memory_allocated``; on CPU a sampled RSS delta (every 5 ms, after
 ``malloc_trim`` so that freed heap is not silently reused), which is approximate.
 
-Usage: ``python bench/step_overhead.py [--model-overrides debug=fast] [--episodes 32] [--steps 10]``.
+Usage: ``python -m bench.step_overhead [--model-overrides debug=fast] [--episodes 32] [--steps 10]``.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ the same model on the same padded batch:
 peak RSS delta over the step (CPU, sampled every 5 ms after ``malloc_trim``; approximate) or
 ``torch.cuda.max_memory_allocated`` over the step start (CUDA).
 
-Usage: ``python bench/step_vs_raw.py`` (speed at vocabularies 1k, 32k, 152k and memory at contexts
+Usage: ``python -m bench.step_vs_raw`` (speed at vocabularies 1k, 32k, 152k and memory at contexts
 1k-8k); ``--quick`` for a seconds-long smoke run.
 """
 from __future__ import annotations
@@ -26,20 +26,17 @@ import functools
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step_overhead import StepMeter  # noqa: E402
-
-from cope.algos.grpo import PolicyGradient  # noqa: E402
-from cope.models.policy import Policy  # noqa: E402
-from cope.train.logprobs import token_logprobs  # noqa: E402
-from cope.train.module import AgentRLModule  # noqa: E402
-from cope.train.objectives import ForwardOut, combine  # noqa: E402
+from bench.step_overhead import StepMeter
+from cope.algos.grpo import PolicyGradient
+from cope.models.policy import Policy
+from cope.train.logprobs import token_logprobs
+from cope.train.module import AgentRLModule
+from cope.train.objectives import ForwardOut, combine
 
 
 def build(vocab: int, hidden: int, layers: int, seed: int = 0) -> Policy:

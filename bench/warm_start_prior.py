@@ -27,7 +27,7 @@ all change): how much the prior itself varies. It prints a table (build seconds;
 earlier run, loaded from the cache now) and writes it to ``--out``; rows of an earlier run with the same
 ``--tasks``, ``--seed`` and ``--overrides`` that this run did not redo are kept there.
 
-Usage: ``OMP_NUM_THREADS=1 python bench/warm_start_prior.py --probs random 0.1 0.25 0.5 [--build-seeds 0 1] [--tasks 256]
+Usage: ``OMP_NUM_THREADS=1 python -m bench.warm_start_prior --probs random 0.1 0.25 0.5 [--build-seeds 0 1] [--tasks 256]
 [--cache-dir $COPE_CACHE/tiny] [--overrides ...] [--out bench/results/warm_start_prior.json]``
 """
 from __future__ import annotations

@@ -1,16 +1,14 @@
-"""bench/demo_seeds.py rebuilds its report from the committed run records alone (a fresh checkout, no training):
+"""bench.demo_seeds rebuilds its report from the committed run records alone (a fresh checkout, no training):
 the records restore into an empty output folder and give the README's per-seed table."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
+from bench import demo_seeds
 
-import demo_seeds  # noqa: E402
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 # name: (overrides, seeds, collapsed, final held-out success), as the committed records give them
 RECORDED = {

@@ -71,13 +71,11 @@ def test_probes_reproduce_the_last_validations_probes(trained, tmp_path):
 
 @pytest.mark.long
 def test_study_probes_on_a_finished_run_folder(trained, tmp_path, capsys):
-    """bench/study_probes.py on a study-shaped run folder (overrides, done marker, final adapter): eval.py with the
+    """bench.study.probes on a study-shaped run folder (overrides, done marker, final adapter): eval.py with the
     run's episode-shaping overrides and panel gives the run's last validation and its probes; a rerun reuses them."""
     import shutil
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import study_probes
+    from bench.study import probes as study_probes
 
     run, result = trained
     folder = tmp_path / "test" / "grpo" / "lr1e-3" / "seed0"

@@ -1,4 +1,4 @@
-"""bench/study.py end to end in miniature (--smoke): tuning picks a setting per arm, the test runs are
+"""python -m bench.study end to end in miniature (--smoke): tuning picks a setting per arm, the test runs are
 paired by seed, the report has every regime's table, the plots exist, and a second call reuses every run."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def _study(out: Path, *regimes: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(REPO / "bench/study.py"), "--smoke", "--jobs", "2", "--out", str(out),
+    return subprocess.run([sys.executable, "-m", "bench.study", "--smoke", "--jobs", "2", "--out", str(out),
                            "--regimes", *regimes], cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
 
 
@@ -54,7 +54,7 @@ def test_study_smoke(tmp_path):
 
 
 def test_study_smoke_smollm2(tmp_path):
-    """The SmolLM2 regime (issue 28) in miniature with the real model: one setting per arm (no tuning run), one
+    """The SmolLM2 regime (study4) in miniature with the real model: one setting per arm (no tuning run), one
     seed, one epoch; the CoPE arms get cope.mask_projected=false, the report has the answer forms and the
     launcher prints each CoPE run's early forecast samples."""
     from smollm2_fixtures import smollm2_folder

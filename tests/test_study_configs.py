@@ -1,16 +1,12 @@
-"""Every run the study launcher (bench/study.py) can start composes and passes the config check: each regime, each
+"""Every run the study launcher (bench.study.launch) can start composes and passes the config check: each regime, each
 arm, each setting of its search, in both phases and in --smoke
 (the first setting; the others in the test phase). A wrong key in a regime fails here in seconds,
 not hours into a study when its first run of that arm starts."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import study  # noqa: E402
+from bench.study import launch as study
 
 CASES = [(name, arm) for name, regime in study.SPEC.items() for arm in regime.arms]
 

@@ -1,17 +1,15 @@
-"""The study's committed run records (bench/study_records.py): a fresh checkout, which has no run folders,
+"""The study's committed run records (bench.study.records): a fresh checkout, which has no run folders,
 resumes the study from them instead of rerunning finished jobs; a record of other overrides is not reused."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import sample_efficiency  # noqa: E402
-import study  # noqa: E402
-import study_records  # noqa: E402
+from bench.study import launch as study
+from bench.study import records as study_records
+from bench.study import runs as sample_efficiency
 
 FAKE = '''import json, sys
 from pathlib import Path

@@ -1,14 +1,12 @@
-"""The study's per-maze-size breakdown (bench/study_report.py), on hand-made per-task validation files."""
+"""The study's per-maze-size breakdown (bench.study.report), on hand-made per-task validation files."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from study_markdown import delta_cell as _delta_cell  # noqa: E402
-from study_report import _by_size, maze_sizes, size_curves  # noqa: E402
+from bench.study.markdown import delta_cell as _delta_cell
+from bench.study.report import _by_size, maze_sizes, size_curves
 
 SIZES = [6, 7, 8]
 
@@ -66,7 +64,7 @@ def test_a_run_without_files_has_no_sizes(tmp_path):
 
 def test_gradient_diagnostics_read_only_the_measured_steps(tmp_path):
     """every_n_steps=4: the rows of steps 1-3 (an older run's repeats of step 0's value) are not measurements."""
-    from study_report import run_curve
+    from bench.study.report import run_curve
 
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra/config.yaml").write_text("callbacks:\n  grad_stats:\n    every_n_steps: 4\n")
@@ -85,7 +83,7 @@ def test_separate_forecast_steps_are_read_on_their_own_rows(tmp_path):
     """CoPE's separate update: the policy step (a multiple of every_n_steps) logs grad/pg_norm; the forecast step
     after it logs its norm, cosine and ratio against the kept PG gradient on its own (odd) step, with no pg norm.
     A forecast row whose ratio is 0 (a zero PG gradient kept) is no measurement of the angle."""
-    from study_report import run_curve
+    from bench.study.report import run_curve
 
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra/config.yaml").write_text("callbacks:\n  grad_stats:\n    every_n_steps: 4\n")
@@ -99,7 +97,7 @@ def test_separate_forecast_steps_are_read_on_their_own_rows(tmp_path):
 
 
 def test_invalid_rate_is_read_from_the_last_validation(tmp_path):
-    from study_report import invalid_rate
+    from bench.study.report import invalid_rate
 
     assert invalid_rate(tmp_path) is None
     d = tmp_path / "csv/val_episodes"
@@ -113,7 +111,7 @@ def test_invalid_rate_is_read_from_the_last_validation(tmp_path):
 
 def test_between_pairs_the_non_grpo_arms_by_seed():
     """CoPE turns vs CoPE list: the later arm minus the earlier one, on the seeds both have, both intervals."""
-    from study_report import _between
+    from bench.study.report import _between
 
     def runs(finals: dict[int, float]) -> dict:
         return {"runs": {s: {"auc": f / 2, "final": f} for s, f in finals.items()}}
@@ -131,7 +129,7 @@ def test_stability_skips_unmeasured_stop_probabilities_and_the_cold_start(tmp_pa
     """SmolLM2's prose answers have no complete action: its stop p rows (logged 0) measure nothing, by count or, in
     older records without the count, by the exact 0; all-invalid validations before the first readable one are a
     cold start, not a collapse (a collapse is all invalid after a validation that was not)."""
-    from study_report import run_curve
+    from bench.study.report import run_curve
 
     (tmp_path / "csv").mkdir()
     rows = ["epoch,step,val/invalid_rate,stop/prob_val,stop/positions_val",
@@ -141,3 +139,20 @@ def test_stability_skips_unmeasured_stop_probabilities_and_the_cold_start(tmp_pa
     assert c["stop/prob_val/min"] == pytest.approx(0.42) and c["collapsed_validations"] == 1  # step 17 only
     (tmp_path / "csv/metrics.csv").write_text("epoch,step,stop/prob_val\n0,0,0.0\n2,5,0.0\n")
     assert run_curve(tmp_path)["stop/prob_val/min"] is None
+
+
+def test_study_md_prints_the_seeds_that_ran_and_their_count():
+    """A regime planned for seeds 0-4 of which 3 ran: study.md says which ran, which did not, and the count."""
+    from bench.study.markdown import markdown
+
+    row = {"setting": "lr1e-3", "seeds": [0, 1, 2], "start": 0.1, "episodes_to": (96.0, 96.0, 96.0),
+           "env_steps_to": (500.0, 400.0, 600.0), "final": (0.5, 0.4, 0.6), "auc": (0.3, 0.2, 0.4), "wall_s": 10.0,
+           "runs": {"0": {"wall_s": 10.0}, "1": {"wall_s": 10.0}, "2": {"wall_s": 10.0}}}
+    info = {"title": "t", "threshold": 0.4, "overrides": [], "tuned_in": None, "budget": ["trainer.max_epochs=2"],
+            "panels": {"tune": ["a=1"], "test": ["b=2"]}, "seeds": {"tune": [100], "test": [0, 1, 2, 3, 4]}}
+    text = markdown({"test": {"r": {"grpo": row}}, "tuning": {}}, {"common": [], "regimes": {"r": info}, "choice": {}})
+    assert "test [0, 1, 2] (planned [0, 1, 2, 3, 4]; 3, 4 did not run)" in text
+    assert "at 3 seeds the bootstrap interval is narrow" in text and "5 seeds" not in text
+    info["seeds"]["test"] = [0, 1, 2]
+    text = markdown({"test": {"r": {"grpo": row}}, "tuning": {}}, {"common": [], "regimes": {"r": info}, "choice": {}})
+    assert "test [0, 1, 2]." in text and "planned" not in text

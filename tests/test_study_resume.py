@@ -1,4 +1,4 @@
-"""The study's run launcher (bench/sample_efficiency.train_one) resumes an interrupted run from its checkpoint.
+"""The study's run launcher (bench.study.runs.train_one) resumes an interrupted run from its checkpoint.
 
 A stand-in train.py (records its arguments, fails on the first attempt after writing a checkpoint) keeps this
 in the fast tier; that ``ckpt_path=auto`` continues a real run exactly is tests/test_resume_crash.py's job."""
@@ -8,8 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import sample_efficiency  # noqa: E402
+from bench.study import runs as sample_efficiency
 
 FAKE = '''import json, sys
 from pathlib import Path
@@ -65,8 +64,7 @@ time.sleep(120)
 LAUNCHER = '''import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-import sample_efficiency as se
+from bench.study import runs as se
 se.REPO = Path(sys.argv[2])
 se.stop_on_sigterm()
 runs = [Path(sys.argv[2]) / f"runs/seed{s}" for s in range(3)]
@@ -82,8 +80,8 @@ def test_a_sigtermed_launcher_stops_its_runs_and_starts_no_more(tmp_path):
     import time
 
     (tmp_path / "train.py").write_text(SLEEPER)
-    bench = Path(__file__).resolve().parents[1] / "bench"
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(bench), str(tmp_path)], stdout=subprocess.PIPE,
+    repo = Path(__file__).resolve().parents[1]  # the working folder: `python -c` imports bench.study from it
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, "-", str(tmp_path)], cwd=repo, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
     while len(list(tmp_path.glob("runs/*/started"))) < 2:

@@ -1,15 +1,23 @@
-"""The study's statistics (bench/study_stats.py), checked against hand-computed values."""
+"""The study's statistics (bench.study.stats), checked against hand-computed values."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from study_stats import INF, auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t, separates, t975  # noqa: E402
+from bench.study.stats import (
+    INF,
+    auc_norm,
+    bootstrap,
+    first_reaching,
+    fmt_interval,
+    mean_band,
+    paired_difference,
+    paired_t,
+    separates,
+    t975,
+)
 
 
 def test_first_reaching_and_censoring():

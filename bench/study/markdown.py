@@ -1,11 +1,11 @@
-"""The study's tables (``study.md``), from :func:`study_report.summarize`'s summary and the launcher's meta: per
+"""The study's tables (``study.md``), from :func:`bench.study.report.summarize`'s summary and the launcher's meta: per
 regime, its budget, panels and seeds, the outcome table, the mechanism table, the per-size table and the tuning."""
 
 from __future__ import annotations
 
 import math
 
-from study_stats import fmt_interval, separates
+from bench.study.stats import fmt_interval, separates
 
 STABILITY = (("rollout/invalid_rate", "max"), ("rollout/multi_action", "max"), ("stop/prob_val", "min"),
              ("train/kl_stopped_steps", "max"))  # per run: the worst epoch (kl_stopped_steps: the run's total)
@@ -43,14 +43,26 @@ def delta_cell(row: dict, key: str) -> str:
     return cell + (f" (t: {separates(t[1], t[2])})" if t and t[3] > 1 else "")
 
 
+def ran_seeds(summary: dict, regime: str) -> list[int]:
+    """The test seeds that finished in any arm of ``regime`` (the planned ones are in the launcher's meta)."""
+    return sorted({s for row in summary["test"].get(regime, {}).values() for s in row["seeds"]})
+
+
+def _count(ns: set[int]) -> str:
+    """``3 seeds``, ``3-5 seeds``: how many test seeds ran per regime."""
+    lo, hi = min(ns, default=0), max(ns, default=0)
+    return f"{lo} seed{'s' * (lo != 1)}" if lo == hi else f"{lo}-{hi} seeds"
+
+
 def markdown(summary: dict, meta: dict) -> str:
+    counts = {len(ran_seeds(summary, r)) for r in meta["regimes"]}
     lines = [
         "# Sample-efficiency study",
         "",
         f"Every run: `{' '.join(meta['common'])}`. Intervals: bootstrap 95% over "
         "seeds; Δ = paired by seed vs GRPO, its verdict (better/worse: the interval excludes 0), then in brackets the "
-        "verdict of the paired t 95% interval of the same differences (the conservative check; 5 seeds make the "
-        "bootstrap narrow).",
+        "verdict of the paired t 95% interval of the same differences (the conservative check: at "
+        f"{_count(counts)} the bootstrap interval is narrow).",
         "",
     ]
     for regime, info in meta["regimes"].items():
@@ -60,6 +72,7 @@ def markdown(summary: dict, meta: dict) -> str:
 
 def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
     arms = summary["test"].get(regime, {})
+    ran = ran_seeds(summary, regime)
     per_arm = "".join(f"; {NAMES.get(a, a)} also `{' '.join(ov)}`" for a, ov in info.get("arm_overrides", {}).items() if ov)
     lines = [
         f"## {regime}: {info['title']}",
@@ -69,7 +82,7 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
         + (f"; settings tuned in `{info['tuned_in']}`" if info["tuned_in"] else "")
         + ".",
         f"Budget per run `{' '.join(info['budget'])}`; panels: tuning `{' '.join(info['panels']['tune'])}`, reported "
-        f"`{' '.join(info['panels']['test'])}`; seeds: tuning {info['seeds']['tune']}, test {info['seeds']['test']}.",
+        f"`{' '.join(info['panels']['test'])}`; seeds: tuning {info['seeds']['tune']}, test {_seeds_line(ran, info)}.",
         "",
     ]
     lines += [
@@ -150,6 +163,12 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _seeds_line(ran: list[int], info: dict) -> str:
+    """``[0, 1, 2]``, and the planned seeds that did not run, if any."""
+    missing = [s for s in info["seeds"]["test"] if s not in ran]
+    return f"{ran}" + (f" (planned {info['seeds']['test']}; {', '.join(map(str, missing))} did not run)" if missing else "")
+
+
 def _sized(sized: dict | None) -> list[str]:
     if not sized:
         return []
@@ -170,4 +189,4 @@ def _sized(sized: dict | None) -> list[str]:
     return lines
 
 
-__all__ = ["AUX", "NAMES", "delta_cell", "markdown", "mean_of"]
+__all__ = ["AUX", "NAMES", "delta_cell", "markdown", "mean_of", "ran_seeds"]

@@ -15,9 +15,9 @@ goal-directed walks (GRPO, CoPE, ECHO); ``random`` (a) the tiny model warm-start
 (GRPO vs ECHO; also reported per maze size: ECHO's maze claim, with the 1M model on mixed 6/7/8 mazes).
 ``echo6/7/8`` (ECHO's maze experiment with a ~10M-parameter model, one size each) are defined but not in the
 default: too slow for this machine's budget (bench/README.md). ``cope``, ``cope_recheck`` (the tiny model) and
-``smollm2`` (SmolLM2-135M-Instruct, issue 28) compare GRPO with CoPE's variants and run on their own, each with
+``smollm2`` (SmolLM2-135M-Instruct) compare GRPO with CoPE's variants and run on their own, each with
 its own --out/--records/--results; a :class:`Regime` carries its own budget, panels, seeds and search. A
-text-env regime (the issue's (c)) is not run. Every run logs the gradient diagnostics (``grad/*``) on the first
+text-env regime (the plan's (c)) is not run. Every run logs the gradient diagnostics (``grad/*``) on the first
 optimizer step of each epoch and every held-out task's outcome (``csv/val_episodes``).
 
 Outputs: run folders ``<out>/<regime>/<phase>/<arm>/<setting>/seed<s>`` (``--out``, default ``outputs/study``;
@@ -25,11 +25,11 @@ Outputs: run folders ``<out>/<regime>/<phase>/<arm>/<setting>/seed<s>`` (``--out
 checkpoint with ``ckpt_path=auto``, so an interrupted study resumes where it stopped; SIGTERM/Ctrl-C to this
 launcher stops its running jobs and starts no new one); a checkpoint-free copy of each finished run goes to
 ``--records`` (default ``bench/results/study/runs``, committed), from which a fresh checkout restores it
-instead of rerunning it (:mod:`study_records`); and in ``--results`` (default ``bench/results/study``):
+instead of rerunning it (:mod:`bench.study.records`); and in ``--results`` (default ``bench/results/study``):
 ``study.md`` (the tables), ``study.json``, ``success_vs_episodes.png`` (mean and bootstrap 95% band per arm,
 one panel per regime) and ``mechanism.png`` (cosine of each auxiliary gradient with the PG gradient, per step).
 
-Usage: ``python bench/study.py --jobs 2`` (about 2 hours on 2 idle cores); ``--report`` only rebuilds the
+Usage: ``python -m bench.study --jobs 2`` (about 2 hours on 2 idle cores); ``--report`` only rebuilds the
 tables and plots from finished runs; ``--smoke`` runs a minutes-long miniature (CI: tests/test_study.py).
 """
 from __future__ import annotations
@@ -40,11 +40,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import study_records  # bench/ is on sys.path as a script
-from sample_efficiency import STOPPED, finished, run_state, stop_on_sigterm, stopping, train_one
-from study_report import report
+from bench.study import records as study_records
+from bench.study.report import EARLY_EPOCHS, _rows, early_forecast_samples, report, run_curve
+from bench.study.runs import STOPPED, finished, run_state, stop_on_sigterm, stopping, train_one
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEST_SEEDS, TUNE_SEEDS = (0, 1, 2, 3, 4), (100,)
 TEST_PANEL, TUNE_PANEL = ("data.val_offset=0", "data.val_tasks=256"), ("data.val_offset=500", "data.val_tasks=256")
 BUDGET = ("trainer.max_epochs=16", "trainer.check_val_every_n_epoch=4", "data.val_batch_size=128")
@@ -86,30 +86,31 @@ class Regime:
 
 SPEC: dict[str, Regime] = {
     # (a): GRPO vs ECHO only (ECHO's claim, per maze size); CoPE left out for the budget (the earlier 3-seed
-    # study, sample_efficiency.py, ran it in this regime)
+    # study, bench/results/sample_efficiency, ran it in this regime)
     "random": Regime("(a) warm start = uniform random walker", (), 0.15, ("grpo", "echo"), tuned_in="prior"),
     "prior": Regime(f"(b) warm start = BC on noisy goal-directed walks (expert p={PRIOR_EXPERT_PROB})",
                     ("model.warm_start_policy=expert", f"model.warm_start_expert_prob={PRIOR_EXPERT_PROB}"), 0.5),
     **{f"echo{n}": Regime(f"ECHO's maze: ~10M model, {n}x{n} mazes", (*TEN_M, f"env.sizes=[{n}]"), 0.15,
                           ("grpo", "echo"), tuned_in="prior", by_size=None) for n in MAZE_SIZES},
 }
-# The CoPE study of 2026-12-02 (issue 22): the prior regime's budget and panels, GRPO against CoPE as its authors
+# The CoPE study of 2026-12-02 (study2): the prior regime's budget and panels, GRPO against CoPE as its authors
 # built it and the continuation reading, all three on today's code (its own --out/--records: the runs above were
 # made before the task streams became per (seed, rank, epoch), so they cannot be paired with new runs).
 SPEC["cope"] = Regime("(b') prior warm start: GRPO vs CoPE (authors') vs CoPE (continuation)", SPEC["prior"].overrides,
                       SPEC["prior"].threshold, ("grpo", "cope_authors", "cope"))
-# The re-check of issue 27: study2's regime on the code whose default no longer collapses (pg.agg seq-mean-token-mean,
-# module.max_approx_kl 0.03: the epoch's trust region drops policy steps, CoPE's forecast steps still run),
+# The re-check after the demo's collapse was fixed (study3): study2's regime on the code whose default no longer
+# collapses (pg.agg seq-mean-token-mean, module.max_approx_kl 0.03: the epoch's trust region drops policy steps,
+# CoPE's forecast steps still run),
 # with study2's tuned settings (GRPO lr 1e-3, CoPE lr_scale 0.3; no re-tuning), the turns layout in place of the
 # continuation arm. Run on its own: --regimes cope_recheck --out outputs/study3 --records bench/results/study3/runs
 # --results bench/results/study3.
-SPEC["cope_recheck"] = Regime("(b'') prior warm start, after the fix of issue 27: GRPO vs CoPE (authors', list) vs CoPE "
+SPEC["cope_recheck"] = Regime("(b'') prior warm start, after the fix of the demo's collapse: GRPO vs CoPE (authors', list) vs CoPE "
                               "(authors', turns)",
                               # a collapsed run trains to its end (what it measures), whatever run_health's default
                               (*SPEC["prior"].overrides, "callbacks.run_health.invalid_epochs=null"), SPEC["prior"].threshold,
                               ("grpo", "cope_authors", "cope_turns"),
                               fixed=(("grpo", "lr1e-3"), ("cope_authors", "lrs0.3"), ("cope_turns", "lrs0.3")))
-# CoPE on a real instruct model (issue 28): SmolLM2-135M-Instruct, which reads the plan-ahead prompt, on mazes
+# CoPE on a real instruct model (study4): SmolLM2-135M-Instruct, which reads the plan-ahead prompt, on mazes
 # calibrated for it (bench/README.md has the calibration and every decision). Run on its own, from a fixed commit:
 # --regimes smollm2 --out outputs/study4 --records bench/results/study4/runs --results bench/results/study4.
 SMOLLM2_MAZE = ("model=smollm2-135m", "experiment=smollm2_maze", "env.sizes=[6]", "env.min_distance=2", "env.max_steps=8")
@@ -181,7 +182,7 @@ def _seeds(regime: Regime, phase: str, smoke: bool) -> tuple[int, ...]:
 
 def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int, records: Path) -> list[dict]:
     """Runs (or reuses) the jobs; returns one result per job, in order, with its Job attached. A finished
-    run is also kept in ``records`` (committed; :mod:`study_records`), and a job with a record of the same
+    run is also kept in ``records`` (committed; :mod:`bench.study.records`), and a job with a record of the same
     overrides is restored from it instead of run, so the study resumes on a fresh checkout."""
     done: list[int] = []
 
@@ -219,8 +220,6 @@ def _existing(jobs: list[Job], out: Path, records: Path) -> list[dict]:
 def _samples(run: Path) -> str:
     """``; forecast samples 12.5/epoch in epochs 0-1`` for a run that builds forecast samples (a 0 there means the
     arm trained GRPO alone: e.g. every answer projected and counted invalid)."""
-    from study_report import EARLY_EPOCHS, _rows, early_forecast_samples  # noqa: PLC0415 - same folder
-
     n = early_forecast_samples(_rows(run / "csv/metrics.csv"))
     return "" if n is None else f"; forecast samples {n:.1f}/epoch in epochs 0-{EARLY_EPOCHS - 1}"
 
@@ -228,16 +227,12 @@ def _samples(run: Path) -> str:
 def _complete(run: Path, overrides: tuple[str, ...]) -> bool:
     """Whether the run trained its last epoch (``trainer.max_epochs``) and validated after it."""
     epochs = int(next(o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("trainer.max_epochs=")))
-    from study_report import _rows  # noqa: PLC0415 - same folder
-
     train = _rows(run / "csv/learning_curve_train.csv")
     return bool(train) and int(train[-1]["epoch"]) == epochs - 1
 
 
 def best_setting(results: list[dict], regime: str, arm: str, grid: dict[str, tuple[str, ...]]) -> str:
     """The setting with the highest mean AUC over the tuning seeds (ties: the first in GRID order)."""
-    from study_report import run_curve  # noqa: PLC0415 - same folder
-
     scores = {}
     for label in grid:
         aucs = [run_curve(Path(r["dir"]))["auc"] for r in results

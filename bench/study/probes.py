@@ -15,7 +15,7 @@ the last validation's (the same adapter and panel: they should agree).
 
 Usage::
 
-    OMP_NUM_THREADS=1 python bench/study_probes.py outputs/study4/smollm2/test --out bench/results/study4/forecast_probes.md
+    OMP_NUM_THREADS=1 python -m bench.study.probes outputs/study4/smollm2/test --out bench/results/study4/forecast_probes.md
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from study_report import run_curve  # bench/ is on sys.path as a script
+from bench.study.report import run_curve
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEEP = ("debug=", "algo=", "model", "experiment=", "env.", "cope.", "data.max_context", "data.sampling.")  # shapes the episodes
 
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                   f" actions in {row['probe/forecast_chunks']:.0f} chunks", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-    head = (f"# Held-out forecast probes after training (`bench/study_probes.py {args.root}`)\n\n"
+    head = (f"# Held-out forecast probes after training (`python -m bench.study.probes {args.root}`)\n\n"
             "Each run's final adapter, greedy on its reported panel, every episode probed; answers the projection "
             "read are probed (`callbacks.probes.mask_projected=false`). Mean over seeds (min-max).\n\n")
     args.out.write_text(head + table(rows) + "\n")

@@ -1,4 +1,4 @@
-"""Tables and plots of the sample-efficiency study (bench/study.py), from the run folders alone.
+"""Tables and plots of the sample-efficiency study (:mod:`bench.study.launch`), from the run folders alone.
 
 Per run (``run_curve``): the held-out curve of ``csv/learning_curve.csv``, the gradient diagnostics and
 probes of ``csv/metrics.csv`` and the wall time of its ``done`` marker. Per regime and arm (``report``):
@@ -19,8 +19,8 @@ import json
 import math
 from pathlib import Path
 
-from study_markdown import AUX, NAMES, STABILITY, markdown, mean_of
-from study_stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t
+from bench.study.markdown import AUX, NAMES, STABILITY, markdown, mean_of
+from bench.study.stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t
 
 COLORS = {"grpo": "C0", "cope": "C1", "echo": "C2", "cope_authors": "C3", "cope_turns": "C4"}  # an arm's colour in every panel
 DIAG = ("grad/cos_{aux}_pg", "grad/ratio_{aux}_pg")

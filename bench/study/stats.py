@@ -1,4 +1,4 @@
-"""Statistics of the sample-efficiency study (bench/study.py): curves, thresholds, bootstrap intervals.
+"""Statistics of the sample-efficiency study (:mod:`bench.study.launch`): curves, thresholds, bootstrap intervals.
 
 Pure functions over plain lists, so that they can be checked by hand (tests/test_study_stats.py).
 

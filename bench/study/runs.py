@@ -1,0 +1,102 @@
+"""One training run of a study as a resumable subprocess, and the launchers' SIGTERM handling.
+
+:func:`train_one` runs (or reuses) one ``python train.py algo=<a> seed=<s> ...`` in its own folder: a ``done``
+marker (holding the wall time) marks a finished run, which is reused; with ``resume`` an unfinished run continues
+from its epoch checkpoint (``ckpt_path=auto``), otherwise it restarts from scratch. :func:`stop_on_sigterm` makes a
+launcher pass a SIGTERM or Ctrl-C on to its running jobs and start no new one. Used by the study launcher
+(:mod:`bench.study.launch`) and the default demo's seeds (:mod:`bench.demo_seeds`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def finished(run: Path) -> bool:
+    """Whether a run folder holds a finished run (its `done` marker and its learning curve)."""
+    return (run / "done").exists() and (run / "csv/learning_curve.csv").exists()
+
+
+STOPPED = 128 + signal.SIGTERM  # a run's exit status after SIGTERM (train.py: newest epoch checkpoint kept)
+_LIVE: set[subprocess.Popen] = set()  # the training subprocesses running now (any thread)
+_STOPPING = threading.Event()
+
+
+def stop_on_sigterm() -> None:
+    """Install (main thread) a SIGTERM/SIGINT handler for a launcher: every running ``train.py`` gets SIGTERM
+    (it stops after its current optimizer step, keeps its newest epoch checkpoint and exits 143, so the next
+    launch resumes it) and no new run starts. Without it, killing the launcher left its runs training on."""
+    def handle(signum, frame):
+        if not _STOPPING.is_set():
+            print(f"launcher: signal {signum}: stopping {len(_LIVE)} running job(s); rerun the same command to resume",
+                  file=sys.stderr, flush=True)
+        _STOPPING.set()
+        for proc in list(_LIVE):
+            proc.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+def stopping() -> bool:
+    """Whether the launcher got SIGTERM/SIGINT (see :func:`stop_on_sigterm`)."""
+    return _STOPPING.is_set()
+
+
+def run_state(r: dict) -> str:
+    """One word or phrase for a finished job's line in a launcher's log."""
+    if r["skipped"]:
+        return "reused"
+    if r["rc"] == 0:
+        return "ok"
+    if r["rc"] == STOPPED:
+        return "stopped by SIGTERM; resumes on the next launch"
+    return f"FAILED rc={r['rc']}, see {r['dir']}/bench.log"
+
+
+def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, force: bool, resume: bool = False) -> dict:
+    """Run (or reuse) one training job; returns {algo, seed, dir, wall_s, rc, skipped}.
+
+    ``resume``: an unfinished run with a checkpoint continues from it (``ckpt_path=auto``: the same epochs,
+    task stream and curve as an uninterrupted run) instead of restarting; ``wall_s`` sums its attempts."""
+    if finished(run) and not force:
+        return {"algo": algo, "seed": seed, "dir": str(run), "rc": 0, "skipped": True,
+                "wall_s": json.loads((run / "done").read_text())["wall_s"]}
+    if _STOPPING.is_set():  # the launcher is stopping: do not start another run
+        return {"algo": algo, "seed": seed, "dir": str(run), "rc": STOPPED, "skipped": False, "wall_s": 0.0}
+    spent = run / "attempts.json"  # wall seconds of earlier, interrupted attempts
+    if resume and not force and (run / "checkpoints/last.ckpt").exists():
+        earlier = json.loads(spent.read_text()) if spent.exists() else []
+    else:
+        shutil.rmtree(run, ignore_errors=True)  # a half-finished run restarts from scratch
+        earlier = []
+    run.mkdir(parents=True, exist_ok=True)
+    extra = ["ckpt_path=auto"] if resume else []
+    cmd = [sys.executable, str(REPO / "train.py"), f"algo={algo}", f"seed={seed}", f"hydra.run.dir={run}", *shared, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    t0 = time.perf_counter()
+    with (run / "bench.log").open("a" if earlier else "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _LIVE.add(proc)
+        if _STOPPING.is_set():  # a stop that came while this one was starting
+            proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait()
+        finally:  # interrupted (the study killed): record the time this attempt spent
+            _LIVE.discard(proc)
+            if proc.poll() is None:
+                proc.kill()
+            spent.write_text(json.dumps([*earlier, time.perf_counter() - t0]))
+    wall = sum(json.loads(spent.read_text()))
+    if rc == 0:
+        (run / "done").write_text(json.dumps({"wall_s": wall, "cmd": cmd, "attempts": len(earlier) + 1}))
+    return {"algo": algo, "seed": seed, "dir": str(run), "rc": rc, "skipped": False, "wall_s": wall}
