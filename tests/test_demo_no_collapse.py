@@ -1,4 +1,4 @@
-"""The default demo, seed 4, keeps its action format (issue 27; a regression test for that seed, not a proof that no
+"""The default demo, seed 4, keeps its action format (the demo's collapse; a regression test for that seed, not a proof that no
 seed collapses: README "The demo's collapse" has the 5-seed record).
 
 Without the epoch's trust region (``module.max_approx_kl=null``, the default before it) seed 4 of ``make train``

@@ -55,7 +55,7 @@ def _ok(r) -> bool:
 
 
 def test_worker_killed_while_a_slot_is_made():
-    """The reproduction of issue 9 item 4: a step is in flight on worker 0 when it is killed; then a
+    """The reproduction of a reviewed pool bug: a step is in flight on worker 0 when it is killed; then a
     reset asks for a slot that worker never made. Making it finds the worker dead; the pool restarts
     it and makes the slot on the new worker (it used to write into the old, closed pipe:
     ``ValueError: I/O operation on closed file``)."""

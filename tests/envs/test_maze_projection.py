@@ -1,6 +1,6 @@
 """Action projection (``env.action_parsing=project``): the maze reads the first direction word of a prose
 answer, flags the step, and strict parsing stays the default. The texts are SmolLM2-135M-Instruct's own
-first-turn answers (issue 11): it explains instead of answering with one word."""
+first-turn answers (the cold-start measurement): it explains instead of answering with one word."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
 """Commands that try to steer the sandbox's pid 1, and hostile archives handed back to the host
-(`cope.envs.terminal.sandbox`, `cope.envs.terminal.workdir`; issue 9, item 5). Every attack inside ends with ``exit 7``:
+(`cope.envs.terminal.sandbox`, `cope.envs.terminal.workdir`; found in a security review). Every attack inside ends with ``exit 7``:
 the host must still see 7 and the real work dir, never what the attack wrote."""
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ DEEP = '{"name": "create_task", "arguments": {"user_id": ' + "[" * 100_000 + "]"
 
 
 def test_deeply_nested_json_is_malformed_not_a_crash():
-    # json.loads recurses per level: 100 000 "[" raised RecursionError out of parse_action (issue 9, item 6)
+    # json.loads recurses per level: 100 000 "[" raised RecursionError out of parse_action (found in a review)
     for text in (DEEP, '{"respond": ' + "{\"a\": " * 5_000 + "1" + "}" * 5_000 + "}",
                  '{"name": "f", "arguments": {"a": ' + "[" * 40 + "]" * 40 + "}}"):  # parses, but too deep to pass on
         out = parse_action(text, {"f"})

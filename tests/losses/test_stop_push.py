@@ -1,9 +1,9 @@
-"""The end-of-turn token under the policy gradient (`cope.train.stop_stats`, issue 27).
+"""The end-of-turn token under the policy gradient (`cope.train.stop_stats`; the demo's collapse).
 
 A group where the failing episodes are longer than the winning ones, every action one move plus the
 end-of-turn id: under ``token-mean`` each sampled end-of-turn id weighs the same, so the group's push on that
 id is proportional to sum_i A_i n_i = G Cov(A, n) < 0 and every update lowers the probability of stopping;
-per-episode normalization (``seq-mean-token-mean``, the default since issue 27) gives each episode the same
+per-episode normalization (``seq-mean-token-mean``, the default since the demo's collapse) gives each episode the same
 total weight and the push vanishes (which did not remove every collapse of the demo: README).
 Checked twice: with the tally's closed form, and with autograd through the
 real ``PolicyGradient`` objective on a table of logits."""
@@ -92,7 +92,7 @@ def _stop_logit_gradient(objective: PolicyGradient, b: dict, p: float) -> float:
 
 def test_the_real_objective_old_push_and_its_absence_under_the_new_default():
     """Autograd through ``PolicyGradient``: the old default (``token-mean``) lowers the stop logit on this group; the
-    default since issue 27 (``conf/algo/grpo.yaml``: ``seq-mean-token-mean``) leaves it where it is."""
+    default since the demo's collapse (``conf/algo/grpo.yaml``: ``seq-mean-token-mean``) leaves it where it is."""
     from omegaconf import OmegaConf
 
     default = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "algo" / "grpo.yaml").objectives.pg.agg
