@@ -1,5 +1,5 @@
 """The default demo, seed 4, keeps its action format (the demo's collapse; a regression test for that seed, not a proof that no
-seed collapses: README "The demo's collapse" has the 5-seed record).
+seed collapses: bench/results/demo_seeds/README.md has the 5-seed record).
 
 Without the epoch's trust region (``module.max_approx_kl=null``, the default before it) seed 4 of ``make train``
 (2 threads) collapsed at epoch 29: one epoch's steps moved the policy by an approximate KL of 0.60, 1.54 and 2.02

@@ -1,5 +1,5 @@
 """bench.demo_seeds rebuilds its report from the committed run records alone (a fresh checkout, no training):
-the records restore into an empty output folder and give the README's per-seed table."""
+the records restore into an empty output folder and give the per-seed table of bench/results/demo_seeds/README.md."""
 from __future__ import annotations
 
 from pathlib import Path

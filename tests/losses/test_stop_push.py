@@ -4,7 +4,7 @@ A group where the failing episodes are longer than the winning ones, every actio
 end-of-turn id: under ``token-mean`` each sampled end-of-turn id weighs the same, so the group's push on that
 id is proportional to sum_i A_i n_i = G Cov(A, n) < 0 and every update lowers the probability of stopping;
 per-episode normalization (``seq-mean-token-mean``, the default since the demo's collapse) gives each episode the same
-total weight and the push vanishes (which did not remove every collapse of the demo: README).
+total weight and the push vanishes (which did not remove every collapse of the demo: bench/results/demo_seeds/README.md).
 Checked twice: with the tally's closed form, and with autograd through the
 real ``PolicyGradient`` objective on a table of logits."""
 from __future__ import annotations

@@ -7,7 +7,7 @@ steps on the decoded action text. The sampled ids go into the
 transcript verbatim; env text is tokenized on its own (special-token strings inside it are split,
 so an env cannot inject scaffold tokens).
 
-Context overflow policy (one rule, documented in the README): when the next feedback turn plus a
+Context overflow policy (one rule, documented in docs/training.md): when the next feedback turn plus a
 full action would not fit in ``max_context``, the episode ends with ``end_reason="context"``
 (truncated): the last action stays in the transcript and is trained, the feedback that did not fit
 is dropped, the episode counts as a failure and is counted in ``rollout/truncated``.
