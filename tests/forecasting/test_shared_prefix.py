@@ -163,28 +163,36 @@ def test_the_switched_model_serves_ordinary_batches_as_sdpa():
         assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, ref)
 
 
-def _fit(batch, model) -> tuple[list[dict], list[torch.Tensor]]:
-    """One Lightning epoch of one forecast batch (AdamW): the logged rows and the adapter after the step."""
+def _fit(batch, model) -> tuple[list[dict], list[torch.Tensor], list[torch.Tensor]]:
+    """One Lightning epoch of one forecast batch: the logged rows, the gradient the optimizer stepped on and the
+    adapter after the step. SGD, not AdamW: Adam's first step is about lr x g / (|g| + eps), so a gradient element
+    near 0 turns fp32 rounding (which differs between CPU kernels) into a move of order lr; SGD's is lr x g."""
     import lightning.pytorch as pl
 
+    class Grads(pl.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.seen = [p.grad.detach().clone() for p in pl_module.policy.trainable_parameters()]
+
     module = AgentRLModule(Policy(model=model, tokenizer=None, chat=CHAT, source="t"),
-                           [ForecastLoss(weight=0.01, update="separate")], optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
-    capture = capture_logger()
-    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=[capture], enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+                           [ForecastLoss(weight=1.0, update="separate")], optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    capture, grads = capture_logger(), Grads()
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=[capture], callbacks=[grads],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
-    return [m for _, m in capture.rows], [p.detach().clone() for p in module.policy.trainable_parameters()]
+    return [m for _, m in capture.rows], grads.seen, [p.detach().clone() for p in module.policy.trainable_parameters()]
 
 
 def test_a_shared_step_trains_through_lightning_with_fewer_tokens():
     """Lightning moves the batch (its TreeLayout included) to the device and takes the step: the adapter lands where
-    the dense step puts it, the logged losses agree and ``forecast/tokens_forwarded`` counts the shared row once."""
+    the dense step puts it (the same gradient, an SGD step), the logged losses agree and
+    ``forecast/tokens_forwarded`` counts the shared row once."""
     eps = _episodes()
     chunks = _steps(eps)[0]
-    dense_rows, dense_after = _fit(collate_chunks(eps, chunks, PAD), _model())
+    before = [p.detach().clone() for p in _model().parameters() if p.requires_grad]
+    dense_rows, dense_grads, dense_after = _fit(collate_chunks(eps, chunks, PAD), _model())
     model = _model()
     use_tree_attention(model)
-    shared_rows, shared_after = _fit(collate_shared(eps, chunks, PAD), model)
+    shared_rows, shared_grads, shared_after = _fit(collate_shared(eps, chunks, PAD), model)
     (d,), (s,) = ([r for r in rows if "forecast/tokens_forwarded" in r] for rows in (dense_rows, shared_rows))
     assert {c.episode for c in chunks} == {0}  # one episode: one trunk (up to the last anchor but one) + the branches
     assert s["forecast/tokens_forwarded"] == max(c.anchor for c in chunks) - 1 + sum(1 + len(c.tokens) for c in chunks)
@@ -192,8 +200,12 @@ def test_a_shared_step_trains_through_lightning_with_fewer_tokens():
     assert s["forecast/tokens_forwarded"] < 0.65 * d["forecast/tokens_forwarded"]
     for k in ("loss/forecast", "forecast/nll", "forecast/chunks", "forecast/tokens"):
         assert s[k] == pytest.approx(d[k], abs=1e-5), k
+    assert len(shared_grads) == len(dense_grads) == len(before)
+    for a, b in zip(shared_grads, dense_grads):  # the same step: the same gradient
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     for a, b in zip(shared_after, dense_after):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert max(float((a - w).abs().max()) for a, w in zip(dense_after, before)) > 100 * 1e-5  # the step moved it
 
 
 # A warm-started maze the policy sometimes solves (wins, so the policy gradient is not 0), every episode a sample
