@@ -220,10 +220,13 @@ SAME = ("loss/forecast", "loss/pg", "forecast/", "val/success", "rollout/success
 def test_a_run_with_shared_prefixes_logs_what_one_row_per_sample_logs(run_train, read_metrics, tmp_path, update):
     """``algo=cope`` on the tiny model, sharing on and off: every policy step, forecast step and validation logs the
     same values to fp32 noise (the runs then draw the same rollouts); the shared separate steps forward fewer tokens.
-    Joint: the packed rows through tree attention vs the dense segment mask, the same tokens."""
+    Joint: the packed rows through tree attention vs the dense segment mask, the same tokens. SGD, not the default
+    AdamW: Adam's first step is about lr x g / (|g| + eps), which turns the two runs' fp32 rounding of a near-zero
+    gradient element (it differs between CPU kernels) into a move of order lr; SGD's step is lr x g."""
     cols = {}
+    sgd = ["module.optimizer._target_=torch.optim.SGD", "module.optimizer.lr=0.2"]
     for share in ("true", "false"):
-        run_train([*RUN, f"cope.update={update}", f"cope.share_prefix={share}"], tmp_path / share)
+        run_train([*RUN, *sgd, f"cope.update={update}", f"cope.share_prefix={share}"], tmp_path / share)
         cols[share] = read_metrics(tmp_path / share / "csv" / "metrics.csv")
     shared, dense = cols["true"], cols["false"]
     keys = sorted(k for k in dense if k.startswith(SAME) and k != "forecast/tokens_forwarded")
