@@ -244,8 +244,22 @@ class AgentRLModule(pl.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         """One optimizer step on a rollout minibatch (the objectives of kind ``rollout``) or on one of CoPE's
         separate forecast batches (kind ``forecast``: its objectives alone, the learning rate times their
-        ``lr_scale``, the LR schedule not advanced: it counts policy steps)."""
+        ``lr_scale``, the LR schedule not advanced: it counts policy steps).
+
+        A rollout minibatch after the one that stopped the epoch's trust region (:meth:`_kl_stop`) is not forwarded:
+        its gradient would be dropped. Its row logs ``train/kl_stopped`` (1), ``train/kl_stopped_steps`` and
+        ``train/skipped_steps`` only: no loss, ``policy/*`` or ``train/grad_norm`` (nothing measured them), and it
+        returns no ``loss``, so a callback that reads a step's losses sees none (``cope.normalize=adaptive``'s loss
+        balance then averages the steps taken only). The step that trips the limit was forwarded and logs all of
+        its metrics. Weights, optimizer moments, schedule, counts and checkpoints are those of the forward-and-drop
+        it replaces (with LoRA dropout, the epoch's later forecast steps draw other masks)."""
         kind, step = batch_kind(batch), self.global_step
+        if self._kl_stop(kind):  # an earlier minibatch stopped the epoch: every rank skips this one alike
+            skipped = {"train/skipped_steps": float(self.step_guard.skipped), "train/kl_stopped": 1.0,
+                       "train/kl_stopped_steps": float(self.kl_stopped_steps)}
+            result = {k: torch.tensor(v) for k, v in skipped.items()}
+            self._log_step(result, step)
+            return result
         opt = self.optimizers()
         opt.zero_grad()
         _, total, metrics = self._backward(batch)
@@ -278,13 +292,16 @@ class AgentRLModule(pl.LightningModule):
         result["loss"] = total
         return result
 
-    def _kl_stop(self, kind: str, metrics: dict) -> bool:
+    def _kl_stop(self, kind: str, metrics: dict | None = None) -> bool:
         """Whether this step falls outside the epoch's trust region (``max_approx_kl``): it, or an earlier step of the
-        epoch, measured the policy further from the rollout policy than allowed. Every rank decides alike (the KL is
-        averaged over ranks before the comparison)."""
+        epoch, measured the policy further from the rollout policy than allowed; a True counts the step in
+        ``kl_stopped_steps``. Asked before the forward (no ``metrics``), it answers for the earlier steps alone (True:
+        the step is not forwarded); after it, with the step's metrics, it also measures this one. Every rank decides
+        alike: the KL is averaged over ranks before the comparison, and the answer before the forward reads only
+        that decision (no collective)."""
         if self.max_approx_kl is None or kind != ROLLOUT:
             return False
-        if self._kl_stop_epoch != self.current_epoch and "policy/approx_kl" in metrics:
+        if metrics is not None and self._kl_stop_epoch != self.current_epoch and "policy/approx_kl" in metrics:
             kl = torch.as_tensor(metrics["policy/approx_kl"], dtype=torch.float32, device=self.device).detach()
             if self._trainer is not None and self.trainer.world_size > 1:
                 kl = self.trainer.strategy.reduce(kl, reduce_op="mean")
