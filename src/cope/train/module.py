@@ -248,11 +248,11 @@ class AgentRLModule(pl.LightningModule):
 
         A rollout minibatch after the one that stopped the epoch's trust region (:meth:`_kl_stop`) is not forwarded:
         its gradient would be dropped. Its row logs ``train/kl_stopped`` (1), ``train/kl_stopped_steps`` and
-        ``train/skipped_steps`` only: no loss, ``policy/*`` or ``train/grad_norm`` (nothing measured them), and it
-        returns no ``loss``, so a callback that reads a step's losses sees none (``cope.normalize=adaptive``'s loss
-        balance then averages the steps taken only). The step that trips the limit was forwarded and logs all of
-        its metrics. Weights, optimizer moments, schedule, counts and checkpoints are those of the forward-and-drop
-        it replaces (with LoRA dropout, the epoch's later forecast steps draw other masks)."""
+        ``train/skipped_steps`` only: no loss, ``policy/*`` or ``train/grad_norm`` (nothing measured them); it
+        returns no ``loss``. The step that trips the limit was forwarded and logs all of its metrics. Weights,
+        optimizer moments, schedule, counts and checkpoints are those of the forward-and-drop it replaces, except
+        where something used the dropped steps' forward: ``cope.normalize=adaptive``'s loss balance now averages the
+        forwarded steps' losses only, and with LoRA dropout the epoch's later forecast steps draw other masks."""
         kind, step = batch_kind(batch), self.global_step
         if self._kl_stop(kind):  # an earlier minibatch stopped the epoch: every rank skips this one alike
             skipped = {"train/skipped_steps": float(self.step_guard.skipped), "train/kl_stopped": 1.0,
