@@ -56,8 +56,10 @@ def seed_summary(run: Path, seed: int) -> dict:
                                                      for e, r in sorted(by_epoch.items()) if e >= 0 and r is not first]
     stop_val = [float(r["stop/prob_val"]) for r in val if r.get("stop/prob_val")]
     rollout = [r for r in rows if r.get("rollout/invalid_rate")]
-    steps = [r for r in rows if r.get("policy/approx_kl")]  # one row per policy step
-    worst = max(steps, key=lambda r: float(r["policy/approx_kl"]))
+    # one row per policy step: a step the trust region dropped after its epoch stopped is not forwarded, so it logs
+    # train/kl_stopped but no policy/approx_kl (runs recorded before that change measured it anyway)
+    steps = [r for r in rows if r.get("policy/approx_kl") or r.get("train/kl_stopped")]
+    worst = max((r for r in steps if r.get("policy/approx_kl")), key=lambda r: float(r["policy/approx_kl"]))
     dropped = [int(float(r["epoch"])) for r in steps if r.get("train/kl_stopped") == "1.0"]
     return {
         "seed": seed,
@@ -82,7 +84,7 @@ def report(name: str, summaries: list[dict], overrides: list[str]) -> str:
     lines = [f"# The default demo over {len(summaries)} seeds: `{name}`", "",
              f"`python train.py seed=<s> {' '.join([*COMMON, *overrides])}`", "",
              "| seed | held-out success start -> end | end: invalid | end: multi-action | min stop p (held-out) | "
-             "max rollout invalid | largest step KL (epoch) | steps dropped (epochs) | collapsed |",
+             "max rollout invalid | largest measured step KL (epoch) | steps dropped (epochs) | collapsed |",
              "|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
         stop = f"{s['min_stop_prob_val']:.3f}" if s["min_stop_prob_val"] is not None else "-"
