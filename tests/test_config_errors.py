@@ -75,7 +75,7 @@ def test_missing_model_path(train_script, tmp_path):
     assert "model.path" in proc.stderr and "/nonexistent/dir" in proc.stderr, report
 
 
-# -- the typed check of the composed config (cope.run.config_check), issue 9 item 7 -------------------------------
+# -- the typed check of the composed config (cope.run.config_check) -----------------------------------------------
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 

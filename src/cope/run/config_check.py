@@ -42,6 +42,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from cope.run.config_keys import Reads, renamed, unread_keys
 from cope.run.signatures import BUILT, UNSET, base_annotation, conforms, parameters, qualname, type_name
 
 log = logging.getLogger(__name__)
@@ -105,10 +106,19 @@ class ConfigError(ValueError):
         super().__init__("invalid config:\n  " + "\n  ".join(problems))
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Check the composed run config; raise :class:`ConfigError` listing every bad key, log no-op warnings."""
+def check_config(cfg: DictConfig, reads: Reads | None = None) -> None:
+    """Check the composed run config; raise :class:`ConfigError` listing every bad key, log no-op warnings.
+
+    Args:
+        cfg: the composed config.
+        reads: what the run code reads besides component arguments and interpolations (default: what
+            ``cope.run.train.train`` declares, :data:`cope.run.train.READS`); every other key is refused.
+    """
+    if reads is None:
+        from cope.run.train import READS as reads  # declared beside the code that reads them
     c = _Checker()
     c.call(cfg, "", RunKeys, open_keys=True)
+    c.errors += [p for p in unread_keys(cfg, reads) if p.split(" ")[0] not in c.bad]
     if not c.errors:
         c.cross_field(cfg)
     if c.errors:
@@ -173,7 +183,7 @@ class _Checker:
             elif open_keys:
                 self.plain(self.get(node, name, full), full)
             else:
-                self.fail(full, f": not an argument of {where} (it takes: {', '.join(params) or 'nothing'})")
+                self.fail(full, renamed(full) or f": not an argument of {where} (it takes: {', '.join(params) or 'nothing'})")
         if not node.get("_partial_", False):
             for name, p in params.items():
                 if p.default is inspect.Parameter.empty and name not in node and name not in PASSED_AT_BUILD.get(key, ()):

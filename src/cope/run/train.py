@@ -16,9 +16,16 @@ from omegaconf import DictConfig
 from cope.models.source import base_model_of
 from cope.run.checkpoint_io import LAST, check_checkpoint_file, check_free_space, check_resume_matches
 from cope.run.config_check import check_config
+from cope.run.config_keys import Reads
 from cope.run.preemption import SigtermGuard
 
 log = logging.getLogger(__name__)
+
+# What train() reads of the config besides component arguments and interpolations; the config check refuses every
+# other key (cope.run.config_keys). `paths` are the run's folders, there for components to interpolate.
+READS = Reads(components=("env", "model", "data", "module", "trainer", "logger"),
+              sections=("callbacks", "algo.objectives", "algo.callbacks"),
+              keys=("seed", "ckpt_path", "validate_before_fit", "paths", "hydra"))
 
 
 def instantiate_plain(node: Any, **kwargs: Any) -> Any:
