@@ -1,7 +1,10 @@
 """Evaluate a policy: `python eval.py [env=...] [model=...] [adapter=<dir> | ckpt_path=<file>] [eval.*=...]` (see README)."""
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
+from cope.run.config_keys import refuse_renamed
 from cope.run.evaluate import evaluate
 
 
@@ -11,4 +14,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_renamed(sys.argv[1:])  # an old key names its replacement (Hydra alone would say "not in struct")
     main()

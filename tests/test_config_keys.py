@@ -108,3 +108,43 @@ def test_interpolation_references(text, where, keys):
     from cope.run.config_keys import references
 
     assert references(text, where) == keys
+
+
+# -- renamed and removed keys name their replacement --------------------------------------------------------------
+def _renamed():
+    from cope.run.config_keys import RENAMED
+
+    return sorted(RENAMED.items())
+
+
+@pytest.mark.parametrize("old, new", _renamed())
+def test_renamed_key_on_the_command_line_names_its_replacement(old, new):
+    """Before Hydra composes (it would refuse the old key as "not in struct", or suggest ``+``): with ``+``, ``++``
+    and without, and not for the new key."""
+    from cope.run.config_keys import check_overrides
+
+    for arg in (f"{old}=1", f"+{old}=1", f"++{old}=1"):
+        (problem,) = check_overrides(["debug=fast", arg, "trainer.max_epochs=1"])
+        assert problem.startswith(f"{old} (on the command line: {arg}): renamed; use {new}"), problem
+    assert check_overrides([f"{new.split(' ')[0]}=1", "algo=cope", "hydra.run.dir=x", "--multirun"]) == []
+
+
+@pytest.mark.parametrize("old, new", _renamed())
+def test_renamed_key_in_a_composed_config_names_its_replacement(old, new):
+    """An old key that reaches the composed config (a user's own preset, an experiment file) and nothing reads."""
+    from omegaconf import OmegaConf
+
+    from cope.run.config_keys import Reads, unread_keys
+
+    cfg = OmegaConf.create({})
+    OmegaConf.update(cfg, old, 1, force_add=True)
+    assert unread_keys(cfg, Reads()) == [f"{old} = 1: renamed; use {new}"]
+
+
+@pytest.mark.long
+def test_entry_point_refuses_a_renamed_key(train_script, tmp_path):
+    proc = train_script(["debug=fast", "algo=cope", "cope.coef=0.02", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
+                        timeout=120)
+    assert proc.returncode != 0 and "cope.coef (on the command line: cope.coef=0.02): renamed; use cope.weight" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists(), "the run started"

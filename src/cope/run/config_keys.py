@@ -77,6 +77,14 @@ def check_overrides(args: list[str]) -> list[str]:
     return problems
 
 
+def refuse_renamed(args: list[str]) -> None:
+    """Exit (status 1) naming each renamed or removed key of a command line and its replacement: what an entry
+    point runs before Hydra composes (Hydra would refuse the old key as "not in struct", or suggest ``+``)."""
+    problems = check_overrides(args)
+    if problems:
+        raise SystemExit("invalid command line:\n  " + "\n  ".join(problems))
+
+
 def unread_keys(cfg: DictConfig, reads: Reads) -> list[str]:
     """One problem per key of ``cfg`` that nothing reads (see the module docstring), with a suggestion."""
     tree = OmegaConf.to_container(cfg, resolve=False)
