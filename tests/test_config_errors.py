@@ -252,8 +252,11 @@ SHIPPED = (
 
 @pytest.mark.long
 @pytest.mark.parametrize("overrides", SHIPPED, ids=lambda o: " ".join(o) or "defaults")
-def test_shipped_configs_validate(tmp_path, caplog, overrides):
+def test_shipped_configs_validate(tmp_path, caplog, monkeypatch, overrides):
+    from cope.run import config_check
     from cope.run.config_check import check_config
+
+    monkeypatch.setattr(config_check, "_cuda_available", lambda: True)  # trainer=gpu is refused on a machine without one
 
     with caplog.at_level(logging.WARNING, logger="cope.run.config_check"):
         check_config(_compose_plain(overrides, tmp_path))
@@ -340,3 +343,18 @@ def test_group_prefix_sharing_refuses_another_attention_and_packed_forecasts(com
                     "data.share_prefix", "algo.callbacks.forecast_targets.layout=packed", "cope.packing=plain")
     for ok in (["algo=cope"], ["algo=cope_echo"], ["algo=cope", "cope.update=joint", "cope.packing=plain"], ["algo=empg"]):
         check_config(compose([*ok, "data.share_prefix=true"], tmp_path))
+
+
+def test_gpu_trainer_without_a_gpu_names_the_fix(run_train, tmp_path, monkeypatch):
+    """``trainer=gpu`` on a machine without CUDA: refused before the model build naming the key and ``trainer=cpu``
+    (Lightning would say only "No supported gpu backend found!", after the config check)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    msg = _fails_fast(lambda: run_train(["trainer=gpu"], tmp_path), tmp_path, monkeypatch)
+    assert "trainer.accelerator = 'gpu'" in msg and "trainer=cpu" in msg and "trainer.accelerator=cpu" in msg, msg
+    assert "No supported gpu backend" not in msg, msg
+    from cope.run import config_check
+
+    monkeypatch.setattr(config_check, "_cuda_available", lambda: True)  # with a GPU the same config passes the check
+    config_check.check_config(_compose_plain(["trainer=gpu", "debug=fast"], tmp_path))

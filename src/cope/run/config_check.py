@@ -233,6 +233,10 @@ class _Checker:
                 self.warnings.append("data.group_size=1: one episode per group, so every group-relative advantage is 0 "
                                      "and the policy gradient is 0 (only auxiliary objectives train)")
             self.attention_fits_layout(model, cfg)
+        accelerator = (cfg.get("trainer") or {}).get("accelerator")
+        if accelerator in ("gpu", "cuda") and not _cuda_available():
+            self.fail("trainer.accelerator", f" = {accelerator!r} (as trainer=gpu sets it): this machine has no CUDA GPU "
+                      "(torch.cuda.is_available() is False); use trainer=cpu, or trainer.accelerator=cpu")
         optimizer = (cfg.get("module") or {}).get("optimizer") or {}
         if optimizer.get("lr") == 0:
             self.warnings.append("module.optimizer.lr=0: the adapter never changes (rollouts and validation run, "
@@ -273,6 +277,12 @@ class _Checker:
                           f"(algo.callbacks.{name}.{key}: segment attention, a (N, 1, T, T) mask per forward); "
                           f"use {'cope.update=separate or cope.packing=plain' if key.startswith('packing') else 'cope.packing=plain'} "
                           "(2D masks only) or model.attn_implementation=sdpa")
+
+
+def _cuda_available() -> bool:
+    import torch  # only for a GPU trainer: the check stays torch-free otherwise
+
+    return torch.cuda.is_available()
 
 
 def _callback_class(node: Any) -> type | None:
