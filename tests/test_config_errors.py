@@ -96,8 +96,11 @@ def test_probes_follow_the_run(tmp_path, overrides, layout, masked):
     the answers the projection read, which the default mask would skip (no chunk at all)."""
     from cope.run.train import instantiate_plain
 
-    probes = instantiate_plain(_compose_plain(overrides, tmp_path).callbacks.probes)
+    cfg = _compose_plain(overrides, tmp_path)
+    probes = instantiate_plain(cfg.callbacks.probes)
     assert (probes.layout, probes.mask_projected) == (layout, masked)
+    if "cope" in cfg:  # no two keys disagree: the forecasts and the probes read one switch
+        assert cfg.algo.callbacks.forecasts.mask_projected == masked
     with pytest.raises(Exception, match="callbacks.probes.layout must be one of"):  # hydra wraps the ValueError
         instantiate_plain(_compose_plain([*overrides, "callbacks.probes.layout=grid"], tmp_path).callbacks.probes)
 
@@ -188,7 +191,7 @@ def test_entry_point_names_key(train_script, tmp_path):
     (["model.lora.target_modules=[q_proj,5]"], "model.lora.target_modules = ['q_proj', 5]: expected list[str] | str | null"),
     (["env.max_steps=abc"], "env.max_steps = 'abc': expected int (cope.envs.maze.MazeEnv)"),
     (["algo=empg", "algo.callbacks.empg.k=abc"], "algo.callbacks.empg.k = 'abc': expected float"),
-    (["algo.advantage_mode=3"], "data.advantage_mode = 3 (from ${algo.advantage_mode}): expected str"),
+    (["algo.advantage_mode=3"], "algo.advantage_mode = 3: expected str (read as data.advantage_mode by cope.train."),
     (["trainer.precision=bogus"], "trainer.precision = 'bogus': expected one of 64, 32, 16"),
     (["env._target_=nope.Env"], "env._target_ = 'nope.Env': cannot be imported"),
     (["validate_before_fit=maybe"], "validate_before_fit = 'maybe': expected bool"),
@@ -358,3 +361,29 @@ def test_gpu_trainer_without_a_gpu_names_the_fix(run_train, tmp_path, monkeypatc
 
     monkeypatch.setattr(config_check, "_cuda_available", lambda: True)  # with a GPU the same config passes the check
     config_check.check_config(_compose_plain(["trainer=gpu", "debug=fast"], tmp_path))
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    # the probes follow cope.layout: the error names the key the user set, not callbacks.probes.layout
+    (["algo=cope", "cope.layout=bogus"], ["cope.layout (read as callbacks.probes.layout) must be one of ('list', 'turns')",
+                                          "got 'bogus'"]),
+    (["callbacks.probes.layout=bogus"], ["callbacks.probes.layout must be one of ('list', 'turns')"]),  # set directly
+    # a wrong type is named once, by its source, for every block that reads it
+    (["algo=cope", "cope.mask_projected=maybe"], ["cope.mask_projected = 'maybe': expected bool (read as "]),
+])
+def test_error_names_the_key_the_user_set(run_train, tmp_path, monkeypatch, overrides, needles):
+    msg = _fails_fast(lambda: run_train(overrides, tmp_path), tmp_path, monkeypatch)
+    assert all(n in msg for n in needles), msg
+    if overrides[0] == "algo=cope":  # never the key the user did not set
+        assert "callbacks.probes.layout must" not in msg and "callbacks.probes.mask_projected =" not in msg, msg
+
+
+def test_name_sources_follows_only_interpolations_the_user_can_set(compose, tmp_path):
+    from cope.run.config_keys import name_sources
+
+    text = "callbacks.probes.layout must be one of ('list', 'turns'), callbacks.probes.layout_x is fine"
+    cfg = compose(["algo=cope", "cope.layout=turns"], tmp_path)
+    assert name_sources(text, cfg.callbacks.probes, "callbacks.probes") == text.replace(
+        "callbacks.probes.layout must", "cope.layout (read as callbacks.probes.layout) must")
+    # without a `cope` group the probes' layout is oc.select's default: no key of the user's to name
+    assert name_sources(text, compose([], tmp_path).callbacks.probes, "callbacks.probes") == text

@@ -9,7 +9,8 @@ key is a parameter (with ``**kwargs``: keys a base class declares are typed, oth
 value, interpolations resolved, fits its annotation (ints are valid floats; bools are not numbers).
 The plain root keys get a small schema, :class:`RunKeys`; knobs that only feed component blocks
 through interpolation (``cope.*``, ``algo.advantage_mode``) are typed where they land, and the message
-names them (``... (from ${cope.weight})``). All problems go into one :class:`ConfigError`, one line
+names the key the user set (``cope.weight = 'x': expected float (read as algo.objectives.forecast.weight ...)``).
+A key nothing reads is refused (:mod:`cope.run.config_keys`). All problems go into one :class:`ConfigError`, one line
 per full dotted key with its value and the expected type.
 
 Why not Hydra structured configs: they need a dataclass per component that repeats (and drifts from)
@@ -34,7 +35,6 @@ import dataclasses
 import inspect
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -42,7 +42,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from cope.run.config_keys import Reads, renamed, unread_keys
+from cope.run.config_keys import Reads, renamed, source_key, unread_keys
 from cope.run.signatures import BUILT, UNSET, base_annotation, conforms, parameters, qualname, type_name
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,6 @@ RANGES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "temperature": (lambda v: v >= 0, ">= 0"),
     },
 }
-_INTERP = re.compile(r"^\$\{([A-Za-z_][\w.]*)\}$")
 
 
 @dataclasses.dataclass
@@ -192,15 +191,19 @@ class _Checker:
 
     def value(self, parent: DictConfig, name, key: str, ann: Any, where: str) -> None:
         v = self.plain(self.get(parent, name, key), key)  # a nested component (lora, optimizer) is checked here
-        origin = ""
+        origin, src = "", None
         if OmegaConf.is_interpolation(parent, name):
             raw = str(parent._get_node(name)._value())
-            m = _INTERP.match(raw)
-            if m and m.group(1) in self.bad:
+            src = source_key(raw)
+            if src in self.bad:
                 return  # its source is already reported
-            origin = f" (from {raw})"
+            if src is None or OmegaConf.select(parent._get_root(), src, throw_on_resolution_failure=False) is None:
+                src, origin = None, f" (from {raw})"  # not one key the user set (a default of oc.select, a formula)
         if v is not UNSET and not conforms(v, ann):
-            self.fail(key, f" = {v!r}{origin}: expected {type_name(ann)} ({where})")
+            if src is not None:  # the key the user set, once for all the blocks that read it
+                self.fail(src, f" = {v!r}: expected {type_name(ann)} (read as {key} by {where})")
+            else:
+                self.fail(key, f" = {v!r}{origin}: expected {type_name(ann)} ({where})")
 
     def plain(self, v: Any, key: str) -> Any:
         """``v`` as plain data; each component block in it is checked and stands as :data:`BUILT`."""
@@ -247,12 +250,11 @@ class _Checker:
 
     def attention_fits_layout(self, model: DictConfig, cfg: DictConfig) -> None:
         """What CoPE's forecast layouts need of ``model.attn_implementation``, checked before any work:
-        * flash attention takes no (N, 1, T, T) mask, and the packed layout without sharing attends through one
-          (segment attention, built per forward): the pairing would fail, or be wrong, at the first training forward;
-        * shared-prefix batches (the separate steps, packed joint rows) switch the model to tree attention
-          ("cope_tree"), which is SDPA without a layout: a model configured with anything else (eager, flash) would not
-          get what it was configured with; ``data.share_prefix`` likewise, and it cannot pack rows that are trees
-          already (packed forecast segments)."""
+        * flash attention takes no (N, 1, T, T) mask, and CoPE's packed rows (prefix trees) without sharing are
+          attended through one (built per forward): the pairing would fail, or be wrong, at the first training forward;
+        * ``data.share_prefix`` (every shared-prefix batch) switches the model to tree attention ("cope_tree"), which is
+          SDPA without a tree: a model configured with anything else (eager, flash) would not get what it was
+          configured with."""
         attn = model.get("attn_implementation", "sdpa")
         groups = bool((cfg.get("data") or {}).get("share_prefix", False))
         if groups and attn not in (None, "sdpa"):
@@ -262,19 +264,9 @@ class _Checker:
         for name, node in ((cfg.get("algo") or {}).get("callbacks") or {}).items():
             cls = _callback_class(node)
             key = _packed_key(cls, node)
-            if groups and key is not None:
-                self.fail("data.share_prefix", f"=true packs each minibatch's groups into shared-prefix rows, but "
-                          f"algo.callbacks.{name}.{key} already packs forecast segments into them; use "
-                          f"{'cope.update=separate or cope.packing=plain' if key.startswith('packing') else 'cope.packing=plain'}"
-                          ", or data.share_prefix=false")
-            if attn not in (None, "sdpa") and _shares_prefix(cls, node):
-                self.fail("model.attn_implementation", f" = {attn!r}: CoPE's forecast batches share each episode's "
-                          f"prefix (algo.callbacks.{name}.share_prefix=true) through tree attention ('cope_tree'), which "
-                          "runs as sdpa without a layout; use model.attn_implementation=sdpa, or cope.share_prefix=false "
-                          "(the dense reference)")
-            elif key is not None and isinstance(attn, str) and attn.startswith("flash_attention"):
+            if key is not None and isinstance(attn, str) and attn.startswith("flash_attention"):
                 self.fail("model.attn_implementation", f" = {attn!r}: cannot take CoPE's packed forecast layout "
-                          f"(algo.callbacks.{name}.{key}: segment attention, a (N, 1, T, T) mask per forward); "
+                          f"(algo.callbacks.{name}.{key}: prefix trees, attended through a (N, 1, T, T) mask per forward); "
                           f"use {'cope.update=separate or cope.packing=plain' if key.startswith('packing') else 'cope.packing=plain'} "
                           "(2D masks only) or model.attn_implementation=sdpa")
 
@@ -297,27 +289,14 @@ def _callback_class(node: Any) -> type | None:
     return cls if isinstance(cls, type) else None
 
 
-def _shares_prefix(cls: type | None, node: Any) -> bool:
-    """Whether ``node`` is a CoPE forecast callback whose batches carry a tree layout: the authors' samples with the
-    separate update, or packed into the joint rows; the continuation targets packed."""
-    from cope.algos.cope.forecast_targets import ForecastTargets
-    from cope.algos.cope.forecasts import CopeForecasts
-
-    if cls is None or not bool(node.get("share_prefix", True)):
-        return False
-    if issubclass(cls, CopeForecasts):
-        return node.get("update", "separate") == "separate" or node.get("packing", "packed") == "packed"
-    return issubclass(cls, ForecastTargets) and node.get("layout", "packed") == "packed"
-
-
 def _packed_key(cls: type | None, node: Any) -> str | None:
     """The key that puts CoPE's forecasts in packed segments (``layout=packed`` of the continuation targets,
     ``packing=packed`` of the authors' samples with ``update=joint``), or None."""
     from cope.algos.cope.forecast_targets import ForecastTargets
     from cope.algos.cope.forecasts import CopeForecasts
 
-    if cls is not None and issubclass(cls, ForecastTargets) and node.get("layout") == "packed":
-        return "layout=packed"
+    if cls is not None and issubclass(cls, ForecastTargets) and node.get("packing") == "packed":
+        return "packing=packed"
     if cls is not None and issubclass(cls, CopeForecasts) and node.get("update") == "joint" and node.get("packing") == "packed":
         return "packing=packed (update=joint)"
     return None

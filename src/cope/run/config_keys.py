@@ -156,6 +156,21 @@ def source_key(raw: Any) -> str | None:
     return next(iter(keys)) if len(keys) == 1 else None
 
 
+def name_sources(text: str, node: DictConfig, key: str) -> str:
+    """``text`` (a constructor's error about block ``key``) with each argument key it names whose value follows
+    another key by interpolation renamed to that key, the one the user set: ``cope.layout (read as
+    callbacks.probes.layout)``, not ``callbacks.probes.layout``."""
+    root = node._get_root()
+    for arg in sorted(node.keys(), key=lambda a: -len(str(a))):  # a longer argument name first (layout_x before layout)
+        full = f"{key}.{arg}"
+        if full not in text or not OmegaConf.is_interpolation(node, arg):
+            continue
+        src = source_key(node._get_node(arg)._value())
+        if src is not None and OmegaConf.select(root, src, default=_ABSENT, throw_on_resolution_failure=False) is not _ABSENT:
+            text = re.sub(rf"{re.escape(full)}(?![\w.])", f"{src} (read as {full})", text)
+    return text
+
+
 # -- the plain container --------------------------------------------------------------------------------
 _ABSENT = object()
 

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from cope.models.source import base_model_of
 from cope.run.checkpoint_io import LAST, check_checkpoint_file, check_free_space, check_resume_matches
 from cope.run.config_check import check_config
-from cope.run.config_keys import Reads
+from cope.run.config_keys import Reads, name_sources
 from cope.run.preemption import SigtermGuard
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,19 @@ def instantiate_plain(node: Any, **kwargs: Any) -> Any:
     return instantiate(node, _convert_="all", **kwargs)
 
 
+def build(node: DictConfig, key: str, **kwargs: Any) -> Any:
+    """:func:`instantiate_plain` of the block at ``key``; a constructor's error about an argument whose value follows
+    another key by interpolation names that key, the one the user set (``cope.layout``, not
+    ``callbacks.probes.layout``)."""
+    try:
+        return instantiate_plain(node, **kwargs)
+    except Exception as e:
+        named = name_sources(str(e), node, key)
+        if named == str(e):
+            raise
+        raise ValueError(f"could not build {key}: {named}") from e
+
+
 def instantiate_named(section: DictConfig | None, what: str) -> list[Any]:
     """Each non-null entry of a named config section (``algo.objectives``, ``callbacks``), built; an entry that
     fails to build is named by its full key (``what.name``)."""
@@ -43,8 +56,10 @@ def instantiate_named(section: DictConfig | None, what: str) -> list[Any]:
         if node is None:
             continue
         try:
-            out.append(instantiate_plain(node))
+            out.append(build(node, f"{what}.{name}"))
         except Exception as e:
+            if str(e).startswith("could not build "):  # build named the key already
+                raise
             raise ValueError(f"could not build {what}.{name}: {e}") from e
     return out
 
@@ -92,8 +107,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         else output_dir / "checkpoints"
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, ckpt_dir)
     pl.seed_everything(cfg.seed, workers=True)
-    env_factory = instantiate_plain(cfg.env)
-    model_factory = instantiate_plain(cfg.model)  # a partial: nothing is loaded yet
+    env_factory = build(cfg.env, "env")
+    model_factory = build(cfg.model, "model")  # a partial: nothing is loaded yet
     if ckpt_path is not None:  # the checkpoint's base model and LoRA rank against this config's, before the build
         check_resume_matches(ckpt_path, base_model_of(model_factory, env_factory), _lora_rank(cfg.model))
     if cfg.model.get("adapter"):  # the adapter to start from against this config's base and rank, before the build
@@ -102,11 +117,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
         base = base_model_of(model_factory, env_factory)
         check_adapter(cfg.model.adapter, base.source if base else "", model_factory.keywords.get("lora"),
                       bool(base and base.keyed))
-    datamodule = instantiate_plain(cfg.data, env=env_factory)
+    datamodule = build(cfg.data, "data", env=env_factory)
     objectives = instantiate_named(cfg.algo.objectives, "algo.objectives")
     callbacks = instantiate_named(cfg.callbacks, "callbacks") + instantiate_named(cfg.algo.get("callbacks"), "algo.callbacks")
     logger = instantiate_plain(cfg.logger) if cfg.get("logger") else False
-    trainer = instantiate_plain(cfg.trainer, callbacks=callbacks, logger=logger)
+    trainer = build(cfg.trainer, "trainer", callbacks=callbacks, logger=logger)
     policy = model_factory(env_factory=env_factory)
     datamodule.connect(policy, rank=trainer.global_rank)
     module = instantiate_plain(cfg.module, _partial_=True)(policy=policy, objectives=objectives)  # no config conversion of objects
