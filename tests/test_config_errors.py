@@ -387,3 +387,27 @@ def test_name_sources_follows_only_interpolations_the_user_can_set(compose, tmp_
         "callbacks.probes.layout must", "cope.layout (read as callbacks.probes.layout) must")
     # without a `cope` group the probes' layout is oc.select's default: no key of the user's to name
     assert name_sources(text, compose([], tmp_path).callbacks.probes, "callbacks.probes") == text
+
+
+@pytest.mark.parametrize("overrides", [["data.max_context=16"], ["data.max_context=40", "data.sampling.max_action_tokens=32"]])
+def test_context_too_small_for_the_rules_fails_before_the_model_build(run_train, tmp_path, monkeypatch, overrides):
+    """The rollout's own check needs the tokenizer (built with the tiny model): a context that cannot hold even the
+    env's rules (at least a token per word) and one action is refused before, naming the key and the fix."""
+    msg = _fails_fast(lambda: run_train(overrides, tmp_path), tmp_path, monkeypatch)
+    ctx = overrides[0].split("=")[1]
+    assert f"data.max_context = {ctx}: too small for the first prompt" in msg and "raise data.max_context" in msg, msg
+    assert "data.sampling.max_action_tokens=" in msg, msg
+
+
+def test_context_floor_counts_the_instructions_that_replace_the_rules(compose, tmp_path):
+    from cope.envs.maze import MazeEnv
+    from cope.run.config_check import ConfigError, check_context_floor
+
+    cfg = compose(["data.max_context=30"], tmp_path)
+    check_context_floor(MazeEnv, cfg.data)  # the maze's rules (21 words) and an action of 8 tokens + 1 fit in 30
+    cfg.data.max_context = 29
+    with pytest.raises(ConfigError, match="at least 21 tokens"):
+        check_context_floor(MazeEnv, cfg.data)
+    cfg.data.max_context, cfg.data.instructions = 64, " ".join(["word"] * 60)
+    with pytest.raises(ConfigError, match="at least 60 tokens"):
+        check_context_floor(MazeEnv, cfg.data)

@@ -271,6 +271,35 @@ class _Checker:
                           "(2D masks only) or model.attn_implementation=sdpa")
 
 
+def check_context_floor(env_factory: Callable[[], Any], data: DictConfig) -> None:
+    """``data.max_context`` against what the first prompt needs at least, known before the model and its tokenizer:
+    the rules (``data.instructions``, or the env's own) take at least one token per word (every tokenizer here splits
+    at whitespace before merging), and an action ``data.sampling.max_action_tokens`` plus its end-of-turn id.
+
+    The exact count (with the first observation) comes at the first rollout; this catches a context that cannot fit
+    even the rules, before the model build. An env that cannot be built here (its packages live in another
+    interpreter) is not checked."""
+    ctx, rules = data.get("max_context"), data.get("instructions")
+    action = (data.get("sampling") or {}).get("max_action_tokens")
+    if not isinstance(ctx, int) or not isinstance(action, int):
+        return
+    if rules is None:
+        try:
+            env = env_factory()
+            try:
+                rules = env.instructions
+            finally:
+                env.close()
+        except Exception:
+            return
+    floor = len(str(rules).split())
+    if floor + action + 1 > ctx:
+        raise ConfigError([f"data.max_context = {ctx}: too small for the first prompt: its rules alone take at least "
+                           f"{floor} tokens ({floor} words), and an action data.sampling.max_action_tokens={action} more "
+                           f"plus its end-of-turn id; raise data.max_context well above {floor + action + 1} (the first "
+                           "observation comes on top)"])
+
+
 def _cuda_available() -> bool:
     import torch  # only for a GPU trainer: the check stays torch-free otherwise
 

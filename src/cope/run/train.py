@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from cope.models.source import base_model_of
 from cope.run.checkpoint_io import LAST, check_checkpoint_file, check_free_space, check_resume_matches
-from cope.run.config_check import check_config
+from cope.run.config_check import check_config, check_context_floor
 from cope.run.config_keys import Reads, name_sources
 from cope.run.preemption import SigtermGuard
 
@@ -108,6 +108,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, ckpt_dir)
     pl.seed_everything(cfg.seed, workers=True)
     env_factory = build(cfg.env, "env")
+    check_context_floor(env_factory, cfg.data)  # the rules must fit data.max_context: known before the model build
     model_factory = build(cfg.model, "model")  # a partial: nothing is loaded yet
     if ckpt_path is not None:  # the checkpoint's base model and LoRA rank against this config's, before the build
         check_resume_matches(ckpt_path, base_model_of(model_factory, env_factory), _lora_rank(cfg.model))
