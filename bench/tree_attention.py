@@ -7,7 +7,7 @@ evenly across it (the shape of CoPE's forecast samples), for two head shapes: th
 
 * ``tree``: :func:`cope.train.tree_attention.tree_attention_forward` (the tiles kernel).
 * ``dense``: SDPA with the layout's dense (1, 1, T, T) bool mask (today's path).
-* ``unshared 1x1``: each sequence of :meth:`TreeLayout.unshared` (the trunk, then each anchor-prefix + branch)
+* ``unshared 1x1``: each sequence of :meth:`PrefixTree.unshared` (the trunk, then each anchor-prefix + branch)
   alone, causal SDPA, one call each; the trunk is included because the packed row computes it too.
 * ``unshared padded``: the same sequences right-padded into one batch, one causal SDPA call.
 
@@ -29,13 +29,13 @@ import types
 import torch
 import torch.nn.functional as F
 
+from cope.train.prefix_tree import PrefixTree
 from cope.train.tree_attention import tree_attention_forward
-from cope.train.tree_layout import TreeLayout
 
 SHAPES = {"tiny (4 heads, 2 kv, d16)": (4, 2, 16), "SmolLM2-135M (9 heads, 3 kv, d64)": (9, 3, 64)}
 
 
-def make_layout(trunk: int, branches: int, branch_len: int, seed: int = 0) -> TreeLayout:
+def make_layout(trunk: int, branches: int, branch_len: int, seed: int = 0) -> PrefixTree:
     """A ``trunk``-token root, then ``branches`` branches of branch_len +- 25% tokens anchored evenly across it."""
     g = torch.Generator().manual_seed(seed)
     nodes, start = [(0, trunk, -1, 0)], trunk
@@ -43,14 +43,14 @@ def make_layout(trunk: int, branches: int, branch_len: int, seed: int = 0) -> Tr
         size = int(branch_len * (0.75 + 0.5 * torch.rand((), generator=g).item()))
         nodes.append((start, start + size, 0, round((i + 1) * trunk / branches)))
         start += size
-    return TreeLayout.from_lists([nodes])
+    return PrefixTree.from_lists([nodes])
 
 
 def leaf(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, requires_grad=True)
 
 
-def variants(layout: TreeLayout, heads: int, kv_heads: int, dim: int) -> dict[str, tuple[callable, int]]:
+def variants(layout: PrefixTree, heads: int, kv_heads: int, dim: int) -> dict[str, tuple[callable, int]]:
     """name -> (one forward+backward, score cells)."""
     T, gqa = layout.length, heads != kv_heads
     module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads)
@@ -79,7 +79,7 @@ def variants(layout: TreeLayout, heads: int, kv_heads: int, dim: int) -> dict[st
             "unshared padded": (batched, len(seqs) * L * (L + 1) // 2)}
 
 
-def run(layout: TreeLayout, heads: int, kv_heads: int, dim: int, reps: int, warmup: int) -> dict[str, float]:
+def run(layout: PrefixTree, heads: int, kv_heads: int, dim: int, reps: int, warmup: int) -> dict[str, float]:
     fns = variants(layout, heads, kv_heads, dim)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(warmup + reps):

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 # every episode a target source, and invalid actions kept as targets (the cold-start actions are all invalid)
-FORCE_TARGETS = ["cope.min_score=-1", "cope.mask_invalid=false"]
+FORCE_TARGETS = ["cope.min_score=-1", "cope.invalid=keep"]
 COPE_KEYS = ("loss/forecast", "forecast/targets")
 AUTHORS_KEYS = ("forecast/samples", "forecast/trajectories", "forecast/k_mean")
 # a maze a 150-step warm start solves now and then: valid actions and wins, so the authors' samples exist
@@ -33,9 +33,9 @@ CASES = {
     "cope-te": (["algo=cope", "cope.te.weight=0.1", "cope.te.warmup_steps=0", *LEARNS],
                 ("loss/te", "te/kl", "te/members_per_action", "te/positions", *AUTHORS_KEYS)),
     "cope_continuation": ([CONT], ("loss/pg", *COPE_KEYS)),
-    # mask_invalid=true (default) with every episode a source: all-invalid chunks give no targets
-    "cont-mask_invalid=true": ([CONT, "cope.min_score=-1"], COPE_KEYS),
-    "cont-mask_invalid=false": ([CONT, *FORCE_TARGETS], COPE_KEYS),
+    # invalid=mask (default) with every episode a source: all-invalid chunks give no targets
+    "cont-invalid=mask": ([CONT, "cope.min_score=-1"], COPE_KEYS),
+    "cont-invalid=keep": ([CONT, *FORCE_TARGETS], COPE_KEYS),
     "cont-normalize=none": ([CONT, "cope.normalize=none", *FORCE_TARGETS], COPE_KEYS),
     "cont-normalize=per_step": ([CONT, "cope.normalize=per_step", *FORCE_TARGETS], COPE_KEYS),
     "cont-K=1": ([CONT, "cope.K=1", *FORCE_TARGETS], COPE_KEYS),
@@ -74,7 +74,7 @@ def test_algo_trains_and_logs(case, run_train, read_metrics, tmp_path):
         assert all(v > 0 for v in cols["forecast/raw"]), cols["forecast/raw"]
         assert moved, "forecast targets on unmasked actions but the adapter never moved"
         check_ablation(case, cols)
-    elif case == "cont-mask_invalid=true" and all(v == 1.0 for v in cols["rollout/invalid_rate"]):
+    elif case == "cont-invalid=mask" and all(v == 1.0 for v in cols["rollout/invalid_rate"]):
         assert all(v == 8 for v in cols["forecast/episodes"]), cols["forecast/episodes"]  # every episode a source
         assert all(v == 0 for v in cols["forecast/targets"]), cols["forecast/targets"]
         assert all(v == 0 for v in cols["loss/forecast"]), cols["loss/forecast"]

@@ -3,7 +3,7 @@
 The packed view holds every real token of the minibatch, the group prefix once, at the positions of the unshared
 rows; old and reference log-probs, the policy-gradient + ECHO + KL loss and every LoRA gradient equal the unshared
 minibatch's, on Qwen2 and Llama, whole and in micro-batches of whole packed rows, at T = 1 and T = 0.7; CoPE's
-temporal-ensemble rows likewise; a batch that is already a tree is refused."""
+temporal-ensemble rows likewise; rows that are trees already share no group and are only placed side by side."""
 from __future__ import annotations
 
 import random
@@ -19,7 +19,8 @@ from cope.envs.base import Task
 from cope.episode import Episode, Role, Step
 from cope.train.batch import collate
 from cope.train.group_prefix import pack_groups
-from cope.train.tree_batch import use_tree_attention
+from cope.train.prefix_tree import PrefixTree
+from cope.train.tree_batch import PackedRows, use_tree_attention
 
 PAD = 0
 CHAT = ChatFormat(system_open=(1,), user_open=(2,), assistant_open=(3,), turn_end=(4,), newline=(5,))
@@ -62,31 +63,37 @@ def _batch(eps):
 def test_the_packed_view_holds_every_token_once_per_group_prefix():
     eps = _episodes()
     batch = pack_groups(_batch(eps), eps)
-    pack = batch["row_pack"]
+    pack = batch["packed"]
     real = batch["attention_mask"].bool()
     flat_ids, flat_pos = pack.input_ids.flatten(), pack.position_ids.flatten()
     assert torch.equal(flat_ids[pack.index[real]], batch["input_ids"][real])  # every token where it is said to be
     assert torch.equal(flat_pos[pack.index[real]], batch["position_ids"][real])  # at the unshared row's position
     assert bool((pack.index[~real] == -1).all())
     assert pack.members == ((0, 2, 5), (1, 4, 6), (3,))  # rows filled longest first; group 2 alone
-    assert pack.lengths[0] == max(pack.lengths) and [n.parent for n in pack.layout.rows[1]] == [-1, 0, 0, -1]
-    prefix = pack.layout.rows[0][0].end
+    assert pack.lengths[0] == max(pack.lengths) and [n.parent for n in pack.tree.rows[1]] == [-1, 0, 0, -1]
+    prefix = pack.tree.rows[0][0].end
     assert prefix == 10 + 5 + 3  # the system turn (1 + 6 + 3), the observation (5), close_turn (3): up to the first action
     first_action = [int(r.tolist().index(int(Role.ACTION))) for r in batch["roles"][[0, 2, 5]]]
     assert prefix == min(first_action) and torch.equal(batch["input_ids"][0, :prefix + 2], batch["input_ids"][2, :prefix + 2])
-    assert pack.layout.rows[1][0].end == prefix  # group 1's prefix: as long (same scaffold, 5 observation tokens)
+    assert pack.tree.rows[1][0].end == prefix  # group 1's prefix: as long (same scaffold, 5 observation tokens)
     saved = (3 - 1) * prefix - 3 + (2 - 1) * prefix - 2  # per group of m: m - 1 prefixes, less a repeated token per branch
     assert pack.tokens == int(real.sum()) - saved  # each prefix once, one repeated token per branch
     # the packed action mask: the batch's action tokens, nothing else
     assert int(pack.action_mask.sum()) == int(batch["action_mask"].sum())
 
 
-def test_a_batch_that_is_already_a_tree_is_refused():
+def test_rows_that_are_trees_already_share_no_group():
+    """CoPE's packed joint rows (each a tree: ``packed`` is their identity packing) are units of their own: no group
+    shares across them, their trees are kept, and a batch packed otherwise is refused."""
     eps = _episodes()
     batch = _batch(eps)
-    batch["attn_context_end"] = batch["attn_segment_start"] = torch.zeros_like(batch["input_ids"])
-    with pytest.raises(ValueError, match="cope.update=separate or cope.packing=plain"):
-        pack_groups(batch, eps)
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    tree = PrefixTree.from_lists([[(0, n, -1, 0)] for n in lengths], length=batch["input_ids"].shape[1])
+    pack = pack_groups({**batch, "packed": PackedRows.of_rows(batch, tree)}, eps)["packed"]
+    assert sorted(len(m) for m in pack.members) != [1] * len(eps)  # rows placed side by side ...
+    assert pack.tokens == sum(lengths)  # ... but nothing shared
+    with pytest.raises(ValueError, match="packed already"):
+        pack_groups({**batch, "packed": pack}, eps)
 
 
 def _model(arch: str = "qwen2"):
@@ -104,9 +111,9 @@ def test_packed_groups_give_the_unshared_loss_and_gradients(arch, temperature, b
     model, eps = _model(arch), _episodes()
     module = _module(model, temperature, budget)
     plain = _batch(eps)
-    shared = pack_groups(_batch(eps), eps, max_row_tokens=budget)  # as the DataModule does (data.packed_row_tokens)
+    shared = pack_groups(_batch(eps), eps, max_row_tokens=budget)  # as the DataModule does (its max_row_tokens: the module's budget)
     if budget is not None:  # groups cut so that no packed row is longer than the budget (or than one episode)
-        parts, pack = module.micro_batches(shared), shared["row_pack"]
+        parts, pack = module.micro_batches(shared), shared["packed"]
         longest = int(plain["attention_mask"].sum(-1).max())
         assert len(parts) > 3 and max(pack.lengths) <= max(budget, longest)
         assert any(len(m) > 1 for m in pack.members)  # some sharing is left
@@ -180,16 +187,3 @@ def test_a_run_with_shared_group_prefixes_logs_what_the_unshared_run_logs(run_tr
     assert "data/shared_fraction" not in plain and len(shared["data/shared_fraction"]) == 4
     assert all(0.05 < f < 0.9 for f in shared["data/shared_fraction"])
 
-
-def test_full_logits_come_back_in_the_rows_shape():
-    """``module._logits`` (probes) of a packed batch: the unshared batch's logits on every real token."""
-    model, eps = _model("qwen2"), _episodes()
-    module = _module(model, 1.0, None)
-    plain = _batch(eps)
-    with torch.no_grad():
-        ref = module._logits(plain)
-        use_tree_attention(model)
-        got = module._logits(pack_groups(plain, eps))
-    real = plain["attention_mask"].bool()
-    assert got.shape == ref.shape
-    torch.testing.assert_close(got[real], ref[real], atol=1e-5, rtol=1e-5)

@@ -39,6 +39,12 @@ def episodes(policy):
     return eps
 
 
+def _logits(module, mb):
+    """Full (N, T, V) logits of a plain batch: the reference the chunked log-probs must equal."""
+    return module.model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=mb["position_ids"],
+                        use_cache=False).logits
+
+
 def _module(policy, kl_weight: float) -> AgentRLModule:
     return AgentRLModule(policy, [PolicyGradient(), KLPenalty(weight=kl_weight)],
                          optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
@@ -94,7 +100,7 @@ def test_first_update_has_ratio_one_and_zero_kl_then_kl_grows(policy, episodes):
     # the reference is still the untouched base: the adapter-disabled forward reproduces the old scores
     with torch.no_grad(), policy.model.disable_adapter():
         ref_again = module.logprobs(mb, entropy=False)[0]
-        ref_full = token_logprobs(module._logits(mb), mb["input_ids"], with_entropy=False)[0]  # the full log-softmax
+        ref_full = token_logprobs(_logits(module, mb), mb["input_ids"], with_entropy=False)[0]  # the full log-softmax
     assert torch.equal(ref_again, mb["ref_logprobs"])
     real = mb["attention_mask"].bool()
     torch.testing.assert_close(ref_full[real], mb["ref_logprobs"][real], atol=1e-5, rtol=1e-5)
@@ -173,7 +179,7 @@ def test_scores_follow_the_sampling_temperature(policy, episodes, compose, tmp_p
                            temperature=0.6)
     module.score_minibatches([mb])
     with torch.no_grad():
-        logits = module._logits(mb)[:, :-1].float()  # (N, T-1, V)
+        logits = _logits(module, mb)[:, :-1].float()  # (N, T-1, V)
     ids, act, real = mb["input_ids"][:, 1:], mb["action_mask"][:, 1:], mb["attention_mask"][:, 1:].bool()
     hot = (logits / 0.6).log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)
     raw = logits.log_softmax(-1).gather(-1, ids[..., None]).squeeze(-1)

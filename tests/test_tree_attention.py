@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+import cope.train.prefix_tree as prefix_tree
 import cope.train.tree_attention as tree_attention
-import cope.train.tree_layout as tree_layout
-from cope.train.tree_attention import NAME, register, tree_attention_forward, tree_mask_mod
-from cope.train.tree_layout import ScoreCells, TreeLayout
+from cope.train.prefix_tree import PrefixTree, ScoreCells
+from cope.train.tree_attention import NAME, flex_tree_attention, register, tree_attention_forward, tree_mask_mod
 
 V = 128
 
@@ -49,7 +49,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_dense_mask_and_positions_by_hand(case):
     rows, length, want = CASES[case]
-    layout = TreeLayout.from_lists(rows, length=length)
+    layout = PrefixTree.from_lists(rows, length=length)
     assert torch.equal(layout.dense_mask(), torch.stack([grid(*m) for m, _ in want])[:, None])
     assert layout.position_ids().tolist() == [p for _, p in want]
     # FlexAttention's mask_mod (the CUDA kernel) is the same mask
@@ -60,7 +60,7 @@ def test_dense_mask_and_positions_by_hand(case):
 
 def test_unshared_and_its_positions():
     rows, length, _ = CASES["four_levels"]
-    layout = TreeLayout.from_lists(rows, length=length)
+    layout = PrefixTree.from_lists(rows, length=length)
     assert layout.unshared() == [[[0, 1, 2], [0, 1, 5, 6], [0, 1, 5, 3, 4], [0, 1, 5, 3, 4, 7]]]
     pos = layout.position_ids()[0]
     for seq in layout.unshared()[0]:  # each token sits at its index in its unshared sequence
@@ -78,7 +78,7 @@ def test_unshared_and_its_positions():
 ])
 def test_invalid_layouts_name_the_fix(rows, length, match):
     with pytest.raises(ValueError, match=match):
-        TreeLayout.from_lists(rows, length=length)
+        PrefixTree.from_lists(rows, length=length)
 
 
 def test_score_cells_by_hand():
@@ -86,7 +86,7 @@ def test_score_cells_by_hand():
     (200*201/2 = 20100). Branch tiles, largest keys first, are grouped while padded <= 1.25x own cells:
     {208,188,168,148,128} -> 5*8*208 = 8320, {108,88,68} -> 3*8*108 = 2592, {48} -> 384, {28} -> 224."""
     rows = [[(0, 200, -1, 0)] + [(200 + 8 * i, 208 + 8 * i, 0, 20 * (i + 1)) for i in range(10)]]
-    cells = TreeLayout.from_lists(rows).score_cells()
+    cells = PrefixTree.from_lists(rows).score_cells()
     visible = 20100 + sum(8 * 20 * (i + 1) + 36 for i in range(10))  # each branch: 8*anchor + 8*9/2
     assert cells == ScoreCells(tree=20100 + 8320 + 2592 + 384 + 224, visible=visible, dense=280 * 280)
     assert cells.tree == 31620 and cells.tree < 0.41 * cells.dense
@@ -100,7 +100,7 @@ def _random_layout_rows() -> list[list[tuple[int, int, int, int]]]:
     return [row0, row1]
 
 
-@pytest.mark.parametrize("tile", [tree_layout.TILE, 4])
+@pytest.mark.parametrize("tile", [prefix_tree.TILE, 4])
 @pytest.mark.parametrize("rows,length", [
     (CASES["two_rows_padding"][0], 6),
     (_random_layout_rows(), 82),
@@ -108,8 +108,8 @@ def _random_layout_rows() -> list[list[tuple[int, int, int, int]]]:
 ])
 @pytest.mark.parametrize("recompute", [True, False])
 def test_kernel_equals_dense_sdpa(monkeypatch, tile, rows, length, recompute):
-    monkeypatch.setattr(tree_layout, "TILE", tile)
-    layout = dataclasses.replace(TreeLayout.from_lists(rows, length=length), recompute=recompute)
+    monkeypatch.setattr(prefix_tree, "TILE", tile)
+    layout = dataclasses.replace(PrefixTree.from_lists(rows, length=length), recompute=recompute)
     torch.manual_seed(0)
     N, T = len(rows), length
     q, k, v = (torch.randn(N, h, T, 8, requires_grad=True) for h in (6, 2, 2))  # GQA: 6 query heads, 2 kv heads
@@ -148,7 +148,7 @@ def test_recompute_keeps_only_qkv_for_backward():
     mod = types.SimpleNamespace(num_key_value_groups=3)
     got = {}
     for recompute in (True, False):
-        layout = dataclasses.replace(TreeLayout.from_lists(rows, length=440), recompute=recompute)
+        layout = dataclasses.replace(PrefixTree.from_lists(rows, length=440), recompute=recompute)
         got[recompute], out = _saved_bytes(functools.partial(tree_attention_forward, mod, q, k, v, None, tree_layout=layout))
         out.sum().backward()  # the recomputed graph still backpropagates
     assert got[True] < 1.5 * qkv < 2 * got[True] < got[False], (got, qkv)
@@ -160,7 +160,7 @@ def test_recompute_replays_attention_dropout():
     rows = _random_layout_rows()
     got = []
     for recompute in (True, False):
-        layout = dataclasses.replace(TreeLayout.from_lists(rows, length=82), recompute=recompute)
+        layout = dataclasses.replace(PrefixTree.from_lists(rows, length=82), recompute=recompute)
         torch.manual_seed(0)
         q, k, v = (torch.randn(2, h, 82, 8, requires_grad=True) for h in (6, 2, 2))
         torch.manual_seed(1)
@@ -175,7 +175,7 @@ def test_recompute_replays_attention_dropout():
 def test_kernel_in_bf16_is_as_close_to_fp32_as_dense_sdpa():
     """bf16 (``trainer.precision=bf16-mixed`` autocasts q, k, v to bf16): the tiles kernel's output and gradients are
     no further from the fp32 reference than the dense-mask SDPA call in bf16 is (same inputs, same rounding)."""
-    layout = TreeLayout.from_lists(_random_layout_rows(), length=82)
+    layout = PrefixTree.from_lists(_random_layout_rows(), length=82)
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, h, 82, 16) for h in (6, 2, 2))
     g = torch.randn(2, 82, 6, 16)
@@ -199,10 +199,10 @@ def test_kernel_in_bf16_is_as_close_to_fp32_as_dense_sdpa():
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
 def test_flex_kernel_forward_on_cpu():
-    """The flex kernel (opt-in on CUDA) forced on CPU, forward only (FlexAttention has no CPU backward)."""
-    layout = TreeLayout.from_lists(_random_layout_rows(), length=82, kernel="flex")
+    """The flex kernel (not selectable in training; called directly) on CPU, forward only (no CPU backward)."""
+    layout = PrefixTree.from_lists(_random_layout_rows(), length=82)
     q, k, v = (torch.randn(2, h, 82, 8) for h in (6, 2, 2))
-    out, _ = tree_attention_forward(types.SimpleNamespace(), q, k, v, None, tree_layout=layout)
+    out = flex_tree_attention(layout, q, k, v)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.dense_mask(), enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -210,9 +210,9 @@ def test_flex_kernel_forward_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (FlexAttention kernel)")
 def test_flex_kernel_equals_dense_on_cuda():
-    layout = TreeLayout.from_lists(_random_layout_rows(), length=82, kernel="flex")
+    layout = PrefixTree.from_lists(_random_layout_rows(), length=82)
     q, k, v = (torch.randn(2, h, 82, 64, device="cuda", requires_grad=True) for h in (6, 2, 2))
-    out, _ = tree_attention_forward(types.SimpleNamespace(), q, k, v, None, tree_layout=layout)
+    out = flex_tree_attention(layout, q, k, v)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.dense_mask("cuda"), enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     g = torch.randn_like(out)
@@ -268,9 +268,9 @@ def _grads(params: list[torch.Tensor], loss: torch.Tensor) -> tuple[torch.Tensor
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_model_logits_and_grads_equal_unshared(monkeypatch, kind):
-    monkeypatch.setattr(tree_layout, "TILE", 3)  # several tiles per branch, several groups
+    monkeypatch.setattr(prefix_tree, "TILE", 3)  # several tiles per branch, several groups
     model = _model(kind)
-    layout = TreeLayout.from_lists(MODEL_ROWS, length=24)
+    layout = PrefixTree.from_lists(MODEL_ROWS, length=24)
     g = torch.Generator().manual_seed(1)
     ids, targets = torch.randint(0, V, (2, 24), generator=g), torch.randint(0, V, (2, 24), generator=g)
     params = list(model.parameters())
@@ -302,7 +302,7 @@ def test_lora_grads_equal_unshared():
     for n, p in model.named_parameters():  # move the adapter off zero so gradients reach every path
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.05)
-    layout = TreeLayout.from_lists(MODEL_ROWS, length=24)
+    layout = PrefixTree.from_lists(MODEL_ROWS, length=24)
     g = torch.Generator().manual_seed(2)
     ids, targets = torch.randint(0, V, (2, 24), generator=g), torch.randint(0, V, (2, 24), generator=g)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -327,7 +327,7 @@ def test_without_layout_it_is_sdpa(kind):
 
 
 def test_misuse_names_the_fix():
-    layout = TreeLayout.from_lists([[(0, 4, -1, 0)]])
+    layout = PrefixTree.from_lists([[(0, 4, -1, 0)]])
     q = k = v = torch.zeros(1, 2, 4, 8)
     m = types.SimpleNamespace()
     with pytest.raises(ValueError, match="drop the 4D mask"):
@@ -336,8 +336,6 @@ def test_misuse_names_the_fix():
         tree_attention_forward(m, q[:, :, :3], k, v, None, tree_layout=layout)
     with pytest.raises(ValueError, match="sliding-window"):
         tree_attention_forward(m, q, k, v, None, tree_layout=layout, sliding_window=2)
-    with pytest.raises(ValueError, match="kernel='bogus'"):
-        TreeLayout.from_lists([[(0, 4, -1, 0)]], kernel="bogus")
     register()
     register()  # idempotent
     from transformers import AttentionInterface
@@ -346,13 +344,3 @@ def test_misuse_names_the_fix():
     assert AttentionInterface._global_mapping[NAME] is tree_attention_forward
     assert AttentionMaskInterface._global_mapping[NAME] is tree_attention.DeferredMask
 
-
-def test_auto_runs_tiles_unless_flex_is_asked_for_on_cuda(monkeypatch):
-    from cope.train.tree_attention import auto_kernel
-
-    assert auto_kernel(cuda=True) == auto_kernel(cuda=False) == "tiles"
-    monkeypatch.setenv("COPE_TREE_KERNEL", "flex")
-    assert auto_kernel(cuda=True) == "flex" and auto_kernel(cuda=False) == "tiles"  # no CPU backward: tiles there
-    monkeypatch.setenv("COPE_TREE_KERNEL", "fast")
-    with pytest.raises(ValueError, match="COPE_TREE_KERNEL='fast'"):
-        auto_kernel(cuda=True)

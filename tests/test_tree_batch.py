@@ -1,5 +1,6 @@
-"""Shared-prefix rows in a batch (``cope.train.tree_batch``): packing trunk + branches by hand, an empty trunk, the
-layout of a micro-batch, and a batch that carries its layout through Lightning's device transfer."""
+"""The packed batch (``cope.train.tree_batch``): the one packer by hand, rows filled with several trees, the branch
+convention, the identity packing of a plain batch, the one place that decides how a model attends a tree, and a
+batch that carries its packed rows through Lightning's device transfer."""
 from __future__ import annotations
 
 import types
@@ -8,98 +9,87 @@ import pytest
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
+from cope.train.prefix_tree import PrefixTree, TreeNode
 from cope.train.tree_attention import NAME
-from cope.train.tree_batch import batch_tree_layout, pack_branches, split_to_fit
-from cope.train.tree_layout import TreeLayout
+from cope.train.tree_batch import PackedRows, Unit, attention_kwargs, branch, pack, packed_view, split_to_fit
 
 PAD = 0
 
 
-def test_pack_branches_by_hand():
-    """Row 0: trunk [11 12 13], a branch after 2 trunk tokens and one after all 3; row 1: no trunk, one root branch."""
-    packed = pack_branches([([11, 12, 13], [(2, [21, 22]), (3, [31])]), ([], [(0, [41, 42])])], PAD)
+def _tree_unit(trunk: list[int], branches: list[tuple[int, list[int]]], row: int | None = None) -> Unit:
+    """Trunk + branches ``(anchor, ids)`` (each branch sees ``anchor`` trunk tokens); ``row``: a logical row holding
+    every token of the unit in order."""
+    seq, nodes = list(trunk), [TreeNode(0, len(trunk), -1, 0)] if trunk else []
+    for anchor, ids in branches:
+        nodes.append(TreeNode(len(seq), len(seq) + len(ids), 0 if trunk else -1, anchor))
+        seq += ids
+    return Unit(seq, tuple(nodes), () if row is None else ((row, list(range(len(seq)))),))
+
+
+def test_pack_by_hand():
+    """Unit 0: trunk [11 12 13], a branch after 2 trunk tokens and one after all 3; unit 1: no trunk, one root."""
+    packed = pack([_tree_unit([11, 12, 13], [(2, [21, 22]), (3, [31])]), _tree_unit([], [(0, [41, 42])])], 0, 0, PAD, cap=6)
     assert packed.input_ids.tolist() == [[11, 12, 13, 21, 22, 31], [41, 42, PAD, PAD, PAD, PAD]]
     assert packed.attention_mask.tolist() == [[1] * 6, [1, 1, 0, 0, 0, 0]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 2, 3, 3], [0, 1, 0, 0, 0, 0]]
-    assert packed.starts == ((3, 5), (0,))
-    assert packed.layout == TreeLayout.from_lists([[(0, 3, -1, 0), (3, 5, 0, 2), (5, 6, 0, 3)], [(0, 2, -1, 0)]], length=6)
+    assert packed.tree == PrefixTree.from_lists([[(0, 3, -1, 0), (3, 5, 0, 2), (5, 6, 0, 3)], [(0, 2, -1, 0)]], length=6)
+    assert packed.lengths == (6, 2) and packed.tokens == 8
     # each branch with what it sees is the sequence it stands for
-    assert [[packed.input_ids[0, s].tolist() for s in seqs] for seqs in packed.layout.unshared()[:1]] == [
-        [[11, 12, 13], [11, 12, 21, 22], [11, 12, 13, 31]]]
+    assert [packed.input_ids[0, s].tolist() for s in packed.tree.unshared()[0]] == [[11, 12, 13], [11, 12, 21, 22], [11, 12, 13, 31]]
 
 
 def test_filled_rows_hold_several_trees_that_see_nothing_of_each_other():
-    """``fill``: the same trees, longest first, side by side in rows no longer than the longest (6 tokens); each tree
-    restarts its positions and sees only itself, so every node's sequence is what it is unfilled."""
-    rows = [([11, 12, 13], [(2, [21, 22]), (3, [31])]), ([], [(0, [41, 42])]), ([51, 52], [(1, [61])])]
-    plain, filled = pack_branches(rows, PAD), pack_branches(rows, PAD, fill=True)
-    assert filled.row_of == (0, 1, 1) and filled.offset == (0, 3, 0)  # tree 2 (3 tokens) first in row 1, then tree 1
+    """The units, longest first, side by side in rows no longer than the longest (6 tokens); each tree restarts its
+    positions and sees only itself; ``index`` finds every logical row's tokens where they landed."""
+    units = [_tree_unit([11, 12, 13], [(2, [21, 22]), (3, [31])], 0), _tree_unit([], [(0, [41, 42])], 1),
+             _tree_unit([51, 52], [(1, [61])], 2)]
+    filled = pack(units, 3, 6, PAD)
     assert filled.input_ids.tolist() == [[11, 12, 13, 21, 22, 31], [51, 52, 61, 41, 42, PAD]]
     assert filled.position_ids.tolist() == [[0, 1, 2, 2, 3, 3], [0, 1, 1, 0, 1, 0]]
-    assert filled.starts == ((3, 5), (3,), (2,))
-    assert filled.layout.rows[1] == tuple(TreeLayout.from_lists([[(0, 2, -1, 0), (2, 3, 0, 1), (3, 5, -1, 0)]]).rows[0])
-    def seqs(packed, r):  # the sequence each node of row r stands for, as ids
-        return [packed.input_ids[r, q].tolist() for q in packed.layout.unshared()[r]]
-
-    assert seqs(filled, 0) == seqs(plain, 0) and seqs(filled, 1) == seqs(plain, 2) + seqs(plain, 1)
-    assert int(filled.layout.dense_mask()[1, 0, 3:5, :3].sum()) == 0  # tree 1 sees nothing of tree 2
-
-
-@pytest.mark.parametrize("rows,match", [
-    ([([1, 2], [(3, [5])])], r"0 <= anchor=3 <= len\(trunk\)=2"),
-    ([([1, 2], [(1, [])])], "needs ids"),
-    ([([], [(1, [5])])], r"anchor=1 <= len\(trunk\)=0"),
-    ([([], [])], "row 0 is empty"),
-    ([], "at least one row"),
-])
-def test_pack_branches_refuses_what_it_cannot_lay_out(rows, match):
-    with pytest.raises(ValueError, match=match):
-        pack_branches(rows, PAD)
+    assert filled.members == ((0,), (2, 1))
+    assert filled.tree.rows[1] == PrefixTree.from_lists([[(0, 2, -1, 0), (2, 3, 0, 1), (3, 5, -1, 0)]]).rows[0]
+    assert filled.index[1, :2].tolist() == [6 + 3, 6 + 4] and filled.index[1, 2:].tolist() == [-1] * 4
+    assert int(filled.tree.dense_mask()[1, 0, 3:5, :3].sum()) == 0  # tree 1 sees nothing of tree 2
+    assert [(r.tolist(), n) for r, n in filled.micro_batches(6)] == [([0], 6), ([1, 2], 3)]
+    with pytest.raises(ValueError, match="not whole packed rows"):
+        filled.span(torch.tensor([1]))
 
 
-def _model(impl: str):
-    return types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=impl))
+def test_branch_repeats_the_token_before_its_anchor():
+    assert branch([5, 6, 7, 8], 3, [9, 10]) == (2, [7, 9, 10])  # tokens[:3] + [9, 10]: 7 repeated after 2 tokens
+    with pytest.raises(ValueError, match="anchors after 1..4 tokens"):
+        branch([5, 6, 7, 8], 0, [9])
 
 
-def test_batch_tree_layout_cuts_rows_and_columns():
-    packed = pack_branches([([1, 2, 3], [(1, [4])]), ([5], [(1, [6, 7, 8, 9])]), ([1], [(0, [2])])], PAD)
-    batch = {"input_ids": packed.input_ids, "tree_layout": packed.layout}
-    assert batch_tree_layout(_model(NAME), batch) is packed.layout
-    part = batch_tree_layout(_model(NAME), batch, torch.tensor([0, 2]), 4)
-    assert part == TreeLayout(rows=(packed.layout.rows[0], packed.layout.rows[2]), length=4)
-    assert batch_tree_layout(_model("sdpa"), {"input_ids": packed.input_ids}) is None  # no layout: nothing to check
-    with pytest.raises(ValueError, match="would ignore the layout"):
-        batch_tree_layout(_model("sdpa"), batch)
+def test_a_plain_batch_is_its_own_packing():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    batch = {"input_ids": torch.tensor([[1, 2, 3], [4, 5, 0]]), "attention_mask": mask, "position_ids": torch.zeros(2, 3),
+             "action_mask": mask.bool()}
+    view = packed_view(batch)
+    assert view.tree is None and view.members == ((0,), (1,)) and view.lengths == (3, 2)
+    assert view.index.tolist() == [[0, 1, 2], [3, 4, -1]]
+    assert [(r.tolist(), n) for r, n in view.micro_batches(4)] == [([0], 3), ([1], 2)]
+    assert packed_view({**batch, "packed": view}) is view
 
 
-def test_a_layer_checkpointed_model_does_not_recompute_the_tiles_again(monkeypatch):
-    """Under the model's own layer checkpointing (the 7B preset) the tile calls are not checkpointed inside it too (that
-    would add a forward for no memory); without it they are (``TreeLayout.recompute``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _model(impl: str, checkpointing: bool = False):
+    weight = torch.nn.Parameter(torch.zeros(1))
+    return types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation=impl), parameters=lambda: iter([weight]),
+                                 is_activation_checkpointing=checkpointing)
 
-    import cope.train.tree_attention as tree_attention
 
-    tree_attention.register()
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, vocab_size=16, attn_implementation=NAME))
-    model.train()
-    packed = pack_branches([([1, 2, 3, 4, 5], [(2, [6, 7]), (5, [8, 9, 10])])], PAD)
-    batch = {"input_ids": packed.input_ids, "tree_layout": packed.layout}
-    calls = []
-    real = tree_attention.checkpoint
-    monkeypatch.setattr(tree_attention, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for checkpointed in (False, True):
-        if checkpointed:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        layout = batch_tree_layout(model, batch)
-        assert layout.recompute is not checkpointed and layout.rows == packed.layout.rows
-        calls.clear()
-        model(packed.input_ids, position_ids=layout.position_ids(), tree_layout=layout, use_cache=False).logits.sum().backward()
-        assert bool(calls) is not checkpointed  # one checkpointed tile call per layer forward, or none
-    off = {"input_ids": packed.input_ids, "tree_layout": TreeLayout(rows=packed.layout.rows, length=packed.layout.length,
-                                                                    recompute=False)}
-    model.gradient_checkpointing_disable()
-    assert batch_tree_layout(model, off).recompute is False  # asked off stays off
+def test_one_place_decides_how_a_tree_is_attended():
+    """Tree attention passes the tree; any other attention gets the tree's dense mask (the reference); a model that
+    checkpoints its layers does not recompute the tile calls too; no tree: the padding mask."""
+    tree = PrefixTree.from_lists([[(0, 3, -1, 0), (3, 5, 0, 2)]])
+    mask = torch.ones(1, 5, dtype=torch.long)
+    kw = attention_kwargs(_model(NAME), mask, tree)
+    assert kw["tree_layout"] is tree and kw["attention_mask"] is mask
+    assert attention_kwargs(_model(NAME, checkpointing=True), mask, tree)["tree_layout"].recompute is False
+    assert torch.equal(attention_kwargs(_model("sdpa"), mask, tree)["attention_mask"], tree.dense_mask())
+    additive = attention_kwargs(_model("eager"), mask, tree)["attention_mask"]
+    assert torch.equal(additive == 0, tree.dense_mask())
+    assert attention_kwargs(_model("sdpa"), mask, None) == {"attention_mask": mask}
 
 
 def test_split_to_fit_by_hand():
@@ -109,9 +99,10 @@ def test_split_to_fit_by_hand():
     assert split_to_fit([0, 1, 2, 3, 4], cost, None) == [[0, 1, 2, 3, 4]]
 
 
-def test_a_batch_moves_with_its_layout():
+def test_a_batch_moves_with_its_packed_rows():
     """Lightning moves a batch with ``.to``; a frozen dataclass without it made the transfer raise."""
-    packed = pack_branches([([1, 2, 3], [(2, [4, 5])])], PAD)
-    batch = {"kind": "forecast", "input_ids": packed.input_ids, "tree_layout": packed.layout}
+    packed = pack([_tree_unit([1, 2, 3], [(2, [4, 5])])], 0, 0, PAD).as_rows()
+    batch = {"kind": "forecast", "input_ids": packed.input_ids, "packed": packed}
     moved = move_data_to_device(batch, torch.device("cpu"))
-    assert moved["tree_layout"] is packed.layout and torch.equal(moved["input_ids"], packed.input_ids)
+    assert isinstance(moved["packed"], PackedRows) and moved["packed"].tree is packed.tree
+    assert torch.equal(moved["packed"].index, packed.index) and torch.equal(moved["input_ids"], packed.input_ids)

@@ -51,3 +51,24 @@ def capture_logger():
             pass
 
     return Capture()
+
+
+def segment_mask(batch: dict, chunks: list):
+    """(N, 1, T, T) bool, True = attend: the packed joint rows' attention written out by hand from the segments, the
+    reference their prefix tree must equal. Transcript tokens attend causally; a segment (``forecast_chunk == c``, its
+    repeated first token included) attends transcript keys before ``anchor - 1`` and itself causally; padding itself."""
+    import torch
+
+    N, T = batch["input_ids"].shape
+    keep = torch.eye(T, dtype=torch.bool).repeat(N, 1, 1)  # (N, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for r in range(N):
+        seg = batch["forecast_chunk"][r]  # (T,)
+        n = int(((seg < 0) & batch["attention_mask"][r].bool()).sum())  # the transcript: real tokens in no segment
+        keep[r, :n, :n] = causal[:n, :n]
+        for c in seg[seg >= 0].unique().tolist():
+            cols = (seg == c).nonzero().squeeze(-1)
+            a, b = int(cols[0]), int(cols[-1]) + 1
+            keep[r, a:b, : chunks[c].anchor - 1] = True
+            keep[r, a:b, a:b] = causal[: b - a, : b - a]
+    return keep[:, None]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
-from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E402
+from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode, segment_mask  # noqa: E402
 
 from cope.algos.cope.chunks import build_chunks
 from cope.algos.cope.forecast_targets import ForecastTargets
@@ -14,7 +14,7 @@ from cope.algos.cope.layouts import pack_forecasts, plain_forecasts
 from cope.algos.cope.loss import AdaptiveScale, ForecastLoss, forecast_nll
 from cope.algos.cope.loss_balance import LossBalance
 from cope.episode import Role
-from cope.train.batch import SEGMENT_KEYS, collate, segment_attention
+from cope.train.batch import collate
 from cope.train.objectives import ForwardOut
 
 
@@ -29,9 +29,10 @@ def tiny_model(attn):
 
 
 def mask_of(batch):
-    """The mask the model gets: segment attention as an additive float mask (any attention kernel), else 2D."""
-    if all(k in batch for k in SEGMENT_KEYS):
-        return segment_attention(*(batch[k] for k in SEGMENT_KEYS), dtype=torch.float32)
+    """The mask the model gets: the packed rows' tree as an additive float mask (any attention kernel), else 2D."""
+    if batch.get("packed") is not None:
+        keep = batch["packed"].tree.dense_mask()  # (N, 1, T, T) bool
+        return torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
     return batch["attention_mask"]
 
 
@@ -72,8 +73,9 @@ def test_packed_and_plain_give_the_same_loss_and_gradients(attn, normalize, chat
     chunks, _ = build_chunks([eps[i] for i in [1, 0]], chat, K=3, indices=[1, 0])
     assert chunks and {c.episode for c in chunks} == {0}
     packed, plain = pack_forecasts(base, eps, chunks, PAD), plain_forecasts(base, eps, chunks, PAD)
-    assert packed["attention_mask"].dim() == 2 and all(k in packed for k in SEGMENT_KEYS)  # O(N T): no (T, T) mask stored
-    keep = segment_attention(*(packed[k] for k in SEGMENT_KEYS))  # (N, 1, T, T) bool
+    assert packed["attention_mask"].dim() == 2 and packed["packed"].tree is not None  # no (T, T) mask stored
+    keep = packed["packed"].tree.dense_mask()  # (N, 1, T, T) bool
+    assert torch.equal(keep, segment_mask(packed, chunks))
     assert keep.dtype == torch.bool and keep.diagonal(dim1=-2, dim2=-1).all()  # every query attends itself
     assert plain["input_ids"].shape[0] == 2 + len(chunks) and plain["aux_row"].sum() == len(chunks)
     for b in (packed, plain):  # added positions are invisible to the policy-gradient path
@@ -201,21 +203,23 @@ def test_forecast_targets_callback_registers_transform_and_logs():
     dm = SimpleNamespace(add_collate_transform=fns.append, epoch=0)  # the part of RolloutDataModule it uses
     trainer = SimpleNamespace(datamodule=dm, global_rank=0)
     module = SimpleNamespace(log_dict=lambda d, **kw: logged.update(d), policy=SimpleNamespace(chat=CHAT, pad_id=PAD))
-    cb = ForecastTargets(K=3, layout="packed", share_prefix=False)  # the dense segment mask (tree: test_joint_tree.py)
+    cb = ForecastTargets(K=3, packing="packed")  # the rows as prefix trees (tree attention: test_joint_tree.py)
     cb.setup(trainer, module, "fit")
     cb.setup(trainer, module, "fit")
     assert len(fns) == 1
     eps = episodes()
     out = fns[0](collate(eps, PAD), eps)
-    assert all(k in out for k in SEGMENT_KEYS) and out["forecast_mask"].any()
+    assert out["packed"].tree is not None and out["forecast_mask"].any()
     cb.on_train_epoch_end(trainer, module)
     assert logged["forecast/targets"] == 4 and logged["forecast/episodes"] == 1
     assert 0 < logged["forecast/masked_frac"] < 1 and logged["forecast/ensemble_size"] > 1
     logged.clear()
     cb.on_train_epoch_end(trainer, module)
     assert logged == {}
-    with pytest.raises(ValueError, match="layout"):
-        ForecastTargets(layout="interleaved")
+    with pytest.raises(ValueError, match="cope.packing"):
+        ForecastTargets(packing="interleaved")
+    with pytest.raises(ValueError, match="cope.invalid"):
+        ForecastTargets(invalid="skip")
     with pytest.raises(TypeError, match="datamodule"):
         ForecastTargets().setup(SimpleNamespace(datamodule=None), module, "fit")
 

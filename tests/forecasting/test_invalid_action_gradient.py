@@ -13,7 +13,7 @@ from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E
 from cope.algos.cope.chunks import build_chunks
 from cope.algos.cope.layouts import pack_forecasts
 from cope.algos.cope.loss import forecast_nll
-from cope.train.batch import collate, segment_attention
+from cope.train.batch import collate
 from cope.train.logprobs import token_logprobs
 
 K, BAD = 3, 1  # step 1 is the invalid action
@@ -53,7 +53,8 @@ def positions(batch, eps, chunks, lengths):
 def grads(model, batch):
     """Forecast loss gradient w.r.t. leaf log-probs (N, T) and w.r.t. leaf logits (N, T, V)."""
     with torch.no_grad():
-        mask = segment_attention(batch["attn_context_end"], batch["attn_segment_start"], torch.float32)
+        keep = batch["packed"].tree.dense_mask()  # (N, 1, T, T) bool: the packed rows' trees
+        mask = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
         logits = model(input_ids=batch["input_ids"], attention_mask=mask,
                        position_ids=batch["position_ids"], use_cache=False).logits  # (N, T, V)
     logits = logits.detach().requires_grad_(True)
@@ -78,7 +79,7 @@ def test_invalid_action_gets_no_forecast_gradient(model, chat, mask_invalid):
     chunks, _ = build_chunks(eps, chat, K=K, mask_invalid=mask_invalid)
     assert [c.step for c in chunks] == [0, 1, 2, 3] and {c.episode for c in chunks} == {0}
     batch = pack_forecasts(base, eps, chunks, PAD)
-    assert "attn_segment_start" in batch  # segments were appended
+    assert "packed" in batch  # segments were appended
     pos = positions(batch, eps, chunks, lengths)
     # the invalid action sits in chunks 0 and 1 (as a later action and as the anchor action), in their segments
     bad = {k: v for k, v in pos.items() if k[1] == BAD}

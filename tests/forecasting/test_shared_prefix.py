@@ -1,8 +1,9 @@
-"""CoPE's separate forecast step with shared prefixes (``cope.share_prefix=true``): the samples of one episode in a
+"""CoPE's separate forecast step with shared prefixes (``data.share_prefix=true``): the samples of one episode in a
 step are branches of one row over its transcript (tree attention), and the step's loss and every LoRA gradient equal
 one row per sample under SDPA (the dense reference), on the project's tiny architecture (Qwen2) and on Llama, whole
-and micro-batched; the layout is the samples' own sequences; the batch trains through Lightning (its layout moves
-with it) with fewer tokens forwarded; the model serves ordinary batches as SDPA."""
+and micro-batched; the tree is the samples' own sequences; the batch trains through Lightning (its packed rows move
+with it) with fewer tokens forwarded; a model not on tree attention gets the tree's dense mask; the model serves
+ordinary batches as SDPA."""
 from __future__ import annotations
 
 import pytest
@@ -92,10 +93,8 @@ def test_each_step_equals_one_row_per_sample(arch, budget):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kernel", ["tiles", "flex"])  # COPE_TREE_KERNEL: the default, and FlexAttention
 @pytest.mark.parametrize("budget", [None, 40])
-def test_each_step_equals_one_row_per_sample_on_cuda(budget, kernel, monkeypatch):
-    monkeypatch.setenv("COPE_TREE_KERNEL", kernel)
+def test_each_step_equals_one_row_per_sample_on_cuda(budget):
     _check_steps("qwen2", budget, "cuda", 1e-4)
 
 
@@ -106,7 +105,7 @@ def test_branches_are_the_samples_own_sequences():
     eps = _episodes()
     for chunks in _steps(eps):
         dense, shared = collate_chunks(eps, chunks, PAD), collate_shared(eps, chunks, PAD)
-        layout = shared["tree_layout"]
+        layout = shared["packed"].tree
         assert torch.equal(shared["position_ids"], layout.position_ids())
         assert torch.equal(shared["forecast_weight"], dense["forecast_weight"])
         assert torch.equal(shared["forecast_actions"], dense["forecast_actions"])
@@ -139,11 +138,17 @@ def test_branches_are_the_samples_own_sequences():
     assert collate_shared(eps, [], PAD).keys() == collate_chunks(eps, [], PAD).keys()  # an idle rank's batch: the same
 
 
-def test_a_batch_with_its_layout_is_refused_by_a_model_that_would_ignore_it():
+def test_a_model_not_on_tree_attention_gets_the_trees_dense_mask():
+    """The one place that decides how a tree is attended: tree attention computes only the cells a query sees, any
+    other attention the tree's dense mask (the reference); both give the same log-probs."""
     model, eps = _model(), _episodes()
     batch = collate_shared(eps, _steps(eps)[0], PAD)
-    with pytest.raises(ValueError, match="would ignore the layout"):
-        _module(model)(batch)
+    with torch.no_grad():
+        dense = _module(model)(batch).logprobs
+        use_tree_attention(model)
+        tree = _module(model)(batch).logprobs
+    assert dense.abs().sum() > 0
+    torch.testing.assert_close(tree, dense, atol=1e-5, rtol=1e-5)
     base = model.get_base_model()
     base.set_attn_implementation("eager")
     with pytest.raises(ValueError, match="model.attn_implementation=sdpa, or turn the sharing off"):
@@ -183,7 +188,7 @@ def _fit(batch, model) -> tuple[list[dict], list[torch.Tensor], list[torch.Tenso
 
 
 def test_a_shared_step_trains_through_lightning_with_fewer_tokens():
-    """Lightning moves the batch (its TreeLayout included) to the device and takes the step: the adapter lands where
+    """Lightning moves the batch (its PrefixTree included) to the device and takes the step: the adapter lands where
     the dense step puts it (the same gradient, an SGD step), the logged losses agree and
     ``forecast/tokens_forwarded`` counts the shared row once."""
     eps = _episodes()
@@ -226,7 +231,7 @@ def test_a_run_with_shared_prefixes_logs_what_one_row_per_sample_logs(run_train,
     cols = {}
     sgd = ["module.optimizer._target_=torch.optim.SGD", "module.optimizer.lr=0.2"]
     for share in ("true", "false"):
-        run_train([*RUN, *sgd, f"cope.update={update}", f"cope.share_prefix={share}"], tmp_path / share)
+        run_train([*RUN, *sgd, f"cope.update={update}", f"data.share_prefix={share}"], tmp_path / share)
         cols[share] = read_metrics(tmp_path / share / "csv" / "metrics.csv")
     shared, dense = cols["true"], cols["false"]
     keys = sorted(k for k in dense if k.startswith(SAME) and k != "forecast/tokens_forwarded")

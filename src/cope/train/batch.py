@@ -9,7 +9,6 @@ from typing import TypedDict
 import torch
 
 from cope.episode import Episode, Role
-from cope.train.tree_layout import TreeLayout
 
 
 class RolloutBatch(TypedDict, total=False):
@@ -30,20 +29,18 @@ class RolloutBatch(TypedDict, total=False):
             layout appends such rows): transcript-level objectives (ECHO, EMPG) skip them.
 
     Added by CoPE (:mod:`cope.algos.cope.layouts`): ``forecast_mask`` (N, T) bool, ``forecast_chunk`` (N, T)
-    long, ``forecast_actions`` (C,) long, ``forecast_weight`` (C,) float, and for the packed layout the segment
-    attention ``attn_context_end`` / ``attn_segment_start`` (N, T) long (query i attends keys j < context_end[i]
-    and segment_start[i] <= j <= i; see :func:`segment_attention`). CoPE's separate update trains batches of its
-    own, ``kind == "forecast"`` (:func:`cope.algos.cope.layouts.collate_chunks`; no ``kind``: a rollout
-    minibatch). With ``cope.share_prefix`` those batches pack each episode's samples as branches of one row
-    (:func:`cope.algos.cope.shared_prefix.collate_shared`) and carry ``tree_layout``, a
-    :class:`cope.train.tree_layout.TreeLayout` (not a tensor; its ``position_ids`` are the batch's): the module
-    hands it to the model (``"cope_tree"`` attention) with each forward, cut to the micro-batch's rows
-    (:func:`cope.train.tree_batch.batch_tree_layout`). The packed joint layout carries one too with
-    ``cope.share_prefix`` (instead of the segment keys). With ``data.share_prefix`` the DataModule adds
-    ``row_pack``, a :class:`cope.train.group_prefix.RowPack`: the rows packed so that each GRPO group's common
-    prefix is forwarded once; the model sees only those rows, every other key keeps the one-row-per-episode shape
-    and so do the module's log-probs. The temporal ensemble's scored transform adds
-    ``te_position`` (P, 2) long [row, column], ``te_ids`` (P, M) long and ``te_probs`` (P, M) float.
+    long, ``forecast_actions`` (C,) long, ``forecast_weight`` (C,) float. CoPE's separate update trains batches of its
+    own, ``kind == "forecast"`` (:func:`cope.algos.cope.layouts.collate_chunks`; no ``kind``: a rollout minibatch).
+    The temporal ensemble's scored transform adds ``te_position`` (P, 2) long [row, column], ``te_ids`` (P, M) long
+    and ``te_probs`` (P, M) float.
+
+    Shared prefixes: ``packed``, a :class:`cope.train.tree_batch.PackedRows` (not a tensor): the rows the model
+    forwards, trees of a prefix stored once and its branches, with ``index`` from every token of the batch's rows to
+    its place in them. The one form for all three producers: GRPO groups (``data.share_prefix``,
+    :func:`cope.train.group_prefix.pack_groups`), CoPE's packed joint rows (each row a transcript and its forecast
+    segments, :func:`cope.algos.cope.layouts.pack_forecasts`) and CoPE's separate forecast steps with
+    ``data.share_prefix`` (:func:`cope.algos.cope.shared_prefix.collate_shared`: the packed rows are the batch's
+    rows, identity index). Every other key keeps the batch rows' shape, and so do the module's log-probs.
 
     Filled by the module's scoring pass before any update (same shape as ``input_ids``):
     ``old_logprobs``, ``old_entropy``, and ``ref_logprobs`` when a KL term is on. EMPG's scored
@@ -68,10 +65,7 @@ class RolloutBatch(TypedDict, total=False):
     te_position: torch.Tensor
     te_ids: torch.Tensor
     te_probs: torch.Tensor
-    attn_context_end: torch.Tensor
-    attn_segment_start: torch.Tensor
-    tree_layout: TreeLayout
-    row_pack: object  # cope.train.group_prefix.RowPack (not imported here: group_prefix imports this module)
+    packed: object  # cope.train.tree_batch.PackedRows (not imported here: tree_batch imports this module)
     old_logprobs: torch.Tensor
     old_entropy: torch.Tensor
     ref_logprobs: torch.Tensor
@@ -112,7 +106,7 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
 
 def row_lengths(batch: RolloutBatch) -> torch.Tensor:
     """(N,) real length of each row: one past its last attended token (2D ``attention_mask``, right
-    padded, segments of segment attention included); the full width T when a transform replaced the
+    padded, forecast segments included); the full width T when a transform replaced the
     mask by a 4D one."""
     mask = batch["attention_mask"]
     N, T = batch["input_ids"].shape
@@ -134,34 +128,3 @@ def microbatch_plan(lengths: list[int], budget: int) -> list[tuple[int, int, int
         longest = grown
     parts.append((start, len(lengths), longest))
     return parts
-
-
-SEGMENT_KEYS = ("attn_context_end", "attn_segment_start")
-
-
-def model_attention(model, batch: RolloutBatch) -> torch.Tensor:
-    """The mask ``model`` gets for ``batch``: the 2D padding mask, the (N, 1, T, T) mask of segment attention (bool
-    for SDPA, additive in the model's compute dtype otherwise; built per forward), or a transform's own 4D additive
-    mask re-expressed in that dtype."""
-    mask = batch["attention_mask"]
-    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-    dtype = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
-    if all(k in batch for k in SEGMENT_KEYS):
-        sdpa = getattr(model.config, "_attn_implementation", "sdpa") in ("sdpa", "cope_tree")  # tree: sdpa without a layout
-        return segment_attention(*(batch[k] for k in SEGMENT_KEYS), dtype=None if sdpa else dtype)
-    if mask.dim() == 4:  # additive float mask from a collate transform
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask < 0, torch.finfo(dtype).min)
-    return mask
-
-
-def segment_attention(context_end: torch.Tensor, segment_start: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The (N, 1, T, T) mask of segment attention: query i attends key j iff j < context_end[i] or
-    segment_start[i] <= j <= i. Bool (True = attend: SDPA's form) when ``dtype`` is None, else additive
-    in ``dtype`` (0 = attend, the dtype's min = blocked) for eager attention. Every query attends itself."""
-    T = context_end.shape[-1]
-    j = torch.arange(T, device=context_end.device)  # keys
-    i = j[:, None]  # queries
-    keep = (j < context_end[..., None]) | ((j >= segment_start[..., None]) & (j <= i))  # (N, T, T)
-    if dtype is None:
-        return keep[:, None]
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)[:, None]

@@ -59,11 +59,13 @@ class RolloutDataModule(pl.LightningDataModule):
         group_size: G, episodes per task (GRPO group).
         minibatch_size: episodes per optimizer step.
         ppo_epochs: passes over the epoch's minibatches (>1 makes the clipped ratio matter).
-        share_prefix: each minibatch also gets a packed view in which the episodes of one GRPO group forward their
-            common prefix once (:mod:`cope.train.group_prefix`; the policy is switched to tree attention at
-            ``connect``). The batch itself, the losses and the gradients stay those of the unshared minibatch.
-        packed_row_tokens: the longest packed row ``share_prefix`` builds (``${module.max_tokens_per_microbatch}``: a
-            micro-batch is whole packed rows, so a longer row would hold more tokens than the budget); None: no cap.
+        share_prefix: the run's one shared-prefix switch. Each minibatch gets packed rows (``packed``) in which the
+            episodes of one GRPO group forward their common prefix once (:mod:`cope.train.group_prefix`; rows that
+            are trees already, CoPE's packed joint rows, are placed side by side), and the policy is switched to tree
+            attention at ``connect`` (the one place that switches it). CoPE's separate forecast steps read the same
+            key. The batch itself, the losses and the gradients stay those of the unshared minibatch. The longest
+            packed row is the module's ``max_tokens_per_microbatch`` (a micro-batch is whole packed rows), bound at
+            ``setup`` (``max_row_tokens``).
         advantage_mode: ``grpo`` (std-normalized) or ``drgrpo``.
         val_tasks: held-out tasks evaluated greedily at each validation (a fixed panel of the ``test``
             split: indices ``val_offset .. val_offset + val_tasks - 1``).
@@ -93,7 +95,6 @@ class RolloutDataModule(pl.LightningDataModule):
         minibatch_size: int = 16,
         ppo_epochs: int = 1,
         share_prefix: bool = False,
-        packed_row_tokens: int | None = None,
         advantage_mode: str = "grpo",
         val_tasks: int = 64,
         val_batch_size: int = 64,
@@ -121,7 +122,7 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError(f"data.advantage_mode (algo.advantage_mode): {e}") from None
         self.tasks_per_epoch, self.group_size, self.minibatch_size = tasks_per_epoch, group_size, minibatch_size
         self.ppo_epochs, self.advantage_mode, self.share_prefix = ppo_epochs, advantage_mode, bool(share_prefix)
-        self.packed_row_tokens = packed_row_tokens
+        self.max_row_tokens: int | None = None  # the module's micro-batch budget, bound at setup
         self.val_tasks, self.val_batch_size, self.seed, self.progress = val_tasks, val_batch_size, seed, progress
         self.val_offset = val_offset
         self.sampling = sampling or Sampling()
@@ -156,7 +157,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """Bind the policy: its tokenizer and chat scaffold (collation, CoPE targets) and the engine's sampler;
         ``rank`` is the trainer's global rank (``trainer.global_rank``, known once the Trainer exists)."""
         self.tokenizer, self.chat, self.pad_id = policy.tokenizer, policy.chat, int(policy.tokenizer.pad_token_id)
-        if self.share_prefix:  # the minibatches it serves carry tree layouts; every forward without one stays SDPA
+        if self.share_prefix:  # the minibatches it serves carry prefix trees; every forward without one stays SDPA
             use_tree_attention(policy.model)
         self.engine.connect(policy, rank=rank)
 
@@ -173,6 +174,8 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.tokenizer is None:
             raise RuntimeError("RolloutDataModule.connect(policy) must be called before fitting")
         self.rank = self.trainer.global_rank if self.trainer is not None else 0
+        if self.trainer is not None and self.trainer.lightning_module is not None:  # late binding: the module's budget
+            self.max_row_tokens = self.trainer.lightning_module.max_tokens_per_microbatch
 
     def teardown(self, stage: str) -> None:
         self.engine.close()
@@ -248,7 +251,7 @@ class RolloutDataModule(pl.LightningDataModule):
         eps, stats = self._rollout(tasks, groups, self.sampling, self._rng.randrange(2**31), "rollouts")
         t_roll = time.perf_counter() - t0
         adv_metrics = assign_advantages(eps, groups, self.advantage_mode)
-        pack = functools.partial(pack_groups, max_row_tokens=self.packed_row_tokens)
+        pack = functools.partial(pack_groups, max_row_tokens=self.max_row_tokens)
         transforms = [*self._collate_transforms, pack] if self.share_prefix else self._collate_transforms
         minibatches = cut_minibatches(eps, self.minibatch_size, self.pad_id, self._rng, transforms)
         extra = self._extra_batches(eps)
@@ -271,7 +274,7 @@ class RolloutDataModule(pl.LightningDataModule):
         m.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
         if self.share_prefix:  # per pass over the minibatches: what the packed rows forward vs the rows they stand for
             rows = sum(int(mb["attention_mask"].ne(0).sum()) for mb in minibatches)
-            packed = sum(mb["row_pack"].tokens for mb in minibatches)
+            packed = sum(mb["packed"].tokens for mb in minibatches)
             m.update({"data/tokens_forwarded": float(packed), "data/shared_fraction": 1.0 - packed / max(rows, 1)})
         return EpochRecord(epoch=epoch, episodes=eps, minibatches=minibatches, extra_batches=extra, metrics=m,
                            counters=dict(self.counters),

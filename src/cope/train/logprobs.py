@@ -28,7 +28,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from cope.train.tree_layout import TreeLayout
+from cope.train.prefix_tree import PrefixTree
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def causal_lm_logprobs(
     entropy_mask: torch.Tensor | None = None,
     chunk_elems: int = CHUNK_ELEMS,
     rows_at: torch.Tensor | None = None,
-    tree_layout: TreeLayout | None = None,
+    tree_layout: PrefixTree | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(log-probs, entropy), both (N, T) fp32, 0 at t = 0 and wherever not computed; with ``rows_at``, also the
     untempered logits rows (P, V) fp32, with gradient, that predict the tokens at those positions.
@@ -126,7 +126,7 @@ def causal_lm_logprobs(
         chunk_elems: logits held at once (tokens per chunk = chunk_elems // vocab).
         rows_at: (P, 2) long (row, column >= 1) of tokens whose full predictive row is wanted (CoPE's temporal
             ensemble takes a KL over the whole vocabulary there): only those P rows of logits are formed.
-        tree_layout: the :class:`~cope.train.tree_layout.TreeLayout` of shared-prefix rows (the model must run
+        tree_layout: the :class:`~cope.train.prefix_tree.PrefixTree` of shared-prefix rows (the model must run
             ``"cope_tree"`` attention; ``position_ids`` are the layout's), or None.
     """
     N, T = input_ids.shape
@@ -154,7 +154,7 @@ def causal_lm_logprobs(
 
 
 def _head_input(model, input_ids, attention_mask, position_ids,
-                tree_layout: TreeLayout | None = None) -> tuple[torch.nn.Linear | None, torch.Tensor]:
+                tree_layout: PrefixTree | None = None) -> tuple[torch.nn.Linear | None, torch.Tensor]:
     """``(head, h)``: the frozen linear output head and the (K, H) hidden states before it (position t - 1 predicts
     token t), or ``(None, logits)`` with the model's own (K, V) logits when the head is not a frozen linear layer.
     A ``tree_layout`` travels with the forward's keyword arguments down to the attention function."""

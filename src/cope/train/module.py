@@ -10,8 +10,9 @@ forward + backward over micro-batches of at most ``max_tokens_per_microbatch`` t
 batch; :mod:`cope.train.backward`, exact), clip, skip a non-finite step (:mod:`cope.train.step_guard`),
 step the optimizer and the scheduler. A batch is a rollout minibatch, or one of CoPE's separate forecast
 batches (kind ``forecast``: only the objectives of that kind, the learning rate times their ``lr_scale``,
-the schedule not advanced; a forecast batch may pack shared prefixes, whose ``tree_layout`` goes to the model with
-every forward, :mod:`cope.train.tree_batch`). Step metrics go straight to the loggers. Checkpoints hold only trainable
+the schedule not advanced). Every batch runs through one path: the model forwards its packed rows (shared prefixes
+stored once, :mod:`cope.train.tree_batch`; a batch that packs nothing is its own packing) and the log-probs come back
+in the batch rows' shape. Step metrics go straight to the loggers. Checkpoints hold only trainable
 (adapter) weights, plus optimizer, scheduler, counters (in the DataModule's state), the objectives' state
 and the skipped-step count; no RNG state (each epoch's generators are derived from the seed, the rank and
 the epoch); the frozen base is never written.
@@ -29,13 +30,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from cope.models.policy import Policy
 from cope.train.backward import backward_microbatched
-from cope.train.batch import SEGMENT_KEYS, microbatch_plan, model_attention, row_lengths
-from cope.train.group_prefix import packed_logits, packed_logprobs, packed_plan, rows_of
-from cope.train.logprobs import causal_lm_logprobs, sampler_gap
+from cope.train.logprobs import sampler_gap
 from cope.train.objectives import ROLLOUT, ForwardOut, Objective, batch_kind
 from cope.train.seeding import seed_globals
 from cope.train.step_guard import StepGuard, lr_scaled
-from cope.train.tree_batch import batch_tree_layout
+from cope.train.tree_batch import packed_logprobs, packed_view
 
 ScoredTransform = Callable[[list[dict], list], None]
 log = logging.getLogger(__name__)
@@ -109,23 +108,14 @@ class AgentRLModule(pl.LightningModule):
         return any(o.needs_ref and (o.weight != 0 or (o.schedule != "constant" and o.final_weight != 0))
                    for o in self.objectives)
 
-    def _attention(self, batch: dict) -> torch.Tensor:
-        return model_attention(self.model, batch)
-
-    def _logits(self, batch: dict) -> torch.Tensor:
-        """Full (N, T, V) logits (probes and tests; training and scoring go through :meth:`logprobs`)."""
-        if "row_pack" in batch:
-            return packed_logits(self.model, batch["row_pack"])
-        tree = batch_tree_layout(self.model, batch)
-        return self.model(input_ids=batch["input_ids"], attention_mask=self._attention(batch), position_ids=batch["position_ids"],
-                          use_cache=False, **({"tree_layout": tree} if tree is not None else {})).logits  # (N, T, V)
-
     def logprobs(self, batch: dict, rows: torch.Tensor | None = None, length: int | None = None,
                  entropy: bool = True, te: bool = False) -> tuple[torch.Tensor, ...]:
         """Per-token (log-probs, entropy) of ``batch`` rows ``rows`` (all: None), first ``length`` columns;
         action tokens at the sampling temperature, entropy at action tokens only (see :mod:`cope.train.logprobs`).
         With ``te`` and ``batch["te_position"]``, also (the full predictive rows of the positions that fall in this
-        part, their indices into ``te_position``): CoPE's temporal ensemble, from the same forward."""
+        part, their indices into ``te_position``): CoPE's temporal ensemble, from the same forward. The model sees the
+        batch's packed rows (:func:`cope.train.tree_batch.packed_view`: its own rows when it packs nothing); the
+        results have the batch rows' shape."""
         at = sel = None
         if te and "te_position" in batch:
             te_pos = batch["te_position"].to(batch["input_ids"].device)  # (P, 2) [row, column]
@@ -134,37 +124,14 @@ class AgentRLModule(pl.LightningModule):
                 inside &= te_pos[:, 1] < length
             sel = inside.nonzero().squeeze(-1)  # (P_live,)
             at = te_pos[sel]
-        if "row_pack" in batch:  # data.share_prefix: the model sees the packed rows; the result has the rows' shape
-            lp, ent, *te_rows = packed_logprobs(self.model, batch["row_pack"], rows, length, at, self.temperature, entropy)
-            return (lp, ent, te_rows[0], sel) if at is not None else (lp, ent)
-        if at is not None and rows is not None:  # [row in this micro-batch, column]
-            at = torch.stack([torch.searchsorted(rows, at[:, 0]), at[:, 1]], 1)
-        keys = ("input_ids", "position_ids", "action_mask", "attention_mask", *(k for k in SEGMENT_KEYS if k in batch))
-        part = {k: batch[k] if rows is None else batch[k][rows] for k in keys}  # only this micro-batch's rows
-        if length is not None:
-            part = {k: v[:, :length] if v.dim() == 2 else v[..., :length, :length] for k, v in part.items()}
-        act, mask = part["action_mask"], self._attention(part)  # a segment mask only for these rows and columns
-        tree = batch_tree_layout(self.model, batch, rows, length)  # shared-prefix rows: their layout, these rows only
-        lp, ent, *te_rows = causal_lm_logprobs(self.model, part["input_ids"], mask, part["position_ids"], tempered=act,
-                                               temperature=self.temperature, entropy_mask=act if entropy else None, rows_at=at,
-                                               tree_layout=tree)
-        if part["attention_mask"].dim() == 2:  # right padding scores 0, whether or not a micro-batch cut it off
-            pad = part["attention_mask"] == 0
-            lp, ent = lp.masked_fill(pad, 0.0), ent.masked_fill(pad, 0.0)
+        lp, ent, *te_rows = packed_logprobs(self.model, packed_view(batch), rows, length, at, self.temperature, entropy)
         return (lp, ent, te_rows[0], sel) if at is not None else (lp, ent)
 
     def micro_batches(self, batch: dict) -> list[tuple[torch.Tensor | None, int | None]]:
-        """(rows, length) of each micro-batch under ``max_tokens_per_microbatch``: consecutive rows whose
-        count times their longest real length fits the budget (one row at least); [(None, None)]: all at once."""
-        if self.max_tokens_per_microbatch is None:
-            return [(None, None)]
-        dev = batch["input_ids"].device
-        if "row_pack" in batch:  # whole packed rows (a group's trunk and branches are never split)
-            pack, lengths = batch["row_pack"], row_lengths(batch).tolist()
-            parts = [rows_of(pack, a, b) for a, b in packed_plan(pack, self.max_tokens_per_microbatch)]
-            return [(torch.tensor(sorted(r), device=dev), max(lengths[i] for i in r)) for r in parts]
-        return [(torch.arange(a, b, device=dev), n) for a, b, n in microbatch_plan(row_lengths(batch).tolist(),
-                                                                                    self.max_tokens_per_microbatch)]
+        """(rows, length) of each micro-batch under ``max_tokens_per_microbatch``: whole consecutive packed rows (a
+        batch's own rows when it packs nothing) whose count times their longest real length fits the budget (one row
+        at least); [(None, None)]: all at once."""
+        return packed_view(batch).micro_batches(self.max_tokens_per_microbatch)
 
     def forward(self, batch: dict) -> ForwardOut:
         lp, ent, *te = self.logprobs(batch, te=True)

@@ -1,4 +1,4 @@
-"""Exact attention over shared-prefix packed rows (:mod:`cope.train.tree_layout`), as the transformers attention
+"""Exact attention over shared-prefix packed rows (:mod:`cope.train.prefix_tree`), as the transformers attention
 implementation ``"cope_tree"``, computing only the blocks a query can see.
 
 Why: the dense (N, 1, T, T) mask with SDPA costs the square of the packed row, and FlexAttention, which would skip
@@ -17,23 +17,25 @@ no (T, T) tensor is ever built (non-monotonic tree ``position_ids`` would otherw
 packed-sequence mask). A forward without one builds it once (shared by all layers) and runs transformers' own
 SDPA path, so the same model serves ordinary padded batches exactly like ``"sdpa"``.
 
-Kernels, with a layout (the layout's ``kernel`` field can force either; ``"auto"``: :func:`auto_kernel`, tiles
-unless ``COPE_TREE_KERNEL=flex`` on CUDA):
-* ``tiles`` (the default everywhere): nodes that see no ancestor token (roots) run causal SDPA on their own
+Kernels, with a tree:
+* ``tiles`` (what training runs): nodes that see no ancestor token (roots) run causal SDPA on their own
   contiguous slice (the flash kernels skip blocks above the diagonal). Every other node is cut in tiles of queries;
   a tile's keys (its visible ancestor ranges, then its own keys up to the tile end) are gathered, and similar tiles
   run as one batched SDPA call with a bottom-right causal mask. Padding tokens output their own value. All torch
   ops, so autograd's gradients are exact; the (G, Lq, Lk) masks are per tile group, never (T, T). With the
   layout's ``recompute`` (the default) the tile calls are checkpointed: backward gathers and attends again rather
   than keep every tile's copy of its ancestors' keys and values (a branch tile's keys are mostly its trunk's).
-* ``flex`` (opt-in on CUDA): FlexAttention with a BlockMask whose mask_mod does the same ancestor check (no CPU
-  backward in torch 2.13; compiled on CUDA, a new row length recompiles).
+* :func:`flex_tree_attention`: FlexAttention with a BlockMask whose mask_mod does the same ancestor check (no CPU
+  backward in torch 2.13; compiled on CUDA, a new row length recompiles). Not selectable in a training run (no config
+  key, no environment variable): tests and ``bench/gpu_check.py`` call it directly. Why: the tiles kernel is the one
+  whose gradients the CPU suite checks on every run; FlexAttention's backward exists only on CUDA and has not yet
+  passed a GPU training run, so a switch for it would be a production path no default test covers. Once a GPU run
+  shows it faster and exact, it gets one config key.
 Not supported with a layout: sliding-window layers, softcapping, KV-cache decoding (a layout is for whole rows).
 """
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,7 +46,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from cope.train.tree_layout import TreeLayout
+from cope.train.prefix_tree import PrefixTree
 
 NAME = "cope_tree"
 
@@ -71,7 +73,7 @@ def tree_attention_forward(
     attention_mask: torch.Tensor | DeferredMask | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    tree_layout: TreeLayout | None = None,
+    tree_layout: PrefixTree | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query (B, H, T, D), key/value (B, Hkv, T, D) ->
@@ -82,20 +84,7 @@ def tree_attention_forward(
             attention_mask = attention_mask.materialize()
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     _check(tree_layout, query, key, attention_mask, kwargs)
-    kernel = tree_layout.kernel if tree_layout.kernel != "auto" else auto_kernel(query.is_cuda)
-    if kernel == "flex":
-        return _flex_attention(tree_layout, query, key, value, scaling, dropout), None
     return _tile_attention(tree_layout, query, key, value, scaling, dropout), None
-
-
-def auto_kernel(cuda: bool) -> str:
-    """The kernel a layout's ``"auto"`` runs: ``tiles``, unless ``COPE_TREE_KERNEL=flex`` is set and the tensors are on
-    CUDA. The tiles kernel is the one whose gradients the test suite checks (CPU); FlexAttention's training path has a
-    ``gpu``-marked test and a ``bench/gpu_check.py`` phase, and is opt-in until a GPU run has passed them."""
-    choice = os.environ.get("COPE_TREE_KERNEL", "tiles")
-    if choice not in ("tiles", "flex"):
-        raise ValueError(f"COPE_TREE_KERNEL={choice!r}: use 'tiles' (the default) or 'flex' (FlexAttention on CUDA)")
-    return "flex" if choice == "flex" and cuda else "tiles"
 
 
 def register() -> None:
@@ -105,8 +94,8 @@ def register() -> None:
 
 
 def _check(layout: object, query: torch.Tensor, key: torch.Tensor, attention_mask: object, kwargs: dict) -> None:
-    if not isinstance(layout, TreeLayout):
-        raise TypeError(f"tree_layout must be a cope.train.tree_layout.TreeLayout, got {type(layout).__name__}")
+    if not isinstance(layout, PrefixTree):
+        raise TypeError(f"tree_layout must be a cope.train.prefix_tree.PrefixTree, got {type(layout).__name__}")
     if attention_mask is not None and not isinstance(attention_mask, DeferredMask):
         raise ValueError("tree attention got both a tree_layout and a ready-made attention mask: pass one of them "
                          "(the layout already says who attends whom; drop the 4D mask)")
@@ -119,7 +108,7 @@ def _check(layout: object, query: torch.Tensor, key: torch.Tensor, attention_mas
                          f"keys {tuple(key.shape)} (B, H, T, D): build the layout for this batch, and decode without it")
 
 
-def _tile_attention(layout: TreeLayout, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _tile_attention(layout: PrefixTree, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scaling: float | None, dropout: float) -> torch.Tensor:
     """The tiles kernel (see the module docstring): (N, H, T, D) inputs -> (N, T, H, D)."""
     N, H, T, D = query.shape
@@ -163,7 +152,7 @@ def _tile_groups(plan: _TileTensors, sdpa: Callable, query: torch.Tensor, key: t
 
 @dataclass(frozen=True)
 class _TileTensors:
-    """A layout's :class:`~cope.train.tree_layout.Plan` as index tensors on one device (flat indices row*T+t).
+    """A layout's :class:`~cope.train.prefix_tree.Plan` as index tensors on one device (flat indices row*T+t).
 
     ``causal``: (start, end, rows; None = all rows) per causal call. Tile group g has ``masks[g]`` (G, 1, Lq, Lk)
     (bottom-right causal: query i sees keys j <= Lk_tile - Lq_tile + i); its queries are the next G*Lq entries of
@@ -179,7 +168,7 @@ class _TileTensors:
     out_index: torch.Tensor
 
     @classmethod
-    def build(cls, layout: TreeLayout, device: torch.device) -> _TileTensors:
+    def build(cls, layout: PrefixTree, device: torch.device) -> _TileTensors:
         plan, N, T = layout.plan(), len(layout.rows), layout.length
         out_index = torch.full((N * T,), -1, dtype=torch.long)
         base, causal, q_all, k_all, masks = 0, [], [], [], []
@@ -210,8 +199,8 @@ class _TileTensors:
                    pad_index=pad_index.to(device), out_index=out_index.to(device))
 
 
-def tree_mask_mod(layout: TreeLayout, device: torch.device | str) -> Callable:
-    """FlexAttention mask_mod(b, h, q, kv) of ``layout`` (True = attend), equal to :meth:`TreeLayout.dense_mask`.
+def tree_mask_mod(layout: PrefixTree, device: torch.device | str) -> Callable:
+    """FlexAttention mask_mod(b, h, q, kv) of ``layout`` (True = attend), equal to :meth:`PrefixTree.dense_mask`.
 
     Per token: its node (a global id; padding -> M) and its index inside the node; per node pair: how many tokens
     of ancestor ``a`` node ``n`` sees (``sees[n, a]``, 0 if ``a`` is no ancestor). Query q attends kv iff same node
@@ -246,13 +235,14 @@ def _compiled_flex() -> Callable:
     return torch.compile(flex_attention)
 
 
-def _flex_attention(layout: TreeLayout, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    scaling: float | None, dropout: float) -> torch.Tensor:
-    """FlexAttention with the layout's BlockMask (compiled on CUDA; eager elsewhere, forward only): -> (N, T, H, D)."""
+def flex_tree_attention(layout: PrefixTree, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        scaling: float | None = None, dropout: float = 0.0) -> torch.Tensor:
+    """FlexAttention with the tree's BlockMask (compiled on CUDA; eager elsewhere, forward only), (N, H, T, D) inputs
+    -> (N, T, H, D): the kernel tests and benches compare with the tiles kernel (see the module docstring)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if dropout:
-        raise ValueError("the flex tree kernel has no attention dropout: set the model's attention_dropout to 0 or use kernel='tiles'")
+        raise ValueError("the flex tree kernel has no attention dropout: set the model's attention_dropout to 0")
     N, T = len(layout.rows), layout.length
 
     def build():  # compiled on CUDA, so that no (N, 1, T, T) mask is materialized to find the blocks

@@ -1,13 +1,28 @@
-"""Shared-prefix rows in a training batch: a trunk stored once and the branches that continue it, in one row.
+"""The packed batch: the one form in which a training batch carries shared prefixes, and the one forward over it.
 
-The generic side of tree attention in training (:mod:`cope.train.tree_layout` says who attends whom,
-:mod:`cope.train.tree_attention` computes it): :func:`pack_branches` lays rows of "trunk + branches anchored in
-it" into padded tensors and their :class:`~cope.train.tree_layout.TreeLayout`; a batch carries that layout as
-``batch["tree_layout"]`` (see :class:`cope.train.batch.RolloutBatch`); :func:`batch_tree_layout` gives the forward
-the layout of a micro-batch's rows and columns, and refuses a model whose attention would ignore it;
-:func:`use_tree_attention` switches a model to ``"cope_tree"`` (which is SDPA whenever no layout is passed, so
-rollouts and scoring are unchanged). Who packs what is the caller's business (CoPE's separate forecast update:
-:mod:`cope.algos.cope.shared_prefix`).
+A batch's rows (one per episode, or per forecast sample) are its *logical* rows: every objective reads them. What the
+model forwards are :class:`PackedRows`: packed rows holding trees (:class:`~cope.train.prefix_tree.PrefixTree`: a
+prefix stored once, branches continuing it), with ``index``, where each logical token sits in the packed rows. A
+batch that packs prefixes carries them as ``batch["packed"]`` (:func:`packs_prefixes`, the one predicate). Its three
+producers all go through the one packer, :func:`pack` (units placed side by side in as few rows as fit the
+micro-batch budget, :func:`fill_rows`):
+
+* GRPO groups (``data.share_prefix``): :func:`cope.train.group_prefix.pack_groups`; a side view, the logical rows
+  stay one per episode.
+* CoPE's joint rows (``cope.packing=packed``): each row a transcript with its forecast segments as branches
+  (:func:`cope.algos.cope.layouts.pack_forecasts`), rows packed as they are (:meth:`PackedRows.of_rows`), then
+  placed side by side by ``pack_groups`` when ``data.share_prefix`` is on.
+* CoPE's separate forecast steps: the packed rows are the logical rows (:meth:`PackedRows.as_rows`, identity index).
+
+A batch without ``packed`` is seen as the identity packing of its own rows with no tree (:func:`packed_view`), so
+the module runs one code path for every batch (:func:`packed_logprobs`). Every branch of a packer starts with the
+token before its anchor, repeated (:func:`branch`): that copy sees what the trunk's own copy sees, at the same
+position, so its output predicts the branch's first real token inside the branch.
+
+How the model attends a tree is decided in one place, :func:`attention_kwargs`: a model on ``"cope_tree"`` (switched
+by :func:`use_tree_attention`, which only the DataModule calls, when ``data.share_prefix`` is on) computes only the
+cells a query sees; any other model gets the tree's dense (N, 1, T, T) mask, the exact reference (what
+``data.share_prefix=false`` runs for CoPE's packed joint rows).
 """
 from __future__ import annotations
 
@@ -16,75 +31,168 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cope.train.prefix_tree import PrefixTree, TreeNode
 from cope.train.tree_attention import NAME, register
-from cope.train.tree_layout import TreeLayout, TreeNode
 
-#: One packed row: the trunk's ids, then each branch as (anchor, ids): the branch continues ``trunk[:anchor]``.
-Row = tuple[Sequence[int], Sequence[tuple[int, Sequence[int]]]]
+_ROW_KEYS = ("input_ids", "attention_mask", "position_ids", "action_mask")
+
+
+def branch(tokens: Sequence[int], anchor: int, rest: Sequence[int]) -> tuple[int, list[int]]:
+    """``tokens[:anchor] + rest`` as a branch of a trunk holding ``tokens``: (how many trunk tokens it sees, its ids).
+    The branch is ``[tokens[anchor - 1]] + rest`` after ``anchor - 1`` trunk tokens (see the module docstring)."""
+    if not 1 <= anchor <= len(tokens):
+        raise ValueError(f"a branch anchors after 1..{len(tokens)} tokens, got anchor={anchor}")
+    return anchor - 1, [tokens[anchor - 1], *rest]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One tree to place in a packed row: its ``ids``, its ``nodes`` (columns from 0) and ``places``: per logical
+    row it holds, (row, the unit's column of each of the row's tokens)."""
+
+    ids: list[int]
+    nodes: tuple[TreeNode, ...]
+    places: tuple[tuple[int, list[int]], ...] = ()
 
 
 @dataclass(frozen=True)
 class PackedRows:
-    """Rows of trunk + branches, right padded. Input row ``i`` (a tree) sits in packed row ``row_of[i]`` from column
-    ``offset[i]``; ``starts[i][b]``: the column of its branch ``b``.
+    """R packed rows of length L standing for N logical rows of length T.
 
-    ``attention_mask`` is 1 on every trunk and branch token (each packed row is contiguous from column 0) and 0 on
-    padding; ``position_ids`` are the layout's: a branch token sits where it would in ``trunk[:anchor] + branch``."""
+    Attributes:
+        input_ids, attention_mask, position_ids, action_mask: (R, L) the packed rows (``attention_mask`` 1 on real
+            tokens, or a transform's own 4D mask on an identity packing; ``position_ids`` the tree's).
+        tree: the rows' :class:`PrefixTree` (None: plain causal rows).
+        index: (N, T) long, ``r * L + c``: where each real token of logical row n sits; -1 on padding.
+        members: per packed row, the logical rows it holds.
+        lengths: per packed row, its real length.
+    """
 
-    input_ids: torch.Tensor  # (N, T) long
-    attention_mask: torch.Tensor  # (N, T) long
-    position_ids: torch.Tensor  # (N, T) long
-    layout: TreeLayout
-    starts: tuple[tuple[int, ...], ...]
-    row_of: tuple[int, ...]
-    offset: tuple[int, ...]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    action_mask: torch.Tensor
+    tree: PrefixTree | None
+    index: torch.Tensor
+    members: tuple[tuple[int, ...], ...]
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def of_rows(cls, batch: dict, tree: PrefixTree | None = None) -> PackedRows:
+        """The identity packing: the packed rows are ``batch``'s rows (with ``tree``, or plain)."""
+        from cope.train.batch import row_lengths
+
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        N, T = ids.shape
+        real = mask.ne(0) if mask.dim() == 2 else torch.ones(N, T, dtype=torch.bool, device=ids.device)
+        flat = torch.arange(N * T, device=ids.device).view(N, T)
+        return cls(input_ids=ids, attention_mask=mask, position_ids=batch["position_ids"], action_mask=batch["action_mask"],
+                   tree=tree, index=torch.where(real, flat, -1), members=tuple((r,) for r in range(N)),
+                   lengths=tuple(row_lengths(batch).tolist()))
+
+    def as_rows(self) -> PackedRows:
+        """The same packed rows as their own logical rows (identity index): a batch whose rows are already packed."""
+        return PackedRows.of_rows({k: getattr(self, k) for k in _ROW_KEYS}, self.tree)
+
+    def to(self, device=None, **kwargs) -> PackedRows:
+        """The same rows with their tensors on ``device`` (Lightning moves a batch with ``.to``)."""
+        return replace(self, **{k: getattr(self, k).to(device, **kwargs) for k in (*_ROW_KEYS, "index")})
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the packed rows forward."""
+        return sum(self.lengths)
+
+    def micro_batches(self, budget: int | None) -> list[tuple[torch.Tensor | None, int | None]]:
+        """(logical rows, their longest length) per micro-batch: whole consecutive packed rows whose count times their
+        longest length fits ``budget`` tokens (one row at least); [(None, None)]: all at once."""
+        from cope.train.batch import microbatch_plan
+
+        if budget is None:
+            return [(None, None)]
+        lengths = self.index.ge(0).sum(-1).tolist()  # logical rows' real lengths
+        out = []
+        for a, b, _ in microbatch_plan(list(self.lengths), budget):
+            rows = sorted(r for m in self.members[a:b] for r in m)
+            out.append((torch.tensor(rows, device=self.index.device), max(lengths[r] for r in rows)))
+        return out
+
+    def span(self, rows: torch.Tensor | None) -> tuple[int, int]:
+        """The packed rows ``[a, b)`` holding exactly the logical ``rows`` (all: None)."""
+        if rows is None:
+            return 0, len(self.lengths)
+        want = sorted(rows.tolist())
+        where = {r: p for p, m in enumerate(self.members) for r in m}
+        a, b = where[want[0]], max(where[r] for r in want) + 1
+        if sorted(r for m in self.members[a:b] for r in m) != want:
+            raise ValueError(f"rows {want} are not whole packed rows {a}..{b - 1}: cut micro-batches with PackedRows.micro_batches")
+        return a, b
+
+    def part(self, a: int, b: int) -> tuple[dict, PrefixTree | None]:
+        """Packed rows ``[a, b)`` cut to their longest length: the row tensors and their tree."""
+        n = max(self.lengths[a:b])
+        part = {k: getattr(self, k)[a:b, :n] for k in _ROW_KEYS if k != "attention_mask"}
+        mask = self.attention_mask[a:b]
+        part["attention_mask"] = mask[:, :n] if mask.dim() == 2 else mask[..., :n, :n]
+        tree = None if self.tree is None else replace(self.tree, rows=self.tree.rows[a:b], length=n)  # recompute kept
+        return part, tree
+
+    def local_index(self, a: int, width: int, rows: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
+        """``index`` of logical ``rows`` (all: None), first ``length`` columns, as flat positions in the part of packed
+        rows starting at ``a`` cut to ``width`` columns (-1 stays -1)."""
+        idx = self.index if rows is None else self.index[rows]
+        if length is not None:
+            idx = idx[:, :length]
+        L = self.input_ids.shape[1]
+        return torch.where(idx >= 0, (idx // L - a) * width + idx % L, -1)
 
 
-def pack_branches(rows: Sequence[Row], pad_id: int, fill: bool = False, max_row_tokens: int | None = None) -> PackedRows:
-    """Lay each input row out as ``[trunk][branch 0][branch 1]...``: the trunk a root node, each branch a child of it
-    anchored at its ``anchor`` (``0 <= anchor <= len(trunk)``). An empty trunk is left out and its branches become
-    roots (they must then be anchored at 0). ``fill``: the trees go side by side into as few packed rows as
-    :func:`fill_rows` finds (rows up to ``max_row_tokens`` or the longest tree; padding drops; nothing attends across
-    trees); else one packed row per input row."""
-    if not rows:
-        raise ValueError("pack_branches needs at least one row")
-    nodes, starts, seqs = [], [], []
-    for r, (trunk, branches) in enumerate(rows):
-        row_nodes, row_starts, seq = [], [], list(trunk)
-        if trunk:
-            row_nodes.append(TreeNode(0, len(trunk), -1, 0))
-        for b, (anchor, ids) in enumerate(branches):
-            if not ids or not 0 <= anchor <= len(trunk):
-                raise ValueError(f"pack_branches row {r} branch {b}: needs ids and 0 <= anchor={anchor} <= len(trunk)={len(trunk)}")
-            row_starts.append(len(seq))
-            row_nodes.append(TreeNode(len(seq), len(seq) + len(ids), 0 if trunk else -1, anchor))
-            seq.extend(ids)
-        if not seq:
-            raise ValueError(f"pack_branches row {r} is empty: give it a trunk or a branch")
-        nodes.append(tuple(row_nodes))
-        starts.append(tuple(row_starts))
+def packs_prefixes(batch: dict) -> bool:
+    """Whether ``batch`` carries packed rows (``batch["packed"]``): the one predicate."""
+    return batch.get("packed") is not None
+
+
+def packed_view(batch: dict) -> PackedRows:
+    """``batch["packed"]``, or the identity packing of the batch's own rows."""
+    return batch["packed"] if packs_prefixes(batch) else PackedRows.of_rows(batch)
+
+
+def pack(units: Sequence[Unit], n_rows: int, width: int, pad_id: int, cap: int | None = None,
+         action_mask: torch.Tensor | None = None) -> PackedRows:
+    """The one packer: ``units`` placed side by side in as few packed rows as :func:`fill_rows` finds (rows up to
+    ``cap``, the micro-batch budget, or the longest unit; a unit after another keeps its own positions and sees
+    nothing of it). ``n_rows`` x ``width``: the logical rows the units' ``places`` refer to (0: none, see
+    :meth:`PackedRows.as_rows`); ``action_mask`` (n_rows, width): theirs, scattered into the packed rows."""
+    if not units:
+        raise ValueError("pack needs at least one unit")
+    seqs, nodes, members, places = [], [], [], []
+    for bin_ in fill_rows([len(u.ids) for u in units], cap):
+        seq, row_nodes, row_members, row_places = [], [], [], []
+        for u in (units[i] for i in bin_):
+            row_nodes += shifted(u.nodes, len(seq), len(row_nodes))
+            row_members += [r for r, _ in u.places]
+            row_places += [(r, [c + len(seq) for c in cols]) for r, cols in u.places]
+            seq += u.ids
         seqs.append(seq)
-    bins = fill_rows([len(s) for s in seqs], max_row_tokens) if fill else [[i] for i in range(len(seqs))]
-    row_of, offset = [0] * len(seqs), [0] * len(seqs)
-    packed_nodes, packed_seqs = [], []
-    for p, units in enumerate(bins):
-        seq, row_nodes = [], []
-        for u in units:
-            row_of[u], offset[u] = p, len(seq)
-            row_nodes += shifted(nodes[u], len(seq), len(row_nodes))
-            seq += seqs[u]
-        packed_nodes.append(tuple(row_nodes))
-        packed_seqs.append(seq)
-    starts = [tuple(c + offset[i] for c in row) for i, row in enumerate(starts)]
-    nodes, seqs = packed_nodes, packed_seqs
-    N, T = len(seqs), max(len(s) for s in seqs)
-    ids = torch.full((N, T), pad_id, dtype=torch.long)  # (N, T)
-    attn = torch.zeros(N, T, dtype=torch.long)  # (N, T)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[r, : len(s)] = 1
-    layout = TreeLayout(rows=tuple(nodes), length=T)
-    return PackedRows(ids, attn, layout.position_ids(), layout, tuple(starts), tuple(row_of), tuple(offset))
+        nodes.append(tuple(row_nodes))
+        members.append(tuple(row_members))
+        places.append(row_places)
+    R, L = len(seqs), max(len(s) for s in seqs)
+    ids = torch.full((R, L), pad_id, dtype=torch.long)  # (R, L); padding attends only itself, its outputs are dropped
+    attn = torch.zeros(R, L, dtype=torch.long)  # (R, L)
+    index = torch.full((n_rows, width), -1, dtype=torch.long)  # (N, T)
+    for p, s in enumerate(seqs):
+        ids[p, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[p, : len(s)] = 1
+        for r, cols in places[p]:
+            index[r, : len(cols)] = p * L + torch.tensor(cols, dtype=torch.long)
+    act = torch.zeros(R * L, dtype=torch.bool)
+    if action_mask is not None:
+        real = index >= 0
+        act[index[real]] = action_mask[real]  # a shared prefix token has several writers, all False (no action there)
+    tree = PrefixTree(rows=tuple(nodes), length=L)
+    return PackedRows(input_ids=ids, attention_mask=attn, position_ids=tree.position_ids(), action_mask=act.view(R, L),
+                      tree=tree, index=index, members=tuple(members), lengths=tuple(len(s) for s in seqs))
 
 
 def split_to_fit(items: Sequence[int], cost: Callable[[list[int]], int], cap: int | None) -> list[list[int]]:
@@ -124,36 +232,70 @@ def shifted(nodes: Sequence[TreeNode], shift: int, first: int) -> list[TreeNode]
     return [TreeNode(n.start + shift, n.end + shift, n.parent + first if n.parent >= 0 else -1, n.anchor) for n in nodes]
 
 
-def batch_tree_layout(model, batch: dict, rows: torch.Tensor | None = None, length: int | None = None) -> TreeLayout | None:
-    """The tree layout of ``batch`` rows ``rows`` (all: None), first ``length`` columns (all: None), for a forward of
-    ``model``; None when the batch has none. A model whose attention is not ``"cope_tree"`` would ignore the layout
-    (every branch would attend the rows' other branches): that is refused. A model that checkpoints its layers
-    recomputes them in backward anyway, so its layout's ``recompute`` is turned off (one forward of the tile calls
-    less per step, and no memory lost: the layer's activations live only during its own backward)."""
-    layout = batch.get("tree_layout")
-    if layout is None:
-        return None
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl != NAME:
-        raise ValueError(f"this batch packs shared prefixes (tree_layout) but the model's attention is {impl!r}, which would "
-                         f"ignore the layout: switch it with cope.train.tree_batch.use_tree_attention(model) ('{NAME}')")
-    recompute = layout.recompute and not getattr(model, "is_activation_checkpointing", False)
-    if rows is None and length in (None, layout.length) and recompute == layout.recompute:
-        return layout
-    picked = layout.rows if rows is None else tuple(layout.rows[i] for i in rows.tolist())
-    return replace(layout, rows=picked, length=layout.length if length is None else int(length), recompute=recompute)
+def attention_kwargs(model, attention_mask: torch.Tensor, tree: PrefixTree | None) -> dict:
+    """How ``model`` attends rows with ``tree`` (the one place that decides): on ``"cope_tree"``, the tree goes with
+    the forward (a model that checkpoints its layers recomputes them anyway, so the tile calls are not recomputed
+    twice); on any other attention, the tree's dense mask, the reference (bool for SDPA, additive otherwise).
+    Without a tree: the 2D padding mask, or a transform's 4D additive mask in the model's compute dtype."""
+    dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+    dtype = dtype if dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float32
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if tree is not None and impl == NAME:
+        recompute = tree.recompute and not getattr(model, "is_activation_checkpointing", False)
+        return {"attention_mask": attention_mask, "tree_layout": tree if recompute else replace(tree, recompute=False)}
+    if tree is not None:
+        keep = tree.dense_mask(attention_mask.device)  # (N, 1, T, T) bool
+        if impl == "sdpa":
+            return {"attention_mask": keep}
+        return {"attention_mask": torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, torch.finfo(dtype).min)}
+    if attention_mask.dim() == 4:  # additive float mask from a collate transform
+        return {"attention_mask": torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+                .masked_fill(attention_mask < 0, torch.finfo(dtype).min)}
+    return {"attention_mask": attention_mask}
+
+
+def packed_logprobs(model, pack: PackedRows, rows: torch.Tensor | None, length: int | None, at: torch.Tensor | None,
+                    temperature: float, entropy: bool) -> tuple[torch.Tensor, ...]:
+    """:func:`cope.train.logprobs.causal_lm_logprobs` of logical rows ``rows`` (all: None), first ``length`` columns,
+    computed on their packed rows and gathered back to the logical rows' shape: (log-probs, entropy[, TE rows]).
+    ``at``: (P, 2) [logical row, column] of the TE positions (None: none). Padding scores 0."""
+    from cope.train.logprobs import causal_lm_logprobs
+
+    a, b = pack.span(rows)
+    part, tree = pack.part(a, b)
+    width = part["input_ids"].shape[1]
+    local = pack.local_index(a, width, rows, length)  # (n, T')
+    at_packed = None
+    if at is not None:
+        flat = pack.local_index(a, width)[at[:, 0], at[:, 1]]  # (P,)
+        at_packed = torch.stack([flat // width, flat % width], 1)
+    act = part["action_mask"]
+    kw = attention_kwargs(model, part["attention_mask"], tree)
+    lp, ent, *te = causal_lm_logprobs(model, part["input_ids"], kw["attention_mask"], part["position_ids"], tempered=act,
+                                      temperature=temperature, entropy_mask=act if entropy else None, rows_at=at_packed,
+                                      tree_layout=kw.get("tree_layout"))
+    # column 0 holds 0 (the log-prob convention): in a packed row a tree placed after another would read it off that
+    # tree's last token
+    drop = local < 0
+    drop[:, 0] = True
+    return (_gather(lp, local).masked_fill(drop, 0.0), _gather(ent, local).masked_fill(drop, 0.0), *te)
+
+
+def _gather(values: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """(P, L') packed values at the logical rows' flat positions ``local`` (n, T')."""
+    return values.flatten()[local.clamp(min=0)]
 
 
 def use_tree_attention(model) -> None:
     """Register ``"cope_tree"`` and switch ``model`` (a transformers causal LM, peft-wrapped or not) to it. Without a
-    layout it computes exactly what ``"sdpa"`` does, so only a model on ``"sdpa"`` is switched (idempotent); any
-    other implementation is refused, naming the fix."""
+    tree it computes exactly what ``"sdpa"`` does, so only a model on ``"sdpa"`` is switched (idempotent); any other
+    implementation is refused, naming the fix."""
     register()
     impl = getattr(model.config, "_attn_implementation", None)
     if impl == NAME:
         return
     if impl != "sdpa":
-        raise ValueError(f"shared-prefix rows need tree attention ('{NAME}'), which is 'sdpa' without a layout; this model "
+        raise ValueError(f"shared-prefix rows need tree attention ('{NAME}'), which is 'sdpa' without a tree; this model "
                          f"runs {impl!r}: load it with model.attn_implementation=sdpa, or turn the sharing off "
-                         "(cope.share_prefix=false)")
+                         "(data.share_prefix=false)")
     model.set_attn_implementation(NAME)

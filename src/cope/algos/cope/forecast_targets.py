@@ -19,12 +19,12 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.algos.cope.chunks import build_chunks, check_chunk_args
-from cope.algos.cope.layouts import LAYOUTS, pack_forecast_trees, pack_forecasts
+from cope.algos.cope.layouts import LAYOUTS
 from cope.episode import Episode
 from cope.train.seeding import stream
-from cope.train.tree_batch import use_tree_attention
 
 # Raw counts summed over the minibatches of an epoch; the logged means are derived from them.
+INVALID = ("mask", "cut", "keep")
 _SUMS = ("forecast/targets", "forecast/episodes", "forecast/supervised_actions", "forecast/supervisions",
          "forecast/action_tokens", "forecast/masked_tokens")
 
@@ -34,10 +34,10 @@ class ForecastTargets(Callback):
 
     Args:
         K: actions per chunk (the paper advises 2 to 4); >= 1.
-        mask_invalid: invalid actions stay as inputs but give no gradient.
-        cut_at_invalid: stop chunks before the first invalid action instead.
-        layout: ``packed`` (segments after the transcript, segment attention; cheaper) or ``plain`` (one extra
-            row per chunk; the reference layout).
+        invalid: what an invalid action does in a chunk: ``mask`` (it stays as input but gives no gradient), ``cut``
+            (chunks stop before the first invalid action) or ``keep`` (trained like a valid one).
+        packing: ``packed`` (segments after the transcript, each row a tree, ``packed``; cheaper) or ``plain`` (one
+            extra row per chunk; the reference).
         anchors: ``all`` steps, or ``sample`` up to ``max_anchors_per_episode`` per episode.
         max_anchors_per_episode: sample size for ``anchors='sample'``.
         success_only: only successful episodes give targets (ignored when ``min_score`` is set).
@@ -45,38 +45,37 @@ class ForecastTargets(Callback):
         seed: the run seed; the anchor sampler of each epoch is derived from it, the rank and the epoch
             (:mod:`cope.train.seeding`: distinct per rank, the same after a resume).
         mask_projected: actions the env read out of free text (``env.action_parsing=project``) are
-            treated as invalid (masked, or cut with ``cut_at_invalid``): forecasts learn the strict format.
-        share_prefix: ``packed`` only: the packed rows run through tree attention (the model is switched to
-            ``"cope_tree"``, SDPA for every forward without a layout; it must be on ``sdpa``) instead of a dense
-            segment mask per forward (False: the reference). Same loss.
+            treated as invalid (as ``invalid`` says): forecasts learn the strict format.
+
+    How the packed rows are attended (tree attention or their dense mask) and placed side by side is the run's
+    ``data.share_prefix`` (the DataModule), not this callback's.
     """
 
     def __init__(
         self,
         K: int = 3,
-        mask_invalid: bool = True,
-        cut_at_invalid: bool = False,
-        layout: str = "packed",
+        invalid: str = "mask",
+        packing: str = "packed",
         anchors: str = "all",
         max_anchors_per_episode: int | None = None,
         success_only: bool = True,
         min_score: float | None = None,
         seed: int = 0,
         mask_projected: bool = True,
-        share_prefix: bool = True,
     ):
-        if layout not in LAYOUTS:
-            raise ValueError(f"ForecastTargets.layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+        if packing not in LAYOUTS:
+            raise ValueError(f"cope.packing must be one of {sorted(LAYOUTS)}, got {packing!r}")
+        if invalid not in INVALID:
+            raise ValueError(f"cope.invalid must be one of {INVALID}, got {invalid!r}")
         check_chunk_args(K, anchors, max_anchors_per_episode)
-        self.K, self.mask_invalid, self.cut_at_invalid, self.layout = int(K), mask_invalid, cut_at_invalid, layout
+        self.K, self.invalid, self.packing = int(K), invalid, packing
         self.anchors, self.max_anchors_per_episode = anchors, max_anchors_per_episode
         self.success_only, self.min_score, self.mask_projected = success_only, min_score, mask_projected
         self.seed = int(seed)
-        self.share_prefix = bool(share_prefix)
         self._rng, self._stream_of = stream(self.seed, "anchors", 0, 0), (0, 0)  # (rank, epoch) of the current stream
         self._rank = 0  # the trainer's global rank, set in setup
         self._datamodule = None
-        self._chat, self._pad_id, self._row_tokens = None, 0, None  # the policy's and the module's, bound at setup
+        self._chat, self._pad_id = None, 0  # the policy's, bound at setup
         self._sums: dict[str, float] = defaultdict(float)
         self._calls = 0
 
@@ -85,17 +84,14 @@ class ForecastTargets(Callback):
         if dm is None or not hasattr(dm, "add_collate_transform"):
             raise TypeError("ForecastTargets needs a datamodule with add_collate_transform (cope.train.datamodule.RolloutDataModule)")
         self._chat, self._pad_id = pl_module.policy.chat, pl_module.policy.pad_id
-        self._row_tokens = getattr(pl_module, "max_tokens_per_microbatch", None)  # packed rows never exceed a micro-batch
         self._rank = trainer.global_rank
-        if self.shares_prefix:  # before any forward
-            use_tree_attention(pl_module.policy.model)
         if dm is self._datamodule:
             return  # already registered (setup runs once per stage)
         dm.add_collate_transform(self.transform)
         self._datamodule = dm
 
     def transform(self, batch: dict[str, torch.Tensor], episodes: list[Episode]) -> dict[str, torch.Tensor]:
-        """The collate transform: chunks for this minibatch's episodes, laid out by ``layout``."""
+        """The collate transform: chunks for this minibatch's episodes, laid out by ``packing``."""
         idx = [i for i in batch["episode_index"].tolist() if i >= 0]
         if self._datamodule is not None:  # the anchor stream of this rank in the epoch being collected
             key = (self._rank, self._datamodule.epoch)
@@ -105,8 +101,8 @@ class ForecastTargets(Callback):
             [episodes[i] for i in idx],
             self._chat,
             K=self.K,
-            mask_invalid=self.mask_invalid,
-            cut_at_invalid=self.cut_at_invalid,
+            mask_invalid=self.invalid == "mask",
+            cut_at_invalid=self.invalid == "cut",
             anchors=self.anchors,
             max_anchors_per_episode=self.max_anchors_per_episode,
             success_only=self.success_only,
@@ -118,16 +114,7 @@ class ForecastTargets(Callback):
         for k in _SUMS:
             self._sums[k] += metrics[k]
         self._calls += 1
-        if self.layout == "packed":
-            if self.share_prefix:
-                return pack_forecast_trees(batch, episodes, chunks, self._pad_id, self._row_tokens)
-            return pack_forecasts(batch, episodes, chunks, self._pad_id)
-        return LAYOUTS[self.layout](batch, episodes, chunks, self._pad_id)
-
-    @property
-    def shares_prefix(self) -> bool:
-        """Whether the minibatches carry a tree layout (``share_prefix`` with ``layout=packed``)."""
-        return self.share_prefix and self.layout == "packed"
+        return LAYOUTS[self.packing](batch, episodes, chunks, self._pad_id)
 
     def epoch_metrics(self) -> dict[str, float]:
         """The per-epoch metrics accumulated so far (empty when no minibatch was built)."""

@@ -9,18 +9,17 @@ prompted forecast samples (gate, look-past of invalid actions, group weights); t
   the ``forecast`` objective on them, learning rate times its ``lr_scale``). After the policy steps of the epoch,
   not of each minibatch: the authors' trainer runs its forecast pass after the policy update of a training step,
   and a training step there is one rollout batch, an epoch here. Under DDP the ranks' batch counts are evened out
-  with empty batches (:class:`cope.train.experience.BatchSource`). With ``share_prefix`` (the default) the samples
-  of one episode in a step are branches of one row over its transcript, forwarded once
-  (:func:`cope.algos.cope.shared_prefix.collate_shared`); without it, one row per sample (the dense reference).
+  with empty batches (:class:`cope.train.experience.BatchSource`). With ``share_prefix`` (``${data.share_prefix}``)
+  the samples of one episode in a step are branches of one row over its transcript, forwarded once
+  (:func:`cope.algos.cope.shared_prefix.collate_shared`); without it, one row per sample (the reference).
   Same samples, same order, same loss.
 * ``joint``: a collate transform lays the samples of each minibatch's episodes into it (``packing``: ``packed``
   segments after their transcript, attending to it up to obs_t and to themselves, or ``plain`` rows, the
-  reference), and the ``forecast`` objective is summed into the policy-gradient loss. With ``share_prefix`` the
-  packed rows are trees that tree attention computes (only the cells a query sees); without it, a dense
-  segment mask per forward (the reference). Same loss.
+  reference), and the ``forecast`` objective is summed into the policy-gradient loss. The packed rows are trees
+  (``packed``); with ``data.share_prefix`` the DataModule places them side by side and the model attends them with
+  tree attention (only the cells a query sees); without it, through the trees' dense mask (the reference). Same loss.
 
-Whenever the batches carry a tree layout, the model's attention becomes ``"cope_tree"`` at setup (SDPA for every
-forward without a layout: rollouts, validation, plain batches).
+The model's attention is switched in one place, the DataModule (``data.share_prefix``), not here.
 
 With ``te_weight > 0`` it also gives the temporal-ensemble objective its targets: after the module's scoring pass
 the epoch's samples are scored for the members of every transcript action (:mod:`cope.algos.cope.te_loss`).
@@ -35,12 +34,11 @@ import logging
 
 from lightning.pytorch import Callback
 
-from cope.algos.cope.layouts import LAYOUTS, collate_chunks, pack_forecast_trees, pack_forecasts
+from cope.algos.cope.layouts import LAYOUTS, collate_chunks
 from cope.algos.cope.prompted import PlanPrompt, build_prompted, check_prompted_args
 from cope.algos.cope.shared_prefix import collate_shared
 from cope.algos.cope.te_loss import ensemble_transform
 from cope.episode import Episode
-from cope.train.tree_batch import use_tree_attention
 
 UPDATES = ("separate", "joint")
 log = logging.getLogger(__name__)
@@ -61,9 +59,9 @@ class CopeForecasts(Callback):
         update: ``separate`` (the authors') or ``joint`` (must match the ``forecast`` objective's ``update``).
         packing: ``joint`` only: ``packed`` (segments in the transcript's row) or ``plain`` (a row per sample).
         minibatch_size: ``separate`` only: samples per optimizer step.
-        share_prefix: ``separate``: a step's samples of one episode share one row, the transcript forwarded once;
-            ``joint`` with ``packed``: the packed rows run through tree attention instead of a dense segment mask.
-            Either way the model must be on ``sdpa`` (it is switched to ``"cope_tree"``). False: the dense references.
+        share_prefix: ``separate``: a step's samples of one episode share one row, the transcript forwarded once (and
+            so do the temporal ensemble's scoring forwards); ``${data.share_prefix}``, the run's one switch, which
+            also turns the model's tree attention on. False: one row per sample, the reference.
         max_context: samples longer than this are dropped and counted (None: no limit).
         te_weight: lambda_TE of the temporal-ensemble objective (``algo.objectives.te``); > 0 makes this callback
             score the members each epoch.
@@ -73,7 +71,7 @@ class CopeForecasts(Callback):
     def __init__(self, K: int = 3, layout: str = "list", prompt: str | None = None, invalid: str = "skip",
                  mask_projected: bool = True, gate: str = "wins", success_threshold: float = 0.5,
                  group_weights: bool = True, update: str = "separate", packing: str = "packed",
-                 minibatch_size: int = 16, share_prefix: bool = True, max_context: int | None = None, te_weight: float = 0.0,
+                 minibatch_size: int = 16, share_prefix: bool = False, max_context: int | None = None, te_weight: float = 0.0,
                  te_top_m: int = 64):
         check_prompted_args(K, invalid, gate)
         if update not in UPDATES:
@@ -105,10 +103,8 @@ class CopeForecasts(Callback):
             raise ValueError(f"cope.update={self.update!r} needs one algo.objectives.forecast with update={self.update!r}, "
                              f"got {[getattr(o, 'update', None) for o in fc]}")
         policy = pl_module.policy
-        if self.shares_prefix:  # before any forward; every forward without a layout (rollouts) is SDPA
-            use_tree_attention(policy.model)
         self._chat, self._pad_id = policy.chat, policy.pad_id
-        self._row_tokens = getattr(pl_module, "max_tokens_per_microbatch", None)  # shared rows never exceed a micro-batch
+        self._row_tokens = pl_module.max_tokens_per_microbatch  # shared rows never exceed a micro-batch
         self._plan = PlanPrompt(policy.tokenizer, self.layout, self.prompt)
         if dm is self._datamodule:
             return  # registered already (setup runs once per stage)
@@ -120,7 +116,7 @@ class CopeForecasts(Callback):
             context = pl_module.trainer.precision_plugin.train_step_context  # the training forward's numerics
             pl_module.add_scored_transform(ensemble_transform(lambda: pl_module.model, lambda eps: self.samples(eps)[0],
                                                               context, self.te_top_m, self.minibatch_size, self._te_metrics,
-                                                              share_prefix=self.shares_prefix))
+                                                              share_prefix=self.share_prefix))
         self._datamodule = dm
 
     def samples(self, episodes: list[Episode]) -> tuple[list, dict[str, float]]:
@@ -140,16 +136,10 @@ class CopeForecasts(Callback):
                             int(metrics["forecast/projected_masked"]))
         return self._built[1], self._built[2]
 
-    @property
-    def shares_prefix(self) -> bool:
-        """Whether this callback's batches carry a tree layout: ``share_prefix`` with ``update=separate``, or with
-        ``update=joint`` and ``packing=packed``."""
-        return self.share_prefix and (self.update == "separate" or self.packing == "packed")
-
     # -- separate: a batch source --------------------------------------------------------------
     def batches(self, episodes: list[Episode]) -> list[dict]:
         chunks, _ = self.samples(episodes)
-        collate = functools.partial(collate_shared, max_row_tokens=self._row_tokens) if self.shares_prefix else collate_chunks
+        collate = functools.partial(collate_shared, max_row_tokens=self._row_tokens) if self.share_prefix else collate_chunks
         return [collate(episodes, chunks[s: s + self.minibatch_size], self._pad_id)
                 for s in range(0, len(chunks), self.minibatch_size)]
 
@@ -159,10 +149,6 @@ class CopeForecasts(Callback):
     # -- joint: a collate transform ------------------------------------------------------------
     def transform(self, batch: dict, episodes: list[Episode]) -> dict:
         chunks, _ = self.samples(episodes)
-        if self.packing == "packed":
-            if self.share_prefix:
-                return pack_forecast_trees(batch, episodes, chunks, self._pad_id, self._row_tokens)
-            return pack_forecasts(batch, episodes, chunks, self._pad_id)
         return LAYOUTS[self.packing](batch, episodes, chunks, self._pad_id)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:

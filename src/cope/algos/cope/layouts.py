@@ -1,16 +1,15 @@
 """Two equivalent ways to lay CoPE forecast chunks (:class:`~cope.algos.cope.chunks.ForecastChunk`) into a
 training batch, and the standalone batch of the separate update (:func:`collate_chunks`, one row per chunk: the
-dense reference of :func:`cope.algos.cope.shared_prefix.collate_shared`, ``cope.share_prefix=false``).
+reference of :func:`cope.algos.cope.shared_prefix.collate_shared`, ``data.share_prefix=false``).
 
 Layouts of a rollout minibatch (both return a new batch dict, see :class:`cope.train.batch.RolloutBatch` for the
 keys, and add ``forecast_mask`` (N, T) bool, ``forecast_chunk`` (N, T) long (index into ``chunks``, -1
 elsewhere), ``forecast_actions`` (C,) long, ``forecast_weight`` (C,) float, and set ``aux_row`` (N,) bool on rows
 that are not transcripts; both ignore chunks whose episode has no row in the batch, so they give the same loss):
     * :func:`pack_forecasts`: segments appended after their episode's row. Each row is then a two-level tree (the
-      transcript, each segment a branch anchored in it): with ``tree`` the batch carries its
-      :class:`~cope.train.tree_layout.TreeLayout` and trains through tree attention (``"cope_tree"``: only the
-      cells a query sees are computed); without, segment attention, the dense reference (O(N T) in the batch; the
-      (T, T) mask exists only per forward, as bool for SDPA).
+      transcript, each segment a branch anchored in it): the batch carries its packed rows (``packed``, the identity
+      packing with the rows' :class:`~cope.train.prefix_tree.PrefixTree`), which the model attends through tree
+      attention or the tree's dense mask (:func:`cope.train.tree_batch.attention_kwargs`).
     * :func:`plain_forecasts`: one extra row per chunk, ``tokens[:anchor] + chunk``.
 """
 from __future__ import annotations
@@ -19,7 +18,8 @@ import torch
 
 from cope.algos.cope.chunks import ForecastChunk
 from cope.episode import Episode, Role
-from cope.train.tree_layout import TreeLayout, TreeNode
+from cope.train.prefix_tree import PrefixTree, TreeNode
+from cope.train.tree_batch import PackedRows, branch
 
 # Fill values of the known per-token keys on positions a layout adds (other (N, T) keys get 0).
 _TOKEN_FILL = {"attention_mask": 0, "position_ids": 0, "roles": int(Role.PAD), "step_ids": -1, "action_mask": False, "advantages": 0.0}
@@ -50,22 +50,19 @@ def _widen(batch: dict, N: int, T: int, T_new: int, pad_id: int) -> dict:
     return out
 
 
-def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int, tree: bool = False) -> dict:
-    """Append each chunk after its episode's transcript in the same row: with ``tree``, a ``tree_layout`` (each row's
-    transcript a root node, each segment a child anchored after its context; the model must run ``"cope_tree"``),
-    else segment attention (``attn_context_end``, ``attn_segment_start``: see
-    :func:`cope.train.batch.segment_attention`). Both say the same thing: the same scores, up to float rounding.
+def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
+    """Append each chunk after its episode's transcript in the same row, and set ``packed``: the rows as they are,
+    each a tree (its transcript the root, each segment a child that sees the transcript up to the segment's anchor).
 
-    A segment is ``[tokens[anchor - 1]] + chunk.tokens``: it attends to transcript positions < anchor - 1 and
-    causally to itself, and its position ids continue from anchor - 1, so it is scored exactly as the
-    sequence ``tokens[:anchor] + chunk.tokens`` (the repeated token, a non-target, supplies the logits that
-    predict the chunk's first token: a segment's first column is scored from its own previous column). Every
-    forecast token lives in a segment, never at a transcript position: a forecast is a cross-entropy under the
-    model's own distribution, while transcript action tokens are scored at the sampling temperature for the
-    policy gradient (reusing a_t's transcript positions, as this layout did before 2026-12-02, scored the a_t
-    part of a forecast at that temperature: packed and plain differed at T != 1). ``attention_mask`` stays 2D
-    (1 on transcript and segment tokens, rows right padded). When no chunk is appended, the batch has no
-    segment keys and no layout.
+    A segment is a branch (:func:`cope.train.tree_batch.branch`), ``[tokens[anchor - 1]] + chunk.tokens``: it sees
+    transcript positions < anchor - 1 and causally itself, and its position ids continue from anchor - 1, so it is
+    scored exactly as the sequence ``tokens[:anchor] + chunk.tokens`` (the repeated token, a non-target, supplies the
+    logits that predict the chunk's first token). Every forecast token lives in a segment, never at a transcript
+    position: a forecast is a cross-entropy under the model's own distribution, while transcript action tokens are
+    scored at the sampling temperature for the policy gradient (reusing a_t's transcript positions, as this layout
+    did before 2026-12-02, scored the a_t part of a forecast at that temperature: packed and plain differed at
+    T != 1). ``attention_mask`` stays 2D (1 on transcript and segment tokens, rows right padded). When no chunk is
+    appended, the batch has no ``packed``.
     """
     N, T = _check_2d(batch, "pack_forecasts")
     lengths = batch["attention_mask"].sum(-1).tolist()
@@ -79,36 +76,24 @@ def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastCh
         ep = episodes[ch.episode]
         if lengths[r] != len(ep.tokens) or not 1 <= ch.anchor <= len(ep.tokens):
             raise ValueError(f"pack_forecasts: chunk {cid} does not match the row of episode {ch.episode}")
-        ctx = ch.anchor - 1
-        ids, tgt = [ep.tokens[ctx], *ch.tokens], [False, *ch.target]
-        segs.append((r, ends[r], ctx, ids, tgt, cid))
+        ctx, ids = branch(ep.tokens, ch.anchor, ch.tokens)
+        segs.append((r, ends[r], ctx, ids, [False, *ch.target], cid))
         ends[r] += len(ids)
     T_new = max([T, *ends])
     out = _widen(batch, N, T, T_new, pad_id)
     fmask = torch.zeros(N, T_new, dtype=torch.bool)  # (N, T_new)
     fchunk = torch.full((N, T_new), -1, dtype=torch.long)  # (N, T_new)
     if segs:
-        # segment attention, O(N * T) (cope.train.batch.segment_attention builds the (T, T) mask per forward):
-        # query i sees keys j < context_end[i] and segment_start[i] <= j <= i. Transcript: (0, 0), causal;
-        # padding: (0, i), itself only; a segment: (anchor context, its first column).
-        col = torch.arange(T_new)
-        ctx_end = torch.zeros(N, T_new, dtype=torch.long)  # (N, T_new)
-        seg_start = torch.where(col[None] < torch.tensor(lengths)[:, None], 0, col[None]).clone()  # (N, T_new)
-        ids_t, pos_t, real = out["input_ids"].clone(), out["position_ids"].clone(), out["attention_mask"].clone()
-        for r, c0, ctx, ids, tgt, cid in segs:
+        ids_t, real = out["input_ids"].clone(), out["attention_mask"].clone()
+        for r, c0, _, ids, tgt, cid in segs:
             c1 = c0 + len(ids)
             ids_t[r, c0:c1] = torch.tensor(ids, dtype=torch.long)
-            pos_t[r, c0:c1] = torch.arange(ctx, ctx + len(ids))
             fmask[r, c0:c1] = torch.tensor(tgt, dtype=torch.bool)
             fchunk[r, c0:c1] = cid
-            ctx_end[r, c0:c1] = ctx  # the history h_t (up to the anchor)
-            seg_start[r, c0:c1] = c0  # causal inside the segment
             real[r, c0:c1] = 1
-        if tree:
-            out["tree_layout"] = _segment_tree(lengths, segs, T_new)
-        else:
-            out["attn_context_end"], out["attn_segment_start"] = ctx_end, seg_start
-        out["input_ids"], out["position_ids"], out["attention_mask"] = ids_t, pos_t, real
+        tree = _segment_tree(lengths, segs, T_new)
+        out["input_ids"], out["position_ids"], out["attention_mask"] = ids_t, tree.position_ids(), real
+        out["packed"] = PackedRows.of_rows(out, tree)
     out["forecast_mask"], out["forecast_chunk"] = fmask, fchunk
     out["forecast_actions"] = torch.tensor([c.num_actions for c in chunks], dtype=torch.long)  # (C,)
     out["forecast_weight"] = torch.tensor([c.weight for c in chunks], dtype=torch.float32)  # (C,)
@@ -116,25 +101,13 @@ def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastCh
     return out
 
 
-def pack_forecast_trees(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int,
-                        max_row_tokens: int | None = None) -> dict:
-    """:func:`pack_forecasts` with ``tree``, then the rows placed side by side in as few rows as fit, up to
-    ``max_row_tokens`` (the module's micro-batch budget) or the longest row (:func:`cope.train.group_prefix.pack_groups`
-    without sharing: the module forwards the packed view and hands the objectives the usual one-row-per-episode
-    log-probs), so that padding no longer costs."""
-    from cope.train.group_prefix import pack_groups
-
-    out = pack_forecasts(batch, episodes, chunks, pad_id, tree=True)
-    return pack_groups(out, episodes, share=False, max_row_tokens=max_row_tokens)
-
-
-def _segment_tree(lengths: list[int], segs: list[tuple], length: int) -> TreeLayout:
+def _segment_tree(lengths: list[int], segs: list[tuple], length: int) -> PrefixTree:
     """The packed rows as trees: per row, its transcript ``[0, lengths[r])`` (the root) and each segment
     ``(row, first column, context, ids, ...)`` a child that sees the transcript's first ``context`` tokens."""
     rows: list[list[TreeNode]] = [[TreeNode(0, n, -1, 0)] for n in lengths]
     for r, c0, ctx, ids, *_ in segs:
         rows[r].append(TreeNode(c0, c0 + len(ids), 0, ctx))
-    return TreeLayout(rows=tuple(tuple(nodes) for nodes in rows), length=length)
+    return PrefixTree(rows=tuple(tuple(nodes) for nodes in rows), length=length)
 
 
 def plain_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:

@@ -68,9 +68,8 @@ def ensemble_transform(model_of: Callable[[], torch.nn.Module], samples: Callabl
     ``model_of()`` gives the policy to score the members with (no grad, eval mode, under ``context()``: the
     training precision), ``samples(episodes)`` the epoch's forecast samples; the members are scored
     ``rows_per_forward`` samples at a time, one row per sample, or with ``share_prefix`` each episode's samples as
-    branches of one tree over its transcript (:func:`cope.algos.cope.shared_prefix.collate_shared`; the model must
-    run ``"cope_tree"``): the same distributions, each history forwarded once. ``metrics_out`` receives the
-    ``te/*`` counts of the epoch."""
+    branches of one tree over its transcript (:func:`cope.algos.cope.shared_prefix.collate_shared`): the same
+    distributions, each history forwarded once. ``metrics_out`` receives the ``te/*`` counts of the epoch."""
 
     @torch.no_grad()
     def transform(minibatches: list[dict], episodes: list[Episode]) -> None:
@@ -91,7 +90,7 @@ def ensemble_transform(model_of: Callable[[], torch.nn.Module], samples: Callabl
                 layout, rows, cols = None, local, members.position[sel]
                 if share_prefix:  # a member at column q of its sample's row sits (q - anchor) after its branch's first token
                     batch = collate_shared(episodes, part, 0)
-                    inp, att, pos, layout = batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["tree_layout"]
+                    inp, att, pos, layout = batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["packed"].tree
                     at = torch.stack([(batch["forecast_chunk"] == c).float().flatten().argmax() for c in range(len(part))])
                     width = inp.shape[1]
                     anchor = torch.tensor([c.anchor for c in part])
@@ -100,7 +99,7 @@ def ensemble_transform(model_of: Callable[[], torch.nn.Module], samples: Callabl
                     inp, att, pos = forecast_batch(part, [e.tokens for e in episodes])
                 inp, att, pos = inp.to(dev), att.to(dev), pos.to(dev)
                 with context():
-                    i, p = topm_at_positions(model, inp, att, pos, rows.to(dev), cols.to(dev), M=top_m, tree_layout=layout)
+                    i, p = topm_at_positions(model, inp, att, pos, rows.to(dev), cols.to(dev), M=top_m, tree=layout)
                 ids[sel], probs[sel] = i.cpu(), p.float().cpu()
         finally:
             model.train(was)

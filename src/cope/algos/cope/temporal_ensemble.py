@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from cope.algos.cope.chunks import ForecastChunk
 from cope.train.logprobs import CHUNK_ELEMS, frozen_linear_head
 from cope.train.objectives import Metrics
+from cope.train.tree_batch import attention_kwargs
 
 TOPM = 64  # vocabulary entries kept per member token (the authors' TE_TOPM)
 
@@ -107,7 +108,7 @@ def forecast_batch(chunks: Sequence[ForecastChunk], episode_tokens: Mapping[int,
 @torch.no_grad()
 def topm_at_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                       rows: torch.Tensor, positions: torch.Tensor, M: int = TOPM,
-                      chunk_elems: int = CHUNK_ELEMS, tree_layout=None) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_elems: int = CHUNK_ELEMS, tree=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-M of the next-token distribution predicting ``input_ids[rows, positions]`` (the logits at position - 1).
 
     The output head runs only on the selected hidden states, ``chunk_elems // V`` at a time (never (N, T, V));
@@ -120,8 +121,8 @@ def topm_at_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         rows, positions: (L,) long, the tokens whose predictive distribution is wanted (positions >= 1).
         M: entries kept (min(M, V)).
         chunk_elems: logits held at once.
-        tree_layout: the rows' :class:`~cope.train.tree_layout.TreeLayout` when they are shared-prefix rows (the model
-            runs ``"cope_tree"``), else None.
+        tree: the rows' :class:`~cope.train.prefix_tree.PrefixTree` when they are shared-prefix rows (attended as
+            :func:`cope.train.tree_batch.attention_kwargs` decides), else None.
 
     Returns:
         ``ids`` (L, M) long and ``probs`` (L, M) float32, sorted by decreasing probability.
@@ -133,9 +134,7 @@ def topm_at_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     if not rows.numel():
         m = min(M, V or M)
         return torch.empty(0, m, dtype=torch.long), torch.empty(0, m, dtype=torch.float32)
-    kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if tree_layout is not None:
-        kw["tree_layout"] = tree_layout
+    kw = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention_kwargs(model, attention_mask, tree))
     r, p = rows.to(input_ids.device), positions.to(input_ids.device) - 1
     if head is not None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model

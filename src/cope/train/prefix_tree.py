@@ -1,10 +1,10 @@
-"""Shared-prefix ("tree") packing: a prefix stored once and the branches that continue it, in one row.
+"""A prefix tree: which tokens of a packed row see which, when a prefix is stored once and its branches continue it.
 
 A packed row holds a tree of contiguous spans ("nodes"). A root node (``parent == -1``) sees only itself,
 causally. Any other node continues its parent after the parent's first ``anchor`` tokens: it sees, causally, its
 own tokens, plus those ``anchor`` tokens of its parent, plus whatever the parent sees of its own ancestors, up to
 the root. So a node's token attends exactly what it would attend in the unshared sequence "visible ancestor
-tokens + own tokens" (:meth:`TreeLayout.unshared`), and :meth:`TreeLayout.position_ids` gives it that sequence's
+tokens + own tokens" (:meth:`PrefixTree.unshared`), and :meth:`PrefixTree.position_ids` gives it that sequence's
 positions, so RoPE is the same too. Examples: an agent transcript (trunk) with forecast samples that continue it
 from several anchors; a GRPO group's episodes after their shared system prompt. Tokens in no node are padding:
 they attend only themselves.
@@ -12,7 +12,7 @@ they attend only themselves.
 This is the cascade/shared-prefix idea of Hydragen (Juravsky et al., 2024) and tree attention for speculative
 decoding (SpecInfer), used here for training: exact forward and backward, no cache. Where it differs: no
 log-sum-exp merge. Each branch's queries run against the gathered keys of its visible ancestors plus its own
-keys in one masked call (:meth:`TreeLayout.plan` cuts the work into such calls); see
+keys in one masked call (:meth:`PrefixTree.plan` cuts the work into such calls); see
 :mod:`cope.train.tree_attention` for the kernels.
 
 Rules (checked at construction): spans are non-empty, inside the row and disjoint, in any order in memory; a
@@ -93,44 +93,38 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class TreeLayout:
+class PrefixTree:
     """For each of N packed rows of length T, its tree of nodes (see the module docstring).
 
     Args:
         rows: per row, its nodes; node ``i``'s parent must have an index below ``i``.
         length: T, the packed row length (at least the largest node end).
-        kernel: ``"auto"`` (tiles; FlexAttention on CUDA tensors with ``COPE_TREE_KERNEL=flex``: see
-            :func:`cope.train.tree_attention.auto_kernel`), ``"tiles"`` or ``"flex"`` to force one
-            (FlexAttention has no CPU backward in torch 2.13).
         recompute: the tiles kernel's tile calls (queries against gathered ancestor keys) are recomputed in backward
             rather than kept: only q, k, v stay alive, not each tile's copy of its ancestors' keys and values (the
             step's activation peak 15-28% lower where tree rows set it, in ``bench/cope_update_cost.py``'s runs, for one more forward
             of those calls). False keeps them. A model that checkpoints its layers (the 7B preset) gets False
-            from :func:`cope.train.tree_batch.batch_tree_layout`: its layer is recomputed anyway.
+            from :func:`cope.train.tree_batch.attention_kwargs`: its layer is recomputed anyway.
     """
 
     rows: tuple[tuple[TreeNode, ...], ...]
     length: int
-    kernel: str = "auto"
     recompute: bool = True
     # The plan and the per-device tensors the kernels build once per layout and reuse in every layer.
     _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.kernel not in ("auto", "tiles", "flex"):
-            raise ValueError(f"TreeLayout kernel={self.kernel!r}: use 'auto', 'tiles' or 'flex'")
         if not self.rows:
-            raise ValueError("TreeLayout needs at least one row")
+            raise ValueError("PrefixTree needs at least one row")
         for r, nodes in enumerate(self.rows):
             _validate_row(r, nodes, self.length)
 
     @classmethod
-    def from_lists(cls, rows: list[list[tuple[int, int, int, int]]], length: int | None = None, kernel: str = "auto") -> TreeLayout:
+    def from_lists(cls, rows: list[list[tuple[int, int, int, int]]], length: int | None = None) -> PrefixTree:
         """From ``[(start, end, parent, anchor), ...]`` per row; ``length`` defaults to the largest node end."""
         nodes = tuple(tuple(TreeNode(*map(int, n)) for n in row) for row in rows)
         if length is None:
             length = max((n.end for row in nodes for n in row), default=0)
-        return cls(rows=nodes, length=length, kernel=kernel)
+        return cls(rows=nodes, length=length)
 
     def chain(self, row: int, node: int) -> tuple[tuple[int, int], ...]:
         """``(ancestor index, tokens of it that ``node`` sees)`` from the root down to the parent."""
@@ -176,7 +170,7 @@ class TreeLayout:
             for r, nodes in enumerate(self.rows)
         ]
 
-    def to(self, device: torch.device | str | None = None, **kwargs) -> TreeLayout:
+    def to(self, device: torch.device | str | None = None, **kwargs) -> PrefixTree:
         """Itself: a layout holds no tensors (kernels build theirs per device). Lightning moves a batch with ``.to``
         and, without this, would try to rebuild this frozen dataclass field by field and fail."""
         return self
@@ -207,9 +201,9 @@ class TreeLayout:
 def _validate_row(r: int, nodes: tuple[TreeNode, ...], length: int) -> None:
     """Raise ValueError, naming the node and the fix, if row ``r`` breaks a rule of the module docstring."""
     if not nodes:
-        raise ValueError(f"TreeLayout row {r} has no node: give every row at least a root (start, end, -1, 0)")
+        raise ValueError(f"PrefixTree row {r} has no node: give every row at least a root (start, end, -1, 0)")
     for i, n in enumerate(nodes):
-        where = f"TreeLayout row {r} node {i} {tuple(vars(n).values())}"
+        where = f"PrefixTree row {r} node {i} {tuple(vars(n).values())}"
         if not 0 <= n.start < n.end <= length:
             raise ValueError(f"{where}: need 0 <= start < end <= length={length} (nodes are non-empty spans of the row)")
         if n.parent == -1:
@@ -224,10 +218,10 @@ def _validate_row(r: int, nodes: tuple[TreeNode, ...], length: int) -> None:
     spans = sorted((n.start, n.end, i) for i, n in enumerate(nodes))
     for (_, e0, i0), (s1, _, i1) in zip(spans, spans[1:]):
         if s1 < e0:
-            raise ValueError(f"TreeLayout row {r}: nodes {i0} and {i1} overlap; spans must be disjoint (store each token once)")
+            raise ValueError(f"PrefixTree row {r}: nodes {i0} and {i1} overlap; spans must be disjoint (store each token once)")
 
 
-def _make_plan(layout: TreeLayout) -> Plan:
+def _make_plan(layout: PrefixTree) -> Plan:
     """Nodes that see no ancestor token -> causal calls; the others -> tiles of <= TILE queries, grouped greedily
     (largest keys first) while the group's padded cells stay within SLACK times its tiles' own cells."""
     causal: dict[tuple[int, int], list[int]] = {}
