@@ -126,7 +126,7 @@ def _fails_fast(run, tmp_path, monkeypatch) -> str:
 @pytest.mark.parametrize("overrides, key, value, expected", [
     (["data.group_size=abc"], "data.group_size", "'abc'", "expected int"),
     (["seed=abc"], "seed", "'abc'", "expected int"),
-    (["algo=cope", "cope.coef=abc"], "cope.coef", "'abc'", "expected float"),  # a knob, typed where it lands
+    (["algo=cope", "cope.weight=abc"], "cope.weight", "'abc'", "expected float"),  # a knob, typed where it lands
     (["module.optimizer.lr=fast"], "module.optimizer.lr", "'fast'", "expected float"),
     (["trainer.max_epochs=two"], "trainer.max_epochs", "'two'", "expected int"),
     (["data.progress=maybe"], "data.progress", "'maybe'", "expected bool"),
@@ -241,11 +241,12 @@ SHIPPED = (
     + [["debug=fast", f"logger={o}"] for o in _options("logger")]
     + [["debug=fast", "algo=cope_continuation", *o] for o in (
         ["cope.normalize=adaptive"], ["cope.normalize=per_step"], ["cope.K=1"], ["cope.packing=plain"], ["cope.anchors=sample"],
-        ["cope.min_score=-1", "cope.mask_invalid=false"], ["cope.share_prefix=false"])]
+        ["cope.min_score=-1", "cope.invalid=keep"], ["cope.invalid=cut"], ["data.share_prefix=true"])]
     + [["debug=fast", "algo=cope", *o] for o in (["cope.update=joint"], ["cope.update=joint", "cope.packing=plain"],
                                                   ["cope.layout=turns"], ["cope.gate=mixed"], ["cope.invalid=cut"],
                                                   ["cope.schedule=power", "cope.schedule_steps=10"], ["cope.lr_scale=3"],
-                                                  ["cope.share_prefix=false"], ["cope.update=joint", "cope.share_prefix=false"])]
+                                                  ["data.share_prefix=true"], ["cope.update=joint", "data.share_prefix=true"])]
+    + [["debug=fast", "data.share_prefix=true"]]
     + [[]]  # `python train.py` as shipped
     + [[f"model={o}"] for o in _options("model")]
     # presets are for pretrained models; the tiny model's 2048 positions are too few for their contexts
@@ -256,10 +257,10 @@ SHIPPED = (
 @pytest.mark.long
 @pytest.mark.parametrize("overrides", SHIPPED, ids=lambda o: " ".join(o) or "defaults")
 def test_shipped_configs_validate(tmp_path, caplog, monkeypatch, overrides):
-    from cope.run import config_check
+    from cope.run import config_rules
     from cope.run.config_check import check_config
 
-    monkeypatch.setattr(config_check, "_cuda_available", lambda: True)  # trainer=gpu is refused on a machine without one
+    monkeypatch.setattr(config_rules, "_cuda_available", lambda: True)  # trainer=gpu is refused on a machine without one
 
     with caplog.at_level(logging.WARNING, logger="cope.run.config_check"):
         check_config(_compose_plain(overrides, tmp_path))
@@ -300,52 +301,32 @@ def _refused_naming(cfg, *needles: str) -> None:
 
 @pytest.mark.parametrize("attn", ["flash_attention_2", "flash_attention_3"])
 def test_flash_attention_refuses_the_packed_forecast_layout(compose, tmp_path, attn):
-    """CoPE's packed layout attends through a (N, 1, T, T) segment mask per forward; flash attention takes no 4D mask
-    (transformers drops or rejects it deep in the first forward, after rollouts). Refused at config time, with the fix."""
+    """CoPE's packed rows attend through a (N, 1, T, T) mask per forward (or tree attention, which is SDPA); flash
+    attention takes no 4D mask (transformers drops or rejects it deep in the first forward, after rollouts). Refused
+    at config time, with the fix."""
     from cope.run.config_check import ConfigError, check_config
 
-    dense = "cope.share_prefix=false"  # the packed rows through the dense segment mask (with sharing: tree attention)
-    _refused_naming(compose(["algo=cope_continuation", dense, f"model.attn_implementation={attn}"], tmp_path),
-                    f"model.attn_implementation = '{attn}'", "algo.callbacks.forecast_targets.layout=packed",
+    _refused_naming(compose(["algo=cope_continuation", f"model.attn_implementation={attn}"], tmp_path),
+                    f"model.attn_implementation = '{attn}'", "algo.callbacks.forecast_targets.packing=packed",
                     "cope.packing=plain", "model.attn_implementation=sdpa")
     check_config(compose(["algo=cope_continuation", f"model.attn_implementation={attn}", "cope.packing=plain"], tmp_path))
     with pytest.raises(ConfigError, match=r"algo\.callbacks\.forecasts\.packing=packed \(update=joint\).*cope\.update=separate"):
-        check_config(compose(["algo=cope", "cope.update=joint", dense, f"model.attn_implementation={attn}"], tmp_path))
-    check_config(compose(["algo=cope", "cope.share_prefix=false", f"model.attn_implementation={attn}"], tmp_path))  # plain rows
+        check_config(compose(["algo=cope", "cope.update=joint", f"model.attn_implementation={attn}"], tmp_path))
+    check_config(compose(["algo=cope", f"model.attn_implementation={attn}"], tmp_path))  # separate steps: plain rows
     check_config(compose([f"model.attn_implementation={attn}"], tmp_path))  # GRPO: no forecast segments
 
 
-@pytest.mark.parametrize("attn", ["eager", "flash_attention_2"])
-def test_shared_prefix_forecast_steps_refuse_another_attention(compose, tmp_path, attn):
-    """``cope.share_prefix=true`` (the default) switches the model to tree attention, SDPA without a layout, for the
-    separate steps, the packed joint rows and the continuation's packed rows: a model configured with another
-    implementation is refused before any work, naming the key and both fixes (one problem, not also the packed
-    layout's flash one); without sharing, or with plain rows, the implementation stays the user's."""
+@pytest.mark.parametrize("algo", [[], ["algo=cope"], ["algo=cope", "cope.update=joint"], ["algo=cope_continuation"]])
+def test_shared_prefix_refuses_another_attention(compose, tmp_path, algo):
+    """``data.share_prefix=true`` (GRPO groups, CoPE's separate steps and packed rows) runs tree attention, SDPA without
+    a tree: a model configured with another implementation is refused before any work, naming the key and both
+    fixes; without sharing the implementation stays the user's."""
     from cope.run.config_check import check_config
 
-    for algo, key in ((["algo=cope"], "forecasts"), (["algo=cope", "cope.update=joint"], "forecasts"),
-                      (["algo=cope_continuation"], "forecast_targets")):
-        _refused_naming(compose([*algo, f"model.attn_implementation={attn}"], tmp_path),
-                        f"model.attn_implementation = '{attn}'", f"algo.callbacks.{key}.share_prefix=true",
-                        "model.attn_implementation=sdpa", "cope.share_prefix=false")
-    check_config(compose(["algo=cope", "cope.share_prefix=false", f"model.attn_implementation={attn}"], tmp_path))
-    check_config(compose(["algo=cope", "cope.update=joint", "cope.packing=plain", f"model.attn_implementation={attn}"], tmp_path))
-    check_config(compose(["algo=cope"], tmp_path))  # sdpa, as every model preset ships
-
-
-def test_group_prefix_sharing_refuses_another_attention_and_packed_forecasts(compose, tmp_path):
-    """``data.share_prefix=true`` runs tree attention: another attention is refused, and so is a layout that packs
-    forecast segments into the rows already (each naming the keys and the fix); the separate update goes with it."""
-    from cope.run.config_check import check_config
-
-    _refused_naming(compose(["data.share_prefix=true", "model.attn_implementation=eager"], tmp_path),
+    _refused_naming(compose([*algo, "data.share_prefix=true", "model.attn_implementation=eager"], tmp_path),
                     "model.attn_implementation = 'eager'", "data.share_prefix=false", "model.attn_implementation=sdpa")
-    _refused_naming(compose(["algo=cope", "cope.update=joint", "data.share_prefix=true"], tmp_path),
-                    "data.share_prefix", "algo.callbacks.forecasts.packing=packed (update=joint)", "cope.packing=plain")
-    _refused_naming(compose(["algo=cope_continuation", "data.share_prefix=true"], tmp_path),
-                    "data.share_prefix", "algo.callbacks.forecast_targets.layout=packed", "cope.packing=plain")
-    for ok in (["algo=cope"], ["algo=cope_echo"], ["algo=cope", "cope.update=joint", "cope.packing=plain"], ["algo=empg"]):
-        check_config(compose([*ok, "data.share_prefix=true"], tmp_path))
+    check_config(compose([*algo, "data.share_prefix=false", "model.attn_implementation=eager"], tmp_path))
+    check_config(compose([*algo, "data.share_prefix=true"], tmp_path))  # sdpa, as every model preset ships
 
 
 def test_gpu_trainer_without_a_gpu_names_the_fix(run_train, tmp_path, monkeypatch):
@@ -357,10 +338,11 @@ def test_gpu_trainer_without_a_gpu_names_the_fix(run_train, tmp_path, monkeypatc
     msg = _fails_fast(lambda: run_train(["trainer=gpu"], tmp_path), tmp_path, monkeypatch)
     assert "trainer.accelerator = 'gpu'" in msg and "trainer=cpu" in msg and "trainer.accelerator=cpu" in msg, msg
     assert "No supported gpu backend" not in msg, msg
-    from cope.run import config_check
+    from cope.run import config_rules
+    from cope.run.config_check import check_config
 
-    monkeypatch.setattr(config_check, "_cuda_available", lambda: True)  # with a GPU the same config passes the check
-    config_check.check_config(_compose_plain(["trainer=gpu", "debug=fast"], tmp_path))
+    monkeypatch.setattr(config_rules, "_cuda_available", lambda: True)  # with a GPU the same config passes the check
+    check_config(_compose_plain(["trainer=gpu", "debug=fast"], tmp_path))
 
 
 @pytest.mark.parametrize("overrides, needles", [
@@ -401,7 +383,8 @@ def test_context_too_small_for_the_rules_fails_before_the_model_build(run_train,
 
 def test_context_floor_counts_the_instructions_that_replace_the_rules(compose, tmp_path):
     from cope.envs.maze import MazeEnv
-    from cope.run.config_check import ConfigError, check_context_floor
+    from cope.run.config_check import ConfigError
+    from cope.run.config_rules import check_context_floor
 
     cfg = compose(["data.max_context=30"], tmp_path)
     check_context_floor(MazeEnv, cfg.data)  # the maze's rules (21 words) and an action of 8 tokens + 1 fit in 30

@@ -20,11 +20,8 @@ of truth and cover whatever ``_target_`` names. What types cannot say has one pl
 * value ranges of our own classes: their constructors (run next, still before the model build);
 * value ranges third-party classes check late or with a bare assert, and those of classes built after the
   model (the LightningModule): :data:`RANGES`;
-* cross-field: ``data.max_context`` must fit the model's positions (``model.max_context`` of the tiny
-  model, else ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk, or of a
-  hub id's cached copy); flash attention cannot take CoPE's packed forecast layout (a 4D mask);
-* settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0,
-  ``module.optimizer.lr=0``).
+* rules between keys (``data.max_context`` against the model's positions, a GPU trainer on a machine without one,
+  attention against CoPE's packed rows) and no-op settings (logged warnings): :mod:`cope.run.config_rules`.
 
 Arguments ``cope.run.train.train`` passes when it builds a block (:data:`PASSED_AT_BUILD`) are not config
 keys. Torch-free itself; importing the target classes is its only cost (no model build).
@@ -33,16 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import logging
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from cope.run.config_keys import Reads, renamed, source_key, unread_keys
+from cope.run.config_keys import ConfigError, Reads, renamed, source_key, unread_keys
+from cope.run.config_rules import cross_field
 from cope.run.signatures import BUILT, UNSET, base_annotation, conforms, parameters, qualname, type_name
 
 log = logging.getLogger(__name__)
@@ -97,14 +93,6 @@ class RunKeys:
     validate_before_fit: bool = True
 
 
-class ConfigError(ValueError):
-    """One or more config keys are wrong; the message has one line per key."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("invalid config:\n  " + "\n  ".join(problems))
-
-
 def check_config(cfg: DictConfig, reads: Reads | None = None) -> None:
     """Check the composed run config; raise :class:`ConfigError` listing every bad key, log no-op warnings.
 
@@ -119,7 +107,7 @@ def check_config(cfg: DictConfig, reads: Reads | None = None) -> None:
     c.call(cfg, "", RunKeys, open_keys=True)
     c.errors += [p for p in unread_keys(cfg, reads) if p.split(" ")[0] not in c.bad]
     if not c.errors:
-        c.cross_field(cfg)
+        cross_field(cfg, c.fail, c.warnings)
     if c.errors:
         raise ConfigError(c.errors)
     for w in c.warnings:
@@ -223,135 +211,3 @@ class _Checker:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and not ok(v):
                     origin = f" (from {node._get_node(name)._value()})" if OmegaConf.is_interpolation(node, name) else ""
                     self.fail(f"{key}.{name}", f" = {v!r}{origin}: must be {rule} ({qualname(cls)})")
-
-    # -- cross-field rules and no-op warnings ---------------------------------------------------------
-    def cross_field(self, cfg: DictConfig) -> None:
-        data, model = cfg.get("data"), cfg.get("model")
-        if isinstance(data, DictConfig) and isinstance(model, DictConfig):
-            limit = model_positions(model)
-            ctx = data.get("max_context")
-            if limit is not None and isinstance(ctx, int) and ctx > limit[0]:
-                self.fail("data.max_context", f" = {ctx}: exceeds the model's {limit[0]} positions ({limit[1]})")
-            if data.get("group_size") == 1:
-                self.warnings.append("data.group_size=1: one episode per group, so every group-relative advantage is 0 "
-                                     "and the policy gradient is 0 (only auxiliary objectives train)")
-            self.attention_fits_layout(model, cfg)
-        accelerator = (cfg.get("trainer") or {}).get("accelerator")
-        if accelerator in ("gpu", "cuda") and not _cuda_available():
-            self.fail("trainer.accelerator", f" = {accelerator!r} (as trainer=gpu sets it): this machine has no CUDA GPU "
-                      "(torch.cuda.is_available() is False); use trainer=cpu, or trainer.accelerator=cpu")
-        optimizer = (cfg.get("module") or {}).get("optimizer") or {}
-        if optimizer.get("lr") == 0:
-            self.warnings.append("module.optimizer.lr=0: the adapter never changes (rollouts and validation run, "
-                                 "nothing is learned)")
-        objectives = [o for o in ((cfg.get("algo") or {}).get("objectives") or {}).values() if o is not None]
-        if objectives and all(o.get("weight", 1.0) == 0 and o.get("final_weight", 0.0) == 0 for o in objectives):
-            self.warnings.append("every algo.objectives.*.weight is 0: training changes nothing")
-
-    def attention_fits_layout(self, model: DictConfig, cfg: DictConfig) -> None:
-        """What CoPE's forecast layouts need of ``model.attn_implementation``, checked before any work:
-        * flash attention takes no (N, 1, T, T) mask, and CoPE's packed rows (prefix trees) without sharing are
-          attended through one (built per forward): the pairing would fail, or be wrong, at the first training forward;
-        * ``data.share_prefix`` (every shared-prefix batch) switches the model to tree attention ("cope_tree"), which is
-          SDPA without a tree: a model configured with anything else (eager, flash) would not get what it was
-          configured with."""
-        attn = model.get("attn_implementation", "sdpa")
-        groups = bool((cfg.get("data") or {}).get("share_prefix", False))
-        if groups and attn not in (None, "sdpa"):
-            self.fail("model.attn_implementation", f" = {attn!r}: data.share_prefix=true forwards each GRPO group's prefix "
-                      "once through tree attention ('cope_tree'), which runs as sdpa without a layout; use "
-                      "model.attn_implementation=sdpa, or data.share_prefix=false")
-        for name, node in ((cfg.get("algo") or {}).get("callbacks") or {}).items():
-            cls = _callback_class(node)
-            key = _packed_key(cls, node)
-            if key is not None and isinstance(attn, str) and attn.startswith("flash_attention"):
-                self.fail("model.attn_implementation", f" = {attn!r}: cannot take CoPE's packed forecast layout "
-                          f"(algo.callbacks.{name}.{key}: prefix trees, attended through a (N, 1, T, T) mask per forward); "
-                          f"use {'cope.update=separate or cope.packing=plain' if key.startswith('packing') else 'cope.packing=plain'} "
-                          "(2D masks only) or model.attn_implementation=sdpa")
-
-
-def check_context_floor(env_factory: Callable[[], Any], data: DictConfig) -> None:
-    """``data.max_context`` against what the first prompt needs at least, known before the model and its tokenizer:
-    the rules (``data.instructions``, or the env's own) take at least one token per word (every tokenizer here splits
-    at whitespace before merging), and an action ``data.sampling.max_action_tokens`` plus its end-of-turn id.
-
-    The exact count (with the first observation) comes at the first rollout; this catches a context that cannot fit
-    even the rules, before the model build. An env that cannot be built here (its packages live in another
-    interpreter) is not checked."""
-    ctx, rules = data.get("max_context"), data.get("instructions")
-    action = (data.get("sampling") or {}).get("max_action_tokens")
-    if not isinstance(ctx, int) or not isinstance(action, int):
-        return
-    if rules is None:
-        try:
-            env = env_factory()
-            try:
-                rules = env.instructions
-            finally:
-                env.close()
-        except Exception:
-            return
-    floor = len(str(rules).split())
-    if floor + action + 1 > ctx:
-        raise ConfigError([f"data.max_context = {ctx}: too small for the first prompt: its rules alone take at least "
-                           f"{floor} tokens ({floor} words), and an action data.sampling.max_action_tokens={action} more "
-                           f"plus its end-of-turn id; raise data.max_context well above {floor + action + 1} (the first "
-                           "observation comes on top)"])
-
-
-def _cuda_available() -> bool:
-    import torch  # only for a GPU trainer: the check stays torch-free otherwise
-
-    return torch.cuda.is_available()
-
-
-def _callback_class(node: Any) -> type | None:
-    """The class a callback node's ``_target_`` names, or None (not a node with a class target; a bad one is reported
-    by the walk)."""
-    if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
-        return None
-    try:
-        cls = get_object(node.get("_target_"))
-    except Exception:
-        return None
-    return cls if isinstance(cls, type) else None
-
-
-def _packed_key(cls: type | None, node: Any) -> str | None:
-    """The key that puts CoPE's forecasts in packed segments (``layout=packed`` of the continuation targets,
-    ``packing=packed`` of the authors' samples with ``update=joint``), or None."""
-    from cope.algos.cope.forecast_targets import ForecastTargets
-    from cope.algos.cope.forecasts import CopeForecasts
-
-    if cls is not None and issubclass(cls, ForecastTargets) and node.get("packing") == "packed":
-        return "packing=packed"
-    if cls is not None and issubclass(cls, CopeForecasts) and node.get("update") == "joint" and node.get("packing") == "packed":
-        return "packing=packed (update=joint)"
-    return None
-
-
-def model_positions(model: DictConfig) -> tuple[int, str] | None:
-    """The model's position limit and where it comes from, when known without loading the model."""
-    if isinstance(model.get("max_context"), int):
-        return model.max_context, "model.max_context"
-    path = model.get("path")
-    if not isinstance(path, str):
-        return None
-    file = Path(path).expanduser() / "config.json"
-    if not file.is_file():
-        try:  # a hub id already in the local HF cache (no network)
-            from huggingface_hub import try_to_load_from_cache
-
-            hit = try_to_load_from_cache(path, "config.json")
-            file = Path(hit) if isinstance(hit, str) else None
-        except Exception:
-            file = None
-    if file is None:
-        return None
-    try:
-        spec = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None  # the model loader reports a damaged folder
-    n = spec.get("max_position_embeddings", (spec.get("text_config") or {}).get("max_position_embeddings"))
-    return (n, f"max_position_embeddings in {file}") if isinstance(n, int) else None

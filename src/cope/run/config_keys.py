@@ -37,6 +37,14 @@ _KEY_RESOLVERS = ("oc.select", "oc.dict.keys", "oc.dict.values")
 _KEY = re.compile(r"^\.*[\w-]+(?:\.[\w-]+)*$|^\.+$")
 
 
+class ConfigError(ValueError):
+    """One or more config keys are wrong; the message has one line per key."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid config:\n  " + "\n  ".join(problems))
+
+
 @dataclass(frozen=True)
 class Reads:
     """What the run code reads of the config besides component arguments and interpolations.

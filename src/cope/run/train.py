@@ -15,8 +15,9 @@ from omegaconf import DictConfig
 
 from cope.models.source import base_model_of
 from cope.run.checkpoint_io import LAST, check_checkpoint_file, check_free_space, check_resume_matches
-from cope.run.config_check import check_config, check_context_floor
+from cope.run.config_check import check_config
 from cope.run.config_keys import Reads, name_sources
+from cope.run.config_rules import check_context_floor
 from cope.run.preemption import SigtermGuard
 
 log = logging.getLogger(__name__)
