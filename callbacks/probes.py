@@ -21,10 +21,10 @@ untempered): no (N, T, V) logits, whatever the vocabulary.
 
 DDP: each rank probes its own share of the panel, so a rank may have no successful episode (no
 chunk) or no episode at all. Every rank still logs the same keys: the per-rank sums and counts are
-summed over ranks (``trainer.strategy.reduce``, one collective) and each mean is the pooled
-sum / count (0 when the pooled count is 0; the count says so). The pooled values are equal on every
-rank, so they are logged without ``sync_dist`` (a mean of per-rank means would weigh a rank with
-one episode like a rank with thirty).
+summed over ranks (:func:`cope.callbacks.pooled.pool`, one collective) and each mean is the pooled
+sum / count (0 when the pooled count is 0; the count says so), not a mean of per-rank means (which would
+weigh a rank with one episode like a rank with thirty). The pooled values are equal on every rank and are
+logged as global (:func:`cope.callbacks.pooled.log_global`).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from lightning.pytorch import Callback
 from cope.algos.cope.chunks import build_chunks
 from cope.algos.cope.layouts import plain_forecasts
 from cope.algos.cope.prompted import LAYOUTS, PlanPrompt, build_prompted
+from cope.callbacks.pooled import log_global, pool
 from cope.episode import Role
 from cope.records import val_record
 from cope.train.batch import collate
@@ -57,16 +58,6 @@ def probe_metrics(tally: dict[str, float]) -> dict[str, float]:
         "probe/forecast_token_acc": mean("token_hits", "forecast_tokens"),
         "probe/forecast_action_acc": mean("action_hits", "forecast_actions"),
     }
-
-
-def pool(tally: dict[str, float], strategy, device: torch.device | str = "cpu") -> dict[str, float]:
-    """``tally`` summed over the ranks of ``strategy`` (a Lightning strategy; one all-reduce, in float64
-    so token counts and NLL sums stay exact). Every rank must call it, with the same keys in the same order
-    (a dict built from one key tuple, e.g. :data:`TALLY`), also with nothing counted."""
-    keys = list(tally)
-    local = torch.tensor([float(tally[k]) for k in keys], dtype=torch.float64, device=device)  # (len(keys),)
-    total = strategy.reduce(local, reduce_op="sum")
-    return dict(zip(keys, total.tolist()))
 
 
 class HeldOutProbes(Callback):
@@ -166,6 +157,4 @@ class HeldOutProbes(Callback):
         record = val_record(trainer)
         episodes = record.episodes if record is not None else []  # every rank joins the reduction
         local = self.tally(pl_module, episodes, pl_module.policy.chat, pl_module.policy.pad_id)
-        pooled = pool(local, trainer.strategy, pl_module.device)
-        # equal on every rank already: sync_dist would average means instead of pooling the rows
-        pl_module.log_dict(probe_metrics(pooled), on_step=False, on_epoch=True, sync_dist=False)
+        log_global(pl_module, probe_metrics(pool(local, trainer.strategy, pl_module.device)))

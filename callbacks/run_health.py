@@ -10,7 +10,7 @@ epoch's experience is collected by then), this callback reads the epoch record a
   (ECHO on observations, CoPE forecasts from all-win groups): a cold start that is meant to wait longer sets a
   larger count, or null.
 * ``health/invalid_rate``: the share of the epoch's steps whose action the env refused. A collapse of the action
-  format (issue 27: ``westwestwest...`` until the token cap, every action invalid, no reward spread ever again) is
+  format (seen in a demo run: ``westwestwest...`` until the token cap, every action invalid, no reward spread ever again) is
   a regression: once an epoch was at or below ``healthy_invalid_rate`` (``health/format_learned``), the rate above
   ``max_invalid_rate`` for ``invalid_epochs`` epochs in a row stops the run. A cold start (a model that has not
   learned the format yet, e.g. SmolLM2 before its first readable answers) never triggers it.
@@ -18,8 +18,10 @@ epoch's experience is collected by then), this callback reads the epoch record a
 The streaks are logged every epoch (``health/aborted_streak``, ``health/zero_signal_streak``) before a rule
 triggers, and kept in checkpoints (Lightning's callback state), so a resume keeps counting. The stop is a
 :class:`RunStalled` error naming the cause and the key that sets the rule; the last checkpoint stays as it was.
-Every rank reaches the same decision (the counts are summed over ranks first). The third rule, skipping an
-optimizer step whose gradient norm is not finite, lives in the module's step (``module.max_nonfinite_steps``).
+Every rank reaches the same decision: the counts are summed over ranks first, so every logged value is global
+(shares of the summed counts, streaks of those shares) and is logged as such (:func:`cope.callbacks.pooled.log_global`).
+The third rule, skipping an optimizer step whose gradient norm is not finite, lives in the module's step
+(``module.max_nonfinite_steps``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import logging
 import torch
 from lightning.pytorch import Callback
 
+from cope.callbacks.pooled import log_global
 from cope.records import train_record
 
 log = logging.getLogger(__name__)
@@ -99,12 +102,11 @@ class RunHealth(Callback):
         if self.format_learned is None and steps and rate <= self.healthy_invalid_rate:
             self.format_learned = record.epoch
         self.invalid_streak = self.invalid_streak + 1 if self.format_learned is not None and rate > self.max_invalid_rate else 0
-        pl_module.log_dict({"health/aborted_frac": frac, "health/signal_groups": signal,
-                            "health/aborted_streak": float(self.aborted_streak),
-                            "health/zero_signal_streak": float(self.zero_signal_streak),
-                            "health/invalid_rate": rate, "health/invalid_streak": float(self.invalid_streak),
-                            "health/format_learned": float(self.format_learned is not None)},
-                           on_step=False, on_epoch=True, batch_size=1)
+        log_global(pl_module, {"health/aborted_frac": frac, "health/signal_groups": signal,
+                               "health/aborted_streak": float(self.aborted_streak),
+                               "health/zero_signal_streak": float(self.zero_signal_streak),
+                               "health/invalid_rate": rate, "health/invalid_streak": float(self.invalid_streak),
+                               "health/format_learned": float(self.format_learned is not None)})
         if self.aborted_epochs is not None and self.aborted_streak >= self.aborted_epochs:
             self._stop(f"{self.aborted_streak} epochs in a row had more than {self.max_aborted_frac:.0%} of their episodes "
                        f"aborted (this epoch {int(aborted)} of {int(episodes)}): the env, its workers or the rollout server "

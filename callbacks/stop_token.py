@@ -17,7 +17,9 @@ probability), e.g. while every answer is prose that the env's projection reads (
 After each validation run, on the greedy held-out episodes: ``stop/prob_val`` over ``stop/positions_val`` (the same probability; with
 ``rollout/multi_action``, ``val/multi_action``, ``*/action_cap`` from the episode metrics, this is the format's
 early warning). It costs one no-grad forward over at most ``max_episodes`` episodes of the epoch, and as many
-of the panel; it feeds nothing (on or off, training is the same). Under DDP the per-rank sums are pooled.
+of the panel; it feeds nothing (on or off, training is the same). Under DDP each rank measures its own episodes
+(at most ``max_episodes`` each) and every value is computed from the tallies summed over ranks
+(:mod:`cope.callbacks.pooled`): a ratio of global sums, equal on every rank.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.algos.grpo import PolicyGradient
-from cope.callbacks.probes import pool
+from cope.callbacks.pooled import log_global, pool
 from cope.records import train_record, val_record
 from cope.train.batch import collate
 from cope.train.logprobs import causal_lm_logprobs
@@ -133,7 +135,7 @@ class StopTokenStats(Callback):
             return
         record = train_record(trainer)
         tally = self.rollout_tally(pl_module, record) if record is not None else dict.fromkeys(TALLY, 0.0)
-        pl_module.log_dict(stop_metrics(pool(tally, trainer.strategy, pl_module.device)), on_step=False, on_epoch=True)
+        log_global(pl_module, stop_metrics(pool(tally, trainer.strategy, pl_module.device)))
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or self.every_n_epochs < 1:
@@ -141,4 +143,4 @@ class StopTokenStats(Callback):
         record = val_record(trainer)
         pooled = pool(self.panel_tally(pl_module, record.episodes if record is not None else []), trainer.strategy, pl_module.device)
         m = stop_metrics(pooled)
-        pl_module.log_dict({"stop/prob_val": m["stop/prob"], "stop/positions_val": m["stop/positions"]}, on_step=False, on_epoch=True)
+        log_global(pl_module, {"stop/prob_val": m["stop/prob"], "stop/positions_val": m["stop/positions"]})

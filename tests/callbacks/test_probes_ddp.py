@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, port: int, out: str, shares: list, everything: 
                                   strategy=DDPStrategy())
         probes = HeldOutProbes(sample="continuation", K=K)
         probes.on_validation_epoch_end(trainer, module)
-        result = {"logged": [[m, {k: v for k, v in kw.items() if isinstance(v, (bool, int, float))}] for m, kw in logged],
+        result = {"logged": [[m, {k: v for k, v in kw.items() if isinstance(v, (bool, int, float, str))}] for m, kw in logged],
                   "local": probes.probe(module, shares[rank], tiny_chat(), tiny_tokenizer().pad_token_id)}
         if rank == 0:  # the pooled truth: one process probing every rank's episodes
             result["all"] = probes.probe(module, everything, tiny_chat(), tiny_tokenizer().pad_token_id)
@@ -98,7 +98,7 @@ def test_probes_same_keys_and_pooled_mean_across_ranks(tmp_path):
     assert set(results[0]["logged"][0][0]) == set(results[1]["logged"][0][0])  # what a DDP collective needs
     for r in results:  # the documented keys, the pooled values, no second averaging
         [(metrics, kw)] = r["logged"]
-        assert set(metrics) == set(KEYS) and kw["sync_dist"] is False
+        assert set(metrics) == set(KEYS) and kw["sync_dist"] is True and kw["reduce_fx"] == "max"  # max of equal values
     pooled = results[0]["logged"][0][0]
     assert results[1]["logged"][0][0] == pooled
     assert pooled == pytest.approx(results[0]["all"], rel=1e-6)  # = one process over both ranks' episodes

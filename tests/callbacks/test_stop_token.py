@@ -1,4 +1,4 @@
-"""`StopTokenStats` (issue 27): the end-of-turn probability after a complete action and the policy gradient's
+"""`StopTokenStats` (watching the demo's action collapse): the end-of-turn probability after a complete action and the policy gradient's
 push on it, measured by the callback under micro-batching, against a plain full-logits forward of the same
 policy and the push computed by hand from those logits."""
 from __future__ import annotations

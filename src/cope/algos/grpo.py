@@ -9,7 +9,7 @@ Follows PPO (Schulman et al. 2017) as used by GRPO (Shao et al. 2024), with asym
 * ``seq-mean-token-mean`` (the default): mean per sequence, then mean over the sequences that have tokens
   (original GRPO; TRL's ``loss_type="grpo"``). In a multi-turn episode every action turn ends with the
   end-of-turn id; under ``token-mean`` a group's push on it is proportional to sum_i A_i n_i (n_i turns), which
-  is negative when failures run longer than wins, and the whole update is net-negative (issue 27,
+  is negative when failures run longer than wins, and the whole update is net-negative (the demo's action collapse,
   :mod:`cope.train.stop_stats`: ``pg/adv_balance`` -0.25 on the demo). Per-episode normalization gives every
   episode the same total weight (balance 0). It did not remove every collapse of the demo (README).
 * ``seq-mean-token-sum-norm``: sum / (num_seqs * norm_len) with a constant ``norm_len``
