@@ -141,6 +141,19 @@ def test_renamed_key_in_a_composed_config_names_its_replacement(old, new):
     assert unread_keys(cfg, Reads()) == [f"{old} = 1: renamed; use {new}"]
 
 
+@pytest.mark.parametrize("overrides, problem", [
+    (["algo=cope", "+cope.coef=0.02"], "cope.coef = 0.02: renamed; use cope.weight"),  # a knob group
+    (["algo=cope_continuation", "+cope.mask_invalid=false"], "cope.mask_invalid = False: renamed; use cope.invalid"),
+    (["algo=cope", "++cope.share_prefix=false"], "cope.share_prefix = False: renamed; use data.share_prefix"),
+    (["+data.packed_row_tokens=64"], "data.packed_row_tokens: renamed; use module.max_tokens_per_microbatch"),  # a block
+    (["algo=cope_continuation", "+algo.callbacks.forecast_targets.layout=plain"],
+     "algo.callbacks.forecast_targets.layout: renamed; use cope.packing"),
+])
+def test_renamed_key_is_refused_before_the_model_build(run_train, tmp_path, monkeypatch, overrides, problem):
+    msg = _refused_early(run_train, overrides, tmp_path, monkeypatch)
+    assert problem in msg, msg
+
+
 @pytest.mark.long
 def test_entry_point_refuses_a_renamed_key(train_script, tmp_path):
     proc = train_script(["debug=fast", "algo=cope", "cope.coef=0.02", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path,
