@@ -15,12 +15,12 @@ computed, attention over the score cells computed).
 
 * CoPE (separate): the same minibatches, then the authors' prompted forecast samples of the epoch's winning
   episodes in batches of ``--forecast-minibatch`` samples, one optimizer step each (``cope.update=separate``), one
-  row per sample (``cope.share_prefix=false``: every sample re-forwards its history).
+  row per sample (``data.share_prefix=false``: every sample re-forwards its history).
 * CoPE (separate, shared): the same steps on the same samples, each step's samples of one episode as branches of one
-  row over its transcript (``cope.share_prefix=true``, the default: tree attention, ``"cope_tree"``).
+  row over its transcript (``data.share_prefix=true``: tree attention, ``"cope_tree"``).
 * CoPE (joint, packed): the minibatches with the samples packed after their transcripts and the forecast loss
   summed into the policy step (``cope.update=joint cope.packing=packed``): no extra step. Two attentions: the dense
-  (T, T) segment mask per forward (``cope.share_prefix=false``, the reference) and tree attention (``true``, the
+  (T, T) mask of the rows' prefix trees per forward (``data.share_prefix=false``, the reference) and tree attention (``true``, the
   default: each packed row a trunk with its samples as branches, the trees side by side in as few rows as fit).
 
 Each variant owns its optimizer and its weights (swapped in outside the timer), starting from the same LoRA weights;
@@ -30,10 +30,10 @@ number of winning episodes (only they give samples), printed beside it. Also pri
 (real tokens of every batch), padded positions (N x T per batch: what the layers compute, padding included), forwarded
 tokens per trained target token (policy-gradient action tokens plus forecast
 target tokens), and attention score cells (query-key pairs) the kernels compute: N x T x T per batch for SDPA with a
-mask (every cell of the padded rows, the packed joint layout's segment mask included), the tree kernels' count
-(``TreeLayout.score_cells``) for the shared rows; beside it the cells any exact method needs (causal, unmasked).
+mask (every cell of the padded rows, the packed joint rows' dense tree masks included), the tree kernels' count
+(``PrefixTree.score_cells``) for the shared rows; beside it the cells any exact method needs (causal, unmasked).
 
-``--kept-tiles`` adds each tree variant again with ``TreeLayout.recompute=False``: the tiles kernel keeps every tile's
+``--kept-tiles`` adds each tree variant again with ``PrefixTree.recompute=False``: the tiles kernel keeps every tile's
 gathered ancestor keys and values for backward instead of recomputing its tile calls there (the default), so the
 two rows side by side give what the recompute saves in activation memory and costs in time.
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), help="GRPO always runs (the base)")
     p.add_argument("--kept-tiles", action="store_true",
-                   help="also run each tree variant with TreeLayout.recompute=False (the tile calls' activations kept)")
+                   help="also run each tree variant with PrefixTree.recompute=False (the tile calls' activations kept)")
     p.add_argument("--out", type=Path, default=REPO / "bench/results/cope_update_cost.md")
     args = p.parse_args(argv)
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     from hydra.utils import instantiate
     from step_overhead import collect
 
-    from cope.algos.cope.layouts import collate_chunks, pack_forecast_trees, pack_forecasts
+    from cope.algos.cope.layouts import collate_chunks, pack_forecasts
     from cope.algos.cope.loss import ForecastLoss
     from cope.algos.cope.prompted import PlanPrompt, build_prompted
     from cope.algos.cope.shared_prefix import collate_shared
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     from cope.train.batch import collate
     from cope.train.group_prefix import pack_groups
     from cope.train.module import AgentRLModule
-    from cope.train.tree_batch import use_tree_attention
+    from cope.train.tree_batch import packs_prefixes, use_tree_attention
 
     torch.manual_seed(args.seed)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -119,13 +119,13 @@ def main(argv: list[str] | None = None) -> dict:
         "CoPE (separate, shared)": (pg + [collate_shared(eps, c, dm.pad_id, budget) for c in steps], separate),
         "CoPE (joint, dense mask)": ([pack_forecasts(mb, eps, chunks, dm.pad_id) for mb in pg],
                                      [*pg_objs, ForecastLoss(weight=0.01, update="joint")]),
-        "CoPE (joint, tree)": ([pack_forecast_trees(mb, eps, chunks, dm.pad_id, budget) for mb in pg],
+        "CoPE (joint, tree)": ([pack_groups(pack_forecasts(mb, eps, chunks, dm.pad_id), eps, max_row_tokens=budget) for mb in pg],
                                [*pg_objs, ForecastLoss(weight=0.01, update="joint")]),
     }
     epochs = {k: v for k, v in epochs.items() if k == "GRPO" or k in args.variants}
-    if args.kept_tiles:  # each tree variant again with its tile calls' activations kept (TreeLayout.recompute=False)
+    if args.kept_tiles:  # each tree variant again with its tile calls' activations kept (PrefixTree.recompute=False)
         for name, (batches, objs) in list(epochs.items()):
-            if any("tree_layout" in b or "row_pack" in b for b in batches):
+            if "dense" not in name and any(packs_prefixes(b) for b in batches):
                 epochs[name[:-1] + ", tiles kept)"] = ([_tiles_kept(b) for b in batches], objs)
     use_tree_attention(policy.model)  # registers "cope_tree"; each variant runs under its own implementation below
     policy.model.set_attn_implementation("sdpa")
@@ -140,12 +140,13 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.no_grad():
             for n, q in params.items():
                 q.copy_(init[n])
-        attn = "cope_tree" if any("tree_layout" in b or "row_pack" in b for b in batches) else "sdpa"
+        # the joint dense variant carries prefix trees too: on SDPA the model gets their dense mask (the reference)
+        attn = "cope_tree" if "dense" not in name and any(packs_prefixes(b) for b in batches) else "sdpa"
         policy.model.set_attn_implementation(attn)
         module.score_minibatches([b for b in batches if b.get("kind") != "forecast"])
         runs[name] = dict(module=module, batches=batches, opt=module.optimizer_factory(list(params.values())),
                           state={n: q.detach().clone() for n, q in params.items()}, times=[], steps=len(batches),
-                          attn=attn, **_work(batches, budget))
+                          attn=attn, **_work(batches, budget, attn == "sdpa"))
     policy.model.train()
     for r in range(args.warmup + args.epochs):
         for v in runs.values():
@@ -270,16 +271,17 @@ class SavedTensorPeak:
         return peak
 
 
-def _work(batches: list[dict], budget: int | None) -> dict[str, int]:
+def _work(batches: list[dict], budget: int | None, dense: bool = False) -> dict[str, int]:
     """Per epoch, over the micro-batches the module cuts under ``budget`` tokens: real tokens forwarded, positions the
     model computes (rows x columns of each micro-batch: padding too), trained target tokens (action tokens of the
     policy gradient, forecast targets), attention score cells computed (rows x columns squared per SDPA call with a
-    mask; the tree kernels' own count for rows with a tree layout) and the cells an exact method needs (each real
+    mask, prefix trees on SDPA (``dense``) included; the tree kernels' own count for packed rows under tree attention)
+    and the cells an exact method needs (each real
     token's visible keys); the last two also for the separate forecast steps alone (``forecast_*``)."""
     out = dict(tokens=0, positions=0, targets=0, cells=0, visible=0, forecast_cells=0, forecast_visible=0, forecast_tokens=0)
     for b in batches:
         cells0, visible0, tokens0 = out["cells"], out["visible"], out["tokens"]
-        _batch_work(b, budget, out)
+        _batch_work(b, budget, out, dense)
         if b.get("kind") == "forecast":
             out["forecast_cells"] += out["cells"] - cells0
             out["forecast_visible"] += out["visible"] - visible0
@@ -288,14 +290,12 @@ def _work(batches: list[dict], budget: int | None) -> dict[str, int]:
 
 
 def _tiles_kept(batch: dict) -> dict:
-    """``batch`` with its tree layout's ``recompute`` off (the tiles kernel keeps its gathered keys for backward)."""
+    """``batch`` with its prefix tree's ``recompute`` off (the tiles kernel keeps its gathered keys for backward)."""
     from dataclasses import replace
 
     out = dict(batch)
-    if "tree_layout" in out:
-        out["tree_layout"] = replace(out["tree_layout"], recompute=False)
-    if "row_pack" in out:
-        out["row_pack"] = replace(out["row_pack"], layout=replace(out["row_pack"].layout, recompute=False))
+    if out.get("packed") is not None:
+        out["packed"] = replace(out["packed"], tree=replace(out["packed"].tree, recompute=False))
     return out
 
 
@@ -309,40 +309,25 @@ def forecast_token_floor(episodes: list, chunks: list) -> int:
     return sum(last.values()) + sum(len(c.tokens) for c in chunks)  # a sample's row: tokens[:anchor] + its tokens
 
 
-def _batch_work(b: dict, budget: int | None, out: dict) -> None:
+def _batch_work(b: dict, budget: int | None, out: dict, dense: bool = False) -> None:
     """Adds one batch's counts to ``out`` (see :func:`_work`)."""
-    from cope.train.batch import microbatch_plan, row_lengths
-    from cope.train.group_prefix import packed_plan
-    from cope.train.tree_layout import TreeLayout
+    from cope.train.batch import microbatch_plan
+    from cope.train.prefix_tree import PrefixTree
+    from cope.train.tree_batch import packed_view
 
     out["targets"] += int(b["action_mask"].sum()) + int(b["forecast_mask"].sum() if "forecast_mask" in b else 0)
-    if "row_pack" in b:  # what the model forwards: the packed rows, in micro-batches of whole packed rows
-        pack = b["row_pack"]
-        out["tokens"] += pack.tokens
-        for r0, r1 in packed_plan(pack, budget):
-            n = max(pack.lengths[r0:r1])
-            out["positions"] += (r1 - r0) * n
-            cells = TreeLayout(rows=pack.layout.rows[r0:r1], length=n).score_cells()
-            out["cells"] += cells.tree
-            out["visible"] += cells.visible
-        return
-    out["tokens"] += int(b["attention_mask"].ne(0).sum())
-    lengths = row_lengths(b).tolist()
-    for r0, r1, n in microbatch_plan(lengths, budget) if budget else [(0, len(lengths), b["input_ids"].shape[1])]:
+    pack = packed_view(b)  # what the model forwards: the packed rows (a plain batch's own), in micro-batches of whole rows
+    out["tokens"] += pack.tokens
+    lengths = list(pack.lengths)
+    for r0, r1, n in microbatch_plan(lengths, budget) if budget else [(0, len(lengths), max(lengths))]:
         out["positions"] += (r1 - r0) * n
-        if "tree_layout" in b:
-            cells = TreeLayout(rows=b["tree_layout"].rows[r0:r1], length=n).score_cells()
-            out["cells"] += cells.tree
+        if pack.tree is not None:
+            cells = PrefixTree(rows=pack.tree.rows[r0:r1], length=n).score_cells()
+            out["cells"] += cells.dense if dense else cells.tree
             out["visible"] += cells.visible
             continue
         out["cells"] += (r1 - r0) * n * n
-        real = b["attention_mask"][r0:r1, :n].ne(0)
-        if "attn_context_end" in b:  # segment attention: query i sees j < context_end[i] and segment_start[i] <= j <= i
-            i = torch.arange(n)
-            seen = b["attn_context_end"][r0:r1, :n] + (i - b["attn_segment_start"][r0:r1, :n] + 1)  # (rows, n)
-            out["visible"] += int(seen[real].sum())
-        else:  # causal rows, right padded
-            out["visible"] += sum(k * (k + 1) // 2 for k in real.sum(-1).tolist())
+        out["visible"] += sum(k * (k + 1) // 2 for k in lengths[r0:r1])  # causal rows, right padded
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ LoRA parameters (``module.configure_optimizers``). Two objectives: GRPO (``cope.
 and CoPE (+ ``cope.algos.cope.loss.ForecastLoss`` on forecast targets from
 ``cope.algos.cope.chunks.build_chunks`` laid out by ``pack_forecasts``), each also on the shared-prefix path
 (``cope_tree``: the packed rows as trees; ``grpo_shared``: each group's prompt forwarded once, ``data.share_prefix``),
-both through tree attention (the tiles kernel, the default; ``cope_tree_flex``: FlexAttention, opt-in with
-``COPE_TREE_KERNEL=flex``, which the first GPU run measures; its compile time counts in its warm-up step). Then HF generation with
+both through tree attention (the tiles kernel: FlexAttention is not selectable in training, its kernel is checked by
+a ``gpu``-marked test). Then HF generation with
 ``cope.rollout.hf_actor.CachedSamplingActor`` (KV cache, nucleus sampling at T=1) at batch 64.
 
 Sizes on the GPU (default), chosen to finish in well under 8 minutes on one H200:
@@ -282,17 +282,14 @@ def train_step(module, opt, batch) -> float:
 
 
 def run_training(name: str, policy, pad: int, objectives, episodes, settings: dict, sizes: Sizes, device, deadline: float,
-                 cope: dict | None, shared: bool = False, kernel: str = "tiles") -> dict:
-    """One objective's phase. ``shared``: the shared-prefix path (tree attention, ``"cope_tree"``, with ``kernel`` as
-    ``COPE_TREE_KERNEL``: ``tiles``, the default, or ``flex``): with ``cope``, its packed rows as trees
-    (``cope.share_prefix=true``); without, the GRPO groups' prefixes forwarded once (``data.share_prefix=true``).
-    The model is back on SDPA afterwards."""
+                 cope: dict | None, shared: bool = False) -> dict:
+    """One objective's phase. ``shared``: the shared-prefix path (``data.share_prefix=true``: tree attention,
+    ``"cope_tree"``): with ``cope``, its packed rows side by side under tree attention (without: their dense mask on
+    SDPA); without ``cope``, the GRPO groups' prefixes forwarded once. The model is back on SDPA afterwards."""
     import torch
 
-    os.environ["COPE_TREE_KERNEL"] = kernel
-
     from cope.algos.cope.chunks import build_chunks
-    from cope.algos.cope.layouts import LAYOUTS, pack_forecast_trees, pack_forecasts
+    from cope.algos.cope.layouts import LAYOUTS
     from cope.train.batch import collate, row_lengths
     from cope.train.group_prefix import pack_groups
     from cope.train.module import AgentRLModule
@@ -300,22 +297,20 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
 
     chat = policy.chat
     mb = collate(episodes, pad)
-    res: dict = {"episodes": len(episodes), "tokens": sum(len(e.tokens) for e in episodes), "shared": shared,
-                 "kernel": kernel if shared else None}
+    res: dict = {"episodes": len(episodes), "tokens": sum(len(e.tokens) for e in episodes), "shared": shared}
     if cope is not None:
         # the ForecastTargets callback's call: every knob of the `cope:` node that build_chunks takes
         known = inspect.signature(build_chunks).parameters
-        chunks, _ = build_chunks(episodes, chat, rng=random.Random(0), **{k: v for k, v in cope.items() if k in known})
-        if cope["packing"] == "packed" and shared:  # the trees side by side, rows within the micro-batch budget
-            mb = pack_forecast_trees(mb, episodes, chunks, pad, sizes.microbatch_tokens)
-        elif cope["packing"] == "packed":
-            mb = pack_forecasts(mb, episodes, chunks, pad)
-        else:
-            mb = LAYOUTS[cope["packing"]](mb, episodes, chunks, pad)
+        invalid = cope.get("invalid", "mask")  # as ForecastTargets maps it
+        chunks, _ = build_chunks(episodes, chat, rng=random.Random(0), mask_invalid=invalid == "mask", cut_at_invalid=invalid == "cut",
+                                 **{k: v for k, v in cope.items() if k in known})
+        mb = LAYOUTS[cope["packing"]](mb, episodes, chunks, pad)
+        if shared:  # as the DataModule does: the trees side by side, rows within the micro-batch budget
+            mb = pack_groups(mb, episodes, max_row_tokens=sizes.microbatch_tokens)
         res.update(chunks=len(chunks), layout=cope["packing"], K=int(cope["K"]))
     elif shared:
         mb = pack_groups(mb, episodes, max_row_tokens=sizes.microbatch_tokens)
-        res["tokens_forwarded"] = mb["row_pack"].tokens
+        res["tokens_forwarded"] = mb["packed"].tokens
     if shared:
         use_tree_attention(policy.model)
     res["rows"], res["width"] = int(mb["input_ids"].shape[0]), int(mb["input_ids"].shape[1])
@@ -409,7 +404,7 @@ def table(summary: dict) -> str:
         return "-" if x is None else spec.format(x)
 
     lines = ["| phase | step s | tokens/s | tokens | cells | micro-batches | score s | peak GiB |", "|---|---|---|---|---|---|---|---|"]
-    for name in ("grpo", "cope", "cope_tree", "cope_tree_flex", "grpo_shared"):
+    for name in ("grpo", "cope", "cope_tree", "grpo_shared"):
         r = summary.get(name) or {}
         if "step_s" in r:
             lines.append(f"| {name} | {fmt(r['step_s'], '{:.3f}')} | {fmt(r['tokens_per_s'], '{:,.0f}')} | {r['tokens']:,} | "
@@ -424,8 +419,7 @@ def table(summary: dict) -> str:
         lines.append(f"| generation | failed: {g['error'].splitlines()[-1][:100]} | | | | | | |")
     if summary.get("forecast_overhead") is not None:
         lines.append(f"\nforecast overhead (CoPE step / GRPO step): {summary['forecast_overhead']:.2f}")
-    for key, what in (("cope_tree_vs_cope", "CoPE packed rows, tree attention (tiles) / dense segment mask"),
-                      ("cope_tree_flex_vs_cope", "CoPE packed rows, tree attention (FlexAttention) / dense segment mask"),
+    for key, what in (("cope_tree_vs_cope", "CoPE packed rows, tree attention (tiles) / their dense mask"),
                       ("grpo_shared_vs_grpo", "GRPO, group prefixes shared / unshared")):
         if summary.get(key) is not None:
             lines.append(f"{what} (step time): {summary[key]:.2f}")
@@ -506,15 +500,11 @@ def main(argv: list[str] | None = None) -> int:
     phases = {
         "grpo": lambda: train("grpo", objectives=[PolicyGradient(**settings["pg"])], cope=None),
         "cope": lambda: train("cope", objectives=[PolicyGradient(**settings["pg"]), forecast], cope=c),
-        # the shared-prefix path (tree attention; FlexAttention on CUDA): the packed rows as trees, then GRPO groups
+        # the shared-prefix path (tree attention): the packed rows side by side, then GRPO groups
         "cope_tree": lambda: train("cope_tree", objectives=[PolicyGradient(**settings["pg"]), forecast], cope=c, shared=True),
-        "cope_tree_flex": lambda: train("cope_tree_flex", objectives=[PolicyGradient(**settings["pg"]), forecast], cope=c,
-                                        shared=True, kernel="flex"),
         "grpo_shared": lambda: train("grpo_shared", objectives=[PolicyGradient(**settings["pg"])], cope=None, shared=True),
         "generation": lambda: run_generation(policy, pad, sizes, device, words, settings["temperature"]),
     }
-    if device.type != "cuda":
-        del phases["cope_tree_flex"]  # FlexAttention has no CPU backward: the tiles kernel would run twice
     for name, fn in phases.items():
         log(f"{name}: start")
         try:
@@ -528,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         if name == "cope" and "step_s" in summary.get("grpo", {}) and "step_s" in summary[name]:
             summary["forecast_overhead"] = round(summary[name]["step_s"] / summary["grpo"]["step_s"], 3)
-        for shared, base in (("cope_tree", "cope"), ("cope_tree_flex", "cope"), ("grpo_shared", "grpo")):  # shared / reference
+        for shared, base in (("cope_tree", "cope"), ("grpo_shared", "grpo")):  # shared / reference
             if name == shared and "step_s" in summary.get(base, {}) and "step_s" in summary[name]:
                 summary[f"{shared}_vs_{base}"] = round(summary[name]["step_s"] / summary[base]["step_s"], 3)
         write(summary, out)
