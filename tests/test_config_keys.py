@@ -71,17 +71,28 @@ def _refused_early(run_train, overrides, tmp_path, monkeypatch) -> str:
     (["+algo.advantage_mod=drgrpo"], ["algo.advantage_mod = 'drgrpo': read by nothing (in `algo`",
                                       "did you mean algo.advantage_mode?"]),
     (["+seeds=1"], ["seeds = 1: read by nothing (at the root", "did you mean seed?"]),
-    (["algo=cope", "+cope.weigth=0.02"], ["cope.weigth = 0.02: read by nothing (in `cope`", "did you mean cope.",
-                                          "weight?"]),
+    (["algo=cope", "+cope.weigth=0.02"], ["cope.weigth = 0.02: read by nothing (in `cope`", "did you mean cope.weight?"]),
+    (["algo=cope_continuation", "+cope.weigth=0.02"], ["did you mean cope.weight?"]),
     (["algo=cope", "++cope.te.wieght=1"], ["cope.te.wieght = 1: read by nothing (in `cope.te`",
                                            "did you mean cope.te.weight?"]),
     (["+module.foo=1"], ["module.foo: not an argument of cope.train.module.AgentRLModule"]),  # a component block
     (["++module.foo=1"], ["module.foo: not an argument of cope.train.module.AgentRLModule"]),
+    (["+module.max_aprox_kl=0.1"], ["did you mean module.max_approx_kl?"]),
     (["+callbacks.extra=1"], ["callbacks.extra = 1: an entry of callbacks is a component block"]),
 ])
 def test_orphan_key_is_refused_before_the_model_build(run_train, tmp_path, monkeypatch, overrides, needles):
     msg = _refused_early(run_train, overrides, tmp_path, monkeypatch)
     assert all(n in msg for n in needles), msg
+
+
+def test_the_root_schema_keys_are_declared_read():
+    """The typed root keys (RunKeys) are the keys cope.run.train declares it reads: the two cannot drift apart."""
+    import dataclasses
+
+    from cope.run.config_check import RunKeys
+    from cope.run.train import READS
+
+    assert {f.name for f in dataclasses.fields(RunKeys)} <= set(READS.keys)
 
 
 def test_a_component_block_nothing_builds_is_refused(compose, tmp_path):

@@ -29,6 +29,7 @@ keys. Torch-free itself; importing the target classes is its only cost (no model
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import logging
 from typing import Any, Callable, Optional
@@ -170,7 +171,9 @@ class _Checker:
             elif open_keys:
                 self.plain(self.get(node, name, full), full)
             else:
-                self.fail(full, renamed(full) or f": not an argument of {where} (it takes: {', '.join(params) or 'nothing'})")
+                close = difflib.get_close_matches(str(name), list(params), n=1, cutoff=0.75)
+                hint = f"; did you mean {key}.{close[0]}?" if close else ""
+                self.fail(full, renamed(full) or f": not an argument of {where} (it takes: {', '.join(params) or 'nothing'}){hint}")
         if not node.get("_partial_", False):
             for name, p in params.items():
                 if p.default is inspect.Parameter.empty and name not in node and name not in PASSED_AT_BUILD.get(key, ()):
