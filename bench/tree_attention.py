@@ -62,7 +62,7 @@ def variants(layout: PrefixTree, heads: int, kv_heads: int, dim: int) -> dict[st
     padded = leaf(len(seqs), heads, L, dim), leaf(len(seqs), kv_heads, L, dim), leaf(len(seqs), kv_heads, L, dim)
 
     def tree():
-        tree_attention_forward(module, q, k, v, None, tree_layout=layout)[0].sum().backward()
+        tree_attention_forward(module, q, k, v, None, prefix_tree=layout)[0].sum().backward()
 
     def dense():
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa).sum().backward()
@@ -124,7 +124,7 @@ def main() -> None:
     layout = make_layout(args.trunk, args.branches, args.branch_len)
     t0 = time.perf_counter()
     plan = layout.plan()
-    tree_attention_forward(types.SimpleNamespace(), *(torch.zeros(1, 1, layout.length, 8) for _ in range(3)), None, tree_layout=layout)
+    tree_attention_forward(types.SimpleNamespace(), *(torch.zeros(1, 1, layout.length, 8) for _ in range(3)), None, prefix_tree=layout)
     built = time.perf_counter() - t0
     cells = layout.score_cells()
     print(f"packed row: T={layout.length} (trunk {args.trunk} + {args.branches} branches, {layout.length - args.trunk} tokens), "

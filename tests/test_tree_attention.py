@@ -113,7 +113,7 @@ def test_kernel_equals_dense_sdpa(monkeypatch, tile, rows, length, recompute):
     torch.manual_seed(0)
     N, T = len(rows), length
     q, k, v = (torch.randn(N, h, T, 8, requires_grad=True) for h in (6, 2, 2))  # GQA: 6 query heads, 2 kv heads
-    out, weights = tree_attention_forward(types.SimpleNamespace(num_key_value_groups=3), q, k, v, None, tree_layout=layout)
+    out, weights = tree_attention_forward(types.SimpleNamespace(num_key_value_groups=3), q, k, v, None, prefix_tree=layout)
     assert weights is None and out.shape == (N, T, 6, 8)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.dense_mask(), enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -149,7 +149,7 @@ def test_recompute_keeps_only_qkv_for_backward():
     got = {}
     for recompute in (True, False):
         layout = dataclasses.replace(PrefixTree.from_lists(rows, length=440), recompute=recompute)
-        got[recompute], out = _saved_bytes(functools.partial(tree_attention_forward, mod, q, k, v, None, tree_layout=layout))
+        got[recompute], out = _saved_bytes(functools.partial(tree_attention_forward, mod, q, k, v, None, prefix_tree=layout))
         out.sum().backward()  # the recomputed graph still backpropagates
     assert got[True] < 1.5 * qkv < 2 * got[True] < got[False], (got, qkv)
 
@@ -165,7 +165,7 @@ def test_recompute_replays_attention_dropout():
         q, k, v = (torch.randn(2, h, 82, 8, requires_grad=True) for h in (6, 2, 2))
         torch.manual_seed(1)
         out = tree_attention_forward(types.SimpleNamespace(num_key_value_groups=3), q, k, v, None, dropout=0.3,
-                                     tree_layout=layout)[0]
+                                     prefix_tree=layout)[0]
         torch.manual_seed(2)  # backward (the recompute) runs under another RNG state
         got.append([out, *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))])
     for a, b in zip(*got):
@@ -184,7 +184,7 @@ def test_kernel_in_bf16_is_as_close_to_fp32_as_dense_sdpa():
     def run(dtype, tree):
         x = [t.to(dtype).requires_grad_() for t in (q, k, v)]
         if tree:
-            out = tree_attention_forward(mod, *x, None, tree_layout=layout)[0]
+            out = tree_attention_forward(mod, *x, None, prefix_tree=layout)[0]
         else:
             out = F.scaled_dot_product_attention(*x, attn_mask=layout.dense_mask(), enable_gqa=True).transpose(1, 2)
         return [out.float(), *(t.float() for t in torch.autograd.grad(out, x, g.to(dtype)))]
@@ -256,7 +256,7 @@ def _unshared(model, layout, ids, targets, impl):
 
 
 def _packed(model, layout, ids, targets):
-    logits = model(ids, position_ids=layout.position_ids(), tree_layout=layout, use_cache=False).logits  # (N, T, V)
+    logits = model(ids, position_ids=layout.position_ids(), prefix_tree=layout, use_cache=False).logits  # (N, T, V)
     loss = sum(_branch_loss(logits[r, n.start:n.end], targets[r, n.start:n.end])
                for r, nodes in enumerate(layout.rows) for n in nodes if n.parent >= 0)
     return logits, loss
@@ -331,11 +331,11 @@ def test_misuse_names_the_fix():
     q = k = v = torch.zeros(1, 2, 4, 8)
     m = types.SimpleNamespace()
     with pytest.raises(ValueError, match="drop the 4D mask"):
-        tree_attention_forward(m, q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool), tree_layout=layout)
+        tree_attention_forward(m, q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool), prefix_tree=layout)
     with pytest.raises(ValueError, match="build the layout for this batch"):
-        tree_attention_forward(m, q[:, :, :3], k, v, None, tree_layout=layout)
+        tree_attention_forward(m, q[:, :, :3], k, v, None, prefix_tree=layout)
     with pytest.raises(ValueError, match="sliding-window"):
-        tree_attention_forward(m, q, k, v, None, tree_layout=layout, sliding_window=2)
+        tree_attention_forward(m, q, k, v, None, prefix_tree=layout, sliding_window=2)
     register()
     register()  # idempotent
     from transformers import AttentionInterface

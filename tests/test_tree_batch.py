@@ -84,8 +84,8 @@ def test_one_place_decides_how_a_tree_is_attended():
     tree = PrefixTree.from_lists([[(0, 3, -1, 0), (3, 5, 0, 2)]])
     mask = torch.ones(1, 5, dtype=torch.long)
     kw = attention_kwargs(_model(NAME), mask, tree)
-    assert kw["tree_layout"] is tree and kw["attention_mask"] is mask
-    assert attention_kwargs(_model(NAME, checkpointing=True), mask, tree)["tree_layout"].recompute is False
+    assert kw["prefix_tree"] is tree and kw["attention_mask"] is mask
+    assert attention_kwargs(_model(NAME, checkpointing=True), mask, tree)["prefix_tree"].recompute is False
     assert torch.equal(attention_kwargs(_model("sdpa"), mask, tree)["attention_mask"], tree.dense_mask())
     additive = attention_kwargs(_model("eager"), mask, tree)["attention_mask"]
     assert torch.equal(additive == 0, tree.dense_mask())

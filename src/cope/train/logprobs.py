@@ -112,7 +112,7 @@ def causal_lm_logprobs(
     entropy_mask: torch.Tensor | None = None,
     chunk_elems: int = CHUNK_ELEMS,
     rows_at: torch.Tensor | None = None,
-    tree_layout: PrefixTree | None = None,
+    prefix_tree: PrefixTree | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(log-probs, entropy), both (N, T) fp32, 0 at t = 0 and wherever not computed; with ``rows_at``, also the
     untempered logits rows (P, V) fp32, with gradient, that predict the tokens at those positions.
@@ -126,7 +126,7 @@ def causal_lm_logprobs(
         chunk_elems: logits held at once (tokens per chunk = chunk_elems // vocab).
         rows_at: (P, 2) long (row, column >= 1) of tokens whose full predictive row is wanted (CoPE's temporal
             ensemble takes a KL over the whole vocabulary there): only those P rows of logits are formed.
-        tree_layout: the :class:`~cope.train.prefix_tree.PrefixTree` of shared-prefix rows (the model must run
+        prefix_tree: the :class:`~cope.train.prefix_tree.PrefixTree` of shared-prefix rows (the model must run
             ``"cope_tree"`` attention; ``position_ids`` are the layout's), or None.
     """
     N, T = input_ids.shape
@@ -137,7 +137,7 @@ def causal_lm_logprobs(
         tau = tau.masked_fill(tempered[:, 1:], tau_value)
     tau = tau.reshape(-1)
     ent_rows = (entropy_mask[:, 1:] if entropy_mask is not None else torch.zeros_like(input_ids[:, 1:], dtype=torch.bool)).reshape(-1)
-    head, h = _head_input(model, input_ids, attention_mask, position_ids, tree_layout)
+    head, h = _head_input(model, input_ids, attention_mask, position_ids, prefix_tree)
     if head is not None:
         chunk = max(1, chunk_elems // head.out_features)
         lp, ent = _FrozenHeadLogprob.apply(h, head.weight, head.bias, targets, tau, ent_rows, chunk)
@@ -154,14 +154,14 @@ def causal_lm_logprobs(
 
 
 def _head_input(model, input_ids, attention_mask, position_ids,
-                tree_layout: PrefixTree | None = None) -> tuple[torch.nn.Linear | None, torch.Tensor]:
+                prefix_tree: PrefixTree | None = None) -> tuple[torch.nn.Linear | None, torch.Tensor]:
     """``(head, h)``: the frozen linear output head and the (K, H) hidden states before it (position t - 1 predicts
     token t), or ``(None, logits)`` with the model's own (K, V) logits when the head is not a frozen linear layer.
-    A ``tree_layout`` travels with the forward's keyword arguments down to the attention function."""
+    A ``prefix_tree`` travels with the forward's keyword arguments down to the attention function."""
     head = frozen_linear_head(model)
     kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if tree_layout is not None:
-        kw["tree_layout"] = tree_layout
+    if prefix_tree is not None:
+        kw["prefix_tree"] = prefix_tree
     if head is not None:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         hidden = base.get_decoder()(**kw).last_hidden_state  # (N, T, H)

@@ -6,10 +6,10 @@ masked blocks, has no CPU backward in torch 2.13. Usage::
 
     register()                                      # once; idempotent
     model.set_attn_implementation("cope_tree")      # or attn_implementation="cope_tree" when building/loading
-    model(input_ids, position_ids=layout.position_ids(ids.device), tree_layout=layout, use_cache=False)
+    model(input_ids, position_ids=layout.position_ids(ids.device), prefix_tree=layout, use_cache=False)
 
 How the layout arrives: Llama/Qwen2-style models pass their forward's ``**kwargs`` (``TransformersKwargs``)
-through the decoder layers to the attention function, so ``tree_layout=`` reaches :func:`tree_attention_forward`.
+through the decoder layers to the attention function, so ``prefix_tree=`` reaches :func:`tree_attention_forward`.
 
 The mask trick: transformers builds the mask with ``AttentionMaskInterface[implementation]``. For "cope_tree" that
 returns a :class:`DeferredMask`, the arguments of ``sdpa_mask`` and no tensor. A forward with a layout ignores it, so
@@ -73,18 +73,18 @@ def tree_attention_forward(
     attention_mask: torch.Tensor | DeferredMask | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    tree_layout: PrefixTree | None = None,
+    prefix_tree: PrefixTree | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query (B, H, T, D), key/value (B, Hkv, T, D) ->
-    ((B, T, H, D), None). With ``tree_layout`` the layout decides who attends whom (a 2D padding mask is ignored);
+    ((B, T, H, D), None). With ``prefix_tree`` the layout decides who attends whom (a 2D padding mask is ignored);
     without it, exactly transformers' SDPA attention."""
-    if tree_layout is None:
+    if prefix_tree is None:
         if isinstance(attention_mask, DeferredMask):
             attention_mask = attention_mask.materialize()
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    _check(tree_layout, query, key, attention_mask, kwargs)
-    return _tile_attention(tree_layout, query, key, value, scaling, dropout), None
+    _check(prefix_tree, query, key, attention_mask, kwargs)
+    return _tile_attention(prefix_tree, query, key, value, scaling, dropout), None
 
 
 def register() -> None:
@@ -95,16 +95,16 @@ def register() -> None:
 
 def _check(layout: object, query: torch.Tensor, key: torch.Tensor, attention_mask: object, kwargs: dict) -> None:
     if not isinstance(layout, PrefixTree):
-        raise TypeError(f"tree_layout must be a cope.train.prefix_tree.PrefixTree, got {type(layout).__name__}")
+        raise TypeError(f"prefix_tree must be a cope.train.prefix_tree.PrefixTree, got {type(layout).__name__}")
     if attention_mask is not None and not isinstance(attention_mask, DeferredMask):
-        raise ValueError("tree attention got both a tree_layout and a ready-made attention mask: pass one of them "
+        raise ValueError("tree attention got both a prefix_tree and a ready-made attention mask: pass one of them "
                          "(the layout already says who attends whom; drop the 4D mask)")
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError("tree attention is full causal attention: a sliding-window or softcapped layer cannot use a "
-                         "tree_layout; run such models with 'sdpa' and a dense mask")
+                         "prefix_tree; run such models with 'sdpa' and a dense mask")
     N, T = len(layout.rows), layout.length
     if query.shape[0] != N or query.shape[2] != T or key.shape[2] != T:
-        raise ValueError(f"tree_layout is for {N} rows of {T} tokens, but attention got queries {tuple(query.shape)} and "
+        raise ValueError(f"prefix_tree is for {N} rows of {T} tokens, but attention got queries {tuple(query.shape)} and "
                          f"keys {tuple(key.shape)} (B, H, T, D): build the layout for this batch, and decode without it")
 
 

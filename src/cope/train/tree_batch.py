@@ -242,7 +242,7 @@ def attention_kwargs(model, attention_mask: torch.Tensor, tree: PrefixTree | Non
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     if tree is not None and impl == NAME:
         recompute = tree.recompute and not getattr(model, "is_activation_checkpointing", False)
-        return {"attention_mask": attention_mask, "tree_layout": tree if recompute else replace(tree, recompute=False)}
+        return {"attention_mask": attention_mask, "prefix_tree": tree if recompute else replace(tree, recompute=False)}
     if tree is not None:
         keep = tree.dense_mask(attention_mask.device)  # (N, 1, T, T) bool
         if impl == "sdpa":
@@ -273,7 +273,7 @@ def packed_logprobs(model, pack: PackedRows, rows: torch.Tensor | None, length: 
     kw = attention_kwargs(model, part["attention_mask"], tree)
     lp, ent, *te = causal_lm_logprobs(model, part["input_ids"], kw["attention_mask"], part["position_ids"], tempered=act,
                                       temperature=temperature, entropy_mask=act if entropy else None, rows_at=at_packed,
-                                      tree_layout=kw.get("tree_layout"))
+                                      prefix_tree=kw.get("prefix_tree"))
     # column 0 holds 0 (the log-prob convention): in a packed row a tree placed after another would read it off that
     # tree's last token
     drop = local < 0
