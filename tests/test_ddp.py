@@ -8,12 +8,48 @@ import pytest
 RANKS, EPOCHS, TASKS, GROUP = 2, 2, 2, 4  # debug=fast: max_epochs, tasks_per_epoch, group_size
 
 
+def _health(epochs: list[list], rule) -> list[dict[str, float]]:
+    """The health/* values of each epoch from both ranks' episodes together (``epochs[e]``: (rank, [group, aborted,
+    reward, [valid, ...]]) pairs; a group is one rank's), with the stop rules' thresholds of ``rule`` (a RunHealth)."""
+    out, streak, learned = [], {"aborted": 0, "zero_signal": 0, "invalid": 0}, None
+    for e, eps in enumerate(epochs):
+        groups: dict[tuple, set] = {}
+        for r, (g, aborted, reward, _) in eps:
+            if not aborted:
+                groups.setdefault((r, g), set()).add(reward)
+        valid = [v for _, (_, aborted, _, steps) in eps if not aborted for v in steps]
+        frac = sum(x[1] for _, x in eps) / max(len(eps), 1)
+        signal = sum(len(rewards) > 1 for rewards in groups.values())
+        rate = valid.count(False) / len(valid) if valid else 0.0
+        if learned is None and valid and rate <= rule.healthy_invalid_rate:
+            learned = e
+        streak = {"aborted": streak["aborted"] + 1 if frac > rule.max_aborted_frac else 0,
+                  "zero_signal": streak["zero_signal"] + 1 if signal == 0 else 0,
+                  "invalid": streak["invalid"] + 1 if learned is not None and rate > rule.max_invalid_rate else 0}
+        out.append({"health/aborted_frac": frac, "health/signal_groups": float(signal), "health/invalid_rate": rate,
+                    "health/format_learned": float(learned is not None),
+                    **{f"health/{k}_streak": float(v) for k, v in streak.items()}})
+    return out
+
+
 @pytest.mark.long
 @pytest.mark.ddp
 def test_ddp_two_cpu_ranks(train_script, read_metrics, tmp_path):
-    run_dir = tmp_path / "run"
+    """Also: every epoch metric of the callbacks that pool over ranks (health/*, probe/*, stop/*, pg/adv_balance) equals
+    the value computed from both ranks' records together (tests/ddp_metrics_trace.py), and no sync_dist warning."""
+    import json
+    import os
+    from pathlib import Path
+
+    from cope.callbacks.probes import probe_metrics
+    from cope.callbacks.run_health import RunHealth
+    from cope.train.stop_stats import stop_metrics
+
+    tests, run_dir, out = Path(__file__).resolve().parent, tmp_path / "run", tmp_path / "trace"
+    pythonpath = os.pathsep.join(p for p in (str(tests), os.environ.get("PYTHONPATH", "")) if p)
     proc = train_script(["debug=fast", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
-                         f"hydra.run.dir={run_dir}"], tmp_path, timeout=300)
+                         f"hydra.run.dir={run_dir}", "+callbacks.metrics_trace._target_=ddp_metrics_trace.MetricsTrace",
+                         f"+callbacks.metrics_trace.out={out}"], tmp_path, timeout=300, env={"PYTHONPATH": pythonpath})
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, report
     assert "Starting with 2 processes" in proc.stderr + proc.stdout, report
@@ -28,6 +64,35 @@ def test_ddp_two_cpu_ranks(train_script, read_metrics, tmp_path):
     # rank 0 alone prints the summary, with the summed count
     assert proc.stdout.count("=== cope-trainer run summary ===") == 1, report
     assert f"episodes {RANKS * TASKS * GROUP * EPOCHS}," in proc.stdout, report
+    # Lightning warns about an epoch metric logged without sync_dist (it cannot tell a global value from a rank's own)
+    assert "when logging on epoch level in distributed setting" not in proc.stdout + proc.stderr, report
+
+    rows = [[json.loads(x) for x in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in range(RANKS)]
+    train = [[x for x in rank if "train" in x] for rank in rows]
+    val = [[x for x in rank if "val" in x] for rank in rows]
+    assert [len(t) for t in train] == [EPOCHS] * RANKS and [len(v) for v in val] == [EPOCHS + 1] * RANKS, rows
+
+    def summed(tallies: list[dict]) -> dict:
+        return {k: sum(t[k] for t in tallies) for k in tallies[0]}
+
+    expected: dict[str, list[float]] = {}
+    for e in range(EPOCHS):
+        for k, v in {**_health([[(r, x) for r in range(RANKS) for x in train[r][i]["episodes"]] for i in range(e + 1)],
+                               RunHealth())[e],
+                     **stop_metrics(summed([train[r][e]["stop"] for r in range(RANKS)]))}.items():
+            expected.setdefault(k, []).append(v)
+    for e in range(EPOCHS + 1):
+        m = stop_metrics(summed([val[r][e]["stop_val"] for r in range(RANKS)]))
+        for k, v in {**probe_metrics(summed([val[r][e]["probe"] for r in range(RANKS)])),
+                     "stop/prob_val": m["stop/prob"], "stop/positions_val": m["stop/positions"]}.items():
+            expected.setdefault(k, []).append(v)
+    logged = {k: v for k, v in cols.items() if k.split("/")[0] in ("health", "probe", "stop") or k == "pg/adv_balance"}
+    assert set(logged) == set(expected), (sorted(logged), sorted(expected))
+    for k in expected:
+        assert logged[k] == pytest.approx(expected[k], rel=1e-5, abs=1e-6), (k, logged[k], expected[k])
+    # the premise: rank 0's own values are not the global ones, so a rank-0 (or mean-of-ratios) metric would fail above
+    rank0 = {**stop_metrics(train[0][-1]["stop"]), **probe_metrics(val[0][-1]["probe"])}
+    assert any(abs(rank0[k] - expected[k][-1]) > 1e-4 for k in ("stop/prob", "pg/adv_balance", "probe/obs_nll")), rank0
 
 
 @pytest.mark.long
