@@ -3,7 +3,8 @@
 Registers a *scored* transform on the LightningModule (``add_scored_transform``), so it runs once per
 epoch after the module's scoring pass filled ``old_entropy`` and before any update; statistics span
 the whole rollout batch. The math is in :mod:`cope.algos.empg.advantages`; this callback only wires it in and logs
-``empg/*`` once per epoch (at its end).
+``empg/*`` once per epoch (at its end). Under DDP each rank scales its own batch (the statistics are the rank's);
+the logged values are reduced over ranks (see :meth:`EMPGAdvantages.on_train_epoch_end`).
 """
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ class EMPGAdvantages(Callback):
         self.metrics = {k: float(v) for k, v in m.items()}
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        if self.metrics:
-            pl_module.log_dict(self.metrics, on_step=False, on_epoch=True, sync_dist=True)
-        self.metrics = {}
+        """Logs ``empg/*`` reduced over ranks (each rank scales its own batch): the step count summed, the extremes
+        as extremes, the means weighted by each rank's steps (Lightning's mean reduction with ``batch_size``)."""
+        m, self.metrics = self.metrics, {}
+        if not m:
+            return
+        steps = int(m["empg/steps"])
+        pl_module.log("empg/steps", m["empg/steps"], on_step=False, on_epoch=True, sync_dist=True, reduce_fx="sum", batch_size=1)
+        for key, fx in (("empg/scale_min", "min"), ("empg/scale_max", "max")):
+            pl_module.log(key, m[key], on_step=False, on_epoch=True, sync_dist=True, reduce_fx=fx, batch_size=1)
+        for key in ("empg/scale_mean", "empg/bonus_mean"):
+            pl_module.log(key, m[key], on_step=False, on_epoch=True, sync_dist=True, reduce_fx="mean", batch_size=max(steps, 1))
