@@ -34,8 +34,8 @@ def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: lis
         attention_fits_layout(model, cfg, fail)
     accelerator = (cfg.get("trainer") or {}).get("accelerator")
     if accelerator in ("gpu", "cuda") and not _cuda_available():
-        fail("trainer.accelerator", f" = {accelerator!r} (as trainer=gpu sets it): this machine has no CUDA GPU "
-             "(torch.cuda.is_available() is False); use trainer=cpu, or trainer.accelerator=cpu")
+        fail("trainer.accelerator", f" = {accelerator!r}: this machine has no CUDA GPU (torch.cuda.is_available() is "
+             "False); use trainer=cpu in place of trainer=gpu, or trainer.accelerator=cpu")
     optimizer = (cfg.get("module") or {}).get("optimizer") or {}
     if optimizer.get("lr") == 0:
         warnings.append("module.optimizer.lr=0: the adapter never changes (rollouts and validation run, "
