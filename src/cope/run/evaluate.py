@@ -21,12 +21,18 @@ evaluation probes only its new episodes; ``probe/episodes`` says how many were p
 Resumable and SIGTERM-safe: episodes are appended after every wave, a rerun with the same ``eval.out`` skips the
 finished tasks, and a SIGTERM ends the evaluation after the current wave with ``complete: false`` in the summary.
 Bad input (a missing folder, an adapter of another base model or LoRA rank, an unknown split, a task range outside
-the split) is one clear message before any model is loaded. The same command gives the same ``episodes.csv``
+the split) is one clear message before any model is loaded. So is a key nothing reads (``+eval.temprature=1``,
+``+foo=1``): the config gets the check ``train.py`` runs (:func:`cope.run.config_check.check_config`), with the keys
+this module reads itself, :data:`READS`, added to what training reads. ``conf/eval.yaml`` composes the whole training
+tree, so a key only training reads (``trainer.*``, ``callbacks.*``, ``module.optimizer``) is accepted here rather than
+refused as unused: one command line serves both entry points, and a training key still gets its type checked and a
+misspelling of it is still refused. The same command gives the same ``episodes.csv``
 (seeded sampling: each task's seed is derived from ``eval.seed`` and its index, so a resumed wave draws the same).
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 import math
@@ -37,7 +43,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from cope.run.config_keys import Reads
+
 log = logging.getLogger(__name__)
+# What evaluate() reads of the config itself, beyond what training reads (cope.run.train.READS: the component blocks
+# env, model, data, module, logger, callbacks.probes and algo.objectives it builds are among those); see the module
+# docstring. A key added to the `eval` block of conf/eval.yaml is refused until it is declared here.
+READS = Reads(keys=("adapter", "ckpt_path", "eval.split", "eval.start", "eval.count", "eval.n", "eval.temperature",
+                    "eval.top_p", "eval.batch_size", "eval.seed", "eval.progress", "eval.probes", "eval.out"))
 COLUMNS = ["split", "index", "sample", "success", "score", "reward", "steps", "invalid", "end_reason"]
 
 
@@ -80,14 +93,24 @@ def _task_range(cfg: DictConfig, num_tasks: int) -> list[int]:
     return list(range(start, start + count))
 
 
+def accepted_reads() -> Reads:
+    """What the config check of ``eval.py`` accepts: every key training reads (:data:`cope.run.train.READS`) plus
+    this module's own, :data:`READS`."""
+    from cope.run.train import READS as TRAINING
+
+    return dataclasses.replace(TRAINING, keys=(*TRAINING.keys, *READS.keys))
+
+
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run the evaluation the config describes; returns the summary (also written to ``summary.json``)."""
     from cope.envs.base import SPLITS, Task, env_facts
     from cope.models.source import base_model_of
     from cope.rollout.engine import Sampling
     from cope.run.checkpoint_io import check_resume_matches
+    from cope.run.config_check import check_config
     from cope.run.train import instantiate_plain, resolve_ckpt_path
 
+    check_config(cfg, accepted_reads())  # every key typed and read, before any instantiation or model load
     e = cfg.eval
     if e.split not in SPLITS:
         raise ValueError(f"eval.split={e.split!r}: must be one of {SPLITS} (an env's own splits are env settings, e.g. "
