@@ -25,8 +25,9 @@ the split) is one clear message before any model is loaded. So is a key nothing 
 ``+foo=1``): the config gets the check ``train.py`` runs (:func:`cope.run.config_check.check_config`), with the keys
 this module reads itself, :data:`READS`, added to what training reads. ``conf/eval.yaml`` composes the whole training
 tree, so a key only training reads (``trainer.*``, ``callbacks.*``, ``module.optimizer``) is accepted here rather than
-refused as unused: one command line serves both entry points, and a training key still gets its type checked and a
-misspelling of it is still refused. The same command gives the same ``episodes.csv``
+refused as unused: one command line serves both entry points, and a training key still gets its type checked, a
+misspelling of it is still refused, and training's rules between keys still apply (``trainer=gpu`` on a machine
+without a GPU is refused here too, naming ``trainer=cpu``). The same command gives the same ``episodes.csv``
 (seeded sampling: each task's seed is derived from ``eval.seed`` and its index, so a resumed wave draws the same).
 """
 from __future__ import annotations
