@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 RANKS, EPOCHS, TASKS, GROUP = 2, 2, 2, 4  # debug=fast: max_epochs, tasks_per_epoch, group_size
+VAL = 7  # held-out tasks: 4 on rank 0, 3 on rank 1
 
 
 def _health(epochs: list[list], rule) -> list[dict[str, float]]:
@@ -35,8 +36,9 @@ def _health(epochs: list[list], rule) -> list[dict[str, float]]:
 @pytest.mark.long
 @pytest.mark.ddp
 def test_ddp_two_cpu_ranks(train_script, read_metrics, tmp_path):
-    """Also: every epoch metric of the callbacks that pool over ranks (health/*, probe/*, stop/*, pg/adv_balance) equals
-    the value computed from both ranks' records together (tests/ddp_metrics_trace.py), and no sync_dist warning."""
+    """Also: every epoch metric that pools over ranks (health/*, probe/*, stop/*, pg/adv_balance, rollout/*, env/*,
+    val/*) equals the value computed from both ranks' records together (tests/ddp_metrics_trace.py), and no
+    sync_dist warning."""
     import json
     import os
     from pathlib import Path
@@ -49,6 +51,9 @@ def test_ddp_two_cpu_ranks(train_script, read_metrics, tmp_path):
     pythonpath = os.pathsep.join(p for p in (str(tests), os.environ.get("PYTHONPATH", "")) if p)
     proc = train_script(["debug=fast", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
                          f"hydra.run.dir={run_dir}", "+callbacks.metrics_trace._target_=ddp_metrics_trace.MetricsTrace",
+                         # a warm-started model finishes some mazes: the ranks' episodes differ in length, and an odd
+                         # panel gives the ranks 4 and 3 held-out tasks, so a mean of per-rank ratios is not global
+                         "model.warm_start_steps=150", "env.sizes=[5]", "env.min_distance=1", f"data.val_tasks={VAL}",
                          f"+callbacks.metrics_trace.out={out}"], tmp_path, timeout=300, env={"PYTHONPATH": pythonpath})
     report = f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, report
@@ -93,6 +98,52 @@ def test_ddp_two_cpu_ranks(train_script, read_metrics, tmp_path):
     # the premise: rank 0's own values are not the global ones, so a rank-0 (or mean-of-ratios) metric would fail above
     rank0 = {**stop_metrics(train[0][-1]["stop"]), **probe_metrics(val[0][-1]["probe"])}
     assert any(abs(rank0[k] - expected[k][-1]) > 1e-4 for k in ("stop/prob", "pg/adv_balance", "probe/obs_nll")), rank0
+    _check_episode_metrics(cols, train, val)
+
+
+def _check_episode_metrics(cols: dict, train: list[list[dict]], val: list[list[dict]]) -> None:
+    """rollout/*, env/* and val/* of every epoch equal the values of both ranks' episodes together (env/*: the sum of
+    the ranks' counts), and a mean over ranks of the ranks' own ratios (the old reduction) would not."""
+    import torch
+    from ddp_metrics_trace import episode
+
+    from cope.rollout.metrics import episode_metrics
+    from cope.train.advantages import group_advantages
+
+    def eps_of(rows: list[dict], r: int) -> list:
+        return [episode(d, r * 1000 + d["group"]) for d in rows[r]["full"]]  # a group is one rank's
+
+    expected: dict[str, list[float]] = {}
+    mean_of_ratios: dict[str, list[float]] = {}
+    for e in range(EPOCHS):
+        eps = [x for r in range(RANKS) for x in eps_of([train[r][e] for r in range(RANKS)], r)]
+        _, adv = group_advantages(torch.tensor([x.reward for x in eps]), torch.tensor([x.group for x in eps]),
+                                  valid=torch.tensor([not x.aborted for x in eps]))
+        env = {k: sum(train[r][e]["env"][k] for r in range(RANKS)) for k in train[0][e]["env"]}
+        for k, v in {**episode_metrics(eps, "rollout"), **adv, **env}.items():
+            expected.setdefault(k, []).append(float(v))
+        own = [episode_metrics(eps_of([train[r][e] for r in range(RANKS)], r), "rollout") for r in range(RANKS)]
+        for k in own[0]:
+            mean_of_ratios.setdefault(k, []).append(sum(m[k] for m in own) / RANKS)
+    for e in range(EPOCHS + 1):
+        per_rank = [eps_of([val[r][e] for r in range(RANKS)], r) for r in range(RANKS)]
+        assert [len(p) for p in per_rank] == [4, 3], [len(p) for p in per_rank]
+        for k, v in episode_metrics(per_rank[0] + per_rank[1], "val").items():
+            expected.setdefault(k, []).append(v)
+        own = [episode_metrics(p, "val") for p in per_rank]  # Lightning's old mean, weighted by the ranks' episodes
+        for k in own[0]:
+            mean_of_ratios.setdefault(k, []).append(sum(m[k] * len(p) for m, p in zip(own, per_rank)) / VAL)
+    logged = {k: v for k, v in cols.items() if k.split("/")[0] in ("rollout", "env", "val")}
+    assert set(logged) == set(expected), (sorted(logged), sorted(expected))
+    for k in expected:
+        assert logged[k] == pytest.approx(expected[k], rel=1e-5, abs=1e-6), (k, logged[k], expected[k])
+
+    def differs(k: str) -> bool:
+        return any(abs(a - b) > 1e-5 * max(1.0, abs(b)) for a, b in zip(mean_of_ratios[k], expected[k]))
+
+    # the premise: the ranks' own ratios differ, so the old reduction fails above in both families
+    assert any(differs(k) for k in mean_of_ratios if k.startswith("rollout/")), (mean_of_ratios, expected)
+    assert any(differs(k) for k in mean_of_ratios if k.startswith("val/")), (mean_of_ratios, expected)
 
 
 @pytest.mark.long

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cope.episode import Episode
+from cope.rollout.metrics import episode_tally
 
 if TYPE_CHECKING:  # the batch contract lives on the training side; records only carry it
     from cope.train.batch import RolloutBatch
@@ -25,8 +26,10 @@ class EpochRecord:
     epoch: the (0-based) epoch it was collected for; episodes: in collection order (an episode's
     ``group`` is its GRPO group); minibatches: the collated training batches (``episode_index`` names
     their episodes), scored in place by the module before any update (see ``scored``); metrics:
-    ``rollout/*``, ``adv/*``, ``env/*``, ``perf/*`` and ``counters/*`` of the epoch; counters: the
-    cumulative counters after it."""
+    ``rollout/*``, ``env/*``, ``perf/*``, ``counters/*`` (and ``data/*``) of the epoch, this rank's own; counters: the
+    cumulative counters after it; tally: the sums and counts of this rank behind the ``rollout/*`` and ``env/*``
+    metrics (:func:`cope.train.experience.epoch_tally`), which the module sums over ranks and logs as global
+    values (:func:`cope.train.dist.log_rollout_metrics`; ``metrics`` keeps this rank's own values)."""
 
     epoch: int
     episodes: list[Episode]
@@ -36,15 +39,23 @@ class EpochRecord:
     extra_batches: list[RolloutBatch] = field(default_factory=list)  # trained after the minibatches (CoPE's separate update)
     scored: bool = False  # set by the module once the minibatches carry old log-probs
     sampler_logprobs: bool = False  # the engine reports its own log-probs (``Step.sampler_logprobs``: a server engine)
+    tally: dict[str, float] = field(default_factory=dict)  # empty: every metric is logged as this rank's own
 
 
 @dataclass
 class ValidationRecord:
-    """One validation run's greedy held-out episodes (all chunks of the panel on this rank)."""
+    """One validation run's greedy held-out episodes (all chunks of the panel on this rank); metrics: their
+    ``val/*`` (this rank's own)."""
 
     epoch: int
     episodes: list[Episode] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tally(self) -> dict[str, float]:
+        """The sums and counts behind ``val/*`` (:func:`cope.rollout.metrics.episode_tally` of the episodes so
+        far), which the module sums over ranks to log the panel's ``val/*`` (:func:`cope.train.dist.log_val_metrics`)."""
+        return episode_tally(self.episodes)
 
 
 def train_record(trainer) -> EpochRecord | None:

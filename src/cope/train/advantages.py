@@ -37,6 +37,29 @@ ADVANTAGE_MODES: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.T
 }
 
 
+def _zero_signal(r: torch.Tensor, gid: torch.Tensor, valid: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """(G,) bool: groups with no valid episode or whose valid rewards ``r`` (N,) float64 are all equal; ``gid`` (N,)
+    each episode's group index, ``count`` (G,) each group's valid episodes. An exact equality test, so that an
+    all-equal group gives exactly 0 and not rounding / eps."""
+    big = torch.finfo(torch.float64).max
+    G = count.shape[0]
+    r_hi = torch.where(valid, r, torch.full_like(r, -big))  # (N,)
+    r_lo = torch.where(valid, r, torch.full_like(r, big))  # (N,)
+    g_max = torch.full((G,), -big, dtype=torch.float64, device=r.device).scatter_reduce(0, gid, r_hi, "amax")  # (G,)
+    g_min = torch.full((G,), big, dtype=torch.float64, device=r.device).scatter_reduce(0, gid, r_lo, "amin")  # (G,)
+    return (count == 0) | (g_max == g_min)
+
+
+def zero_signal_groups(rewards: torch.Tensor, groups: torch.Tensor, valid: torch.Tensor) -> tuple[int, int]:
+    """(groups without signal, groups) of :func:`group_advantages`'s ``rollout/zero_signal_groups`` share, as counts
+    (sums over ranks give the share over all ranks' groups). Arguments as there; ``valid`` required."""
+    if rewards.shape[0] == 0:
+        return 0, 0
+    uniq, gid = torch.unique(groups, return_inverse=True)  # (G,), (N,)
+    count = torch.zeros(uniq.shape[0], dtype=torch.float64, device=rewards.device).index_add_(0, gid, valid.to(torch.float64))
+    return int(_zero_signal(rewards.to(torch.float64), gid, valid, count).sum()), int(uniq.shape[0])
+
+
 def group_advantages(
     rewards: torch.Tensor,
     groups: torch.Tensor,
@@ -79,13 +102,7 @@ def group_advantages(
     var = torch.zeros(G, dtype=torch.float64, device=r.device).index_add_(0, gid, centered.square() * w)  # (G,)
     std = (var / count.clamp(min=1.0)).sqrt()  # (G,) population std
 
-    # exact equality test, so that an all-equal group gives exactly 0 and not rounding / eps
-    big = torch.finfo(torch.float64).max
-    r_hi = torch.where(valid, r, torch.full_like(r, -big))  # (N,)
-    r_lo = torch.where(valid, r, torch.full_like(r, big))  # (N,)
-    g_max = torch.full((G,), -big, dtype=torch.float64, device=r.device).scatter_reduce(0, gid, r_hi, "amax")  # (G,)
-    g_min = torch.full((G,), big, dtype=torch.float64, device=r.device).scatter_reduce(0, gid, r_lo, "amin")  # (G,)
-    zero_signal = (count == 0) | (g_max == g_min)  # (G,)
+    zero_signal = _zero_signal(r, gid, valid, count)  # (G,)
 
     adv = ADVANTAGE_MODES[mode](centered, std[gid], eps)  # (N,)
     adv = torch.where(valid & ~zero_signal[gid], adv, torch.zeros_like(adv))  # (N,)

@@ -9,6 +9,9 @@ own nothing). The order is fixed and part of what makes a run reproducible:
 2. :func:`cut_minibatches`: the episodes shuffled with the caller's RNG, cut into minibatches of
    ``minibatch_size``, each collated (:func:`cope.train.batch.collate`) and passed through the collate
    transforms in registration order (CoPE's forecast targets; a transform may widen or extend a batch).
+
+:func:`epoch_tally` counts what the epoch's ``rollout/*`` and ``env/*`` metrics are ratios or sums of, for the
+module to pool over ranks (:attr:`cope.records.EpochRecord.tally`).
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from typing import Protocol
 import torch
 
 from cope.episode import Episode
-from cope.train.advantages import Metrics, group_advantages
+from cope.rollout.metrics import episode_tally
+from cope.train.advantages import Metrics, group_advantages, zero_signal_groups
 from cope.train.batch import RolloutBatch, collate
 
 CollateTransform = Callable[[RolloutBatch, list[Episode]], RolloutBatch]
@@ -41,8 +45,8 @@ class BatchSource(Protocol):
 
 
 def assign_advantages(episodes: list[Episode], groups: Sequence[int], mode: str) -> Metrics:
-    """Sets ``Episode.advantage`` of every episode from its group's rewards; returns the ``adv/*`` and
-    ``rollout/zero_signal_groups`` metrics."""
+    """Sets ``Episode.advantage`` of every episode from its group's rewards; returns the
+    ``rollout/zero_signal_groups`` metric (this rank's share; :func:`epoch_tally` counts it for pooling)."""
     adv, metrics = group_advantages(
         torch.tensor([e.reward for e in episodes]), torch.tensor(list(groups)), mode=mode,
         valid=torch.tensor([not e.aborted for e in episodes]),
@@ -50,6 +54,18 @@ def assign_advantages(episodes: list[Episode], groups: Sequence[int], mode: str)
     for e, a in zip(episodes, adv.tolist()):
         e.advantage = a
     return metrics
+
+
+def epoch_tally(episodes: list[Episode], groups: Sequence[int], metrics: dict[str, float]) -> dict[str, float]:
+    """The sums and counts of an epoch that :func:`cope.train.dist.rollout_metrics` turns into its ``rollout/*``
+    and ``env/*`` values: ``rollout/<key>`` the episodes' :func:`cope.rollout.metrics.episode_tally`,
+    ``adv/zero_signal_groups`` and ``adv/groups`` the groups of :func:`assign_advantages` (same arguments), and
+    the ``env/*`` counts of ``metrics`` (the epoch's own, already counts)."""
+    zero, total = zero_signal_groups(torch.tensor([e.reward for e in episodes]), torch.tensor(list(groups)),
+                                     torch.tensor([not e.aborted for e in episodes], dtype=torch.bool))
+    return {**{f"rollout/{k}": v for k, v in episode_tally(episodes).items()},
+            "adv/zero_signal_groups": float(zero), "adv/groups": float(total),
+            **{k: float(v) for k, v in metrics.items() if k.startswith("env/")}}
 
 
 def cut_minibatches(episodes: list[Episode], minibatch_size: int, pad_id: int, rng: random.Random,
