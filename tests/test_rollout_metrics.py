@@ -11,7 +11,7 @@ from cope.envs.base import Task
 from cope.episode import EndReason, Episode, Step
 from cope.rollout.metrics import episode_metrics, episode_tally, tally_metrics
 from cope.train.advantages import group_advantages
-from cope.train.dist import rollout_metrics
+from cope.train.dist import log_rollout_metrics, rollout_metrics
 from cope.train.experience import epoch_tally
 
 
@@ -71,3 +71,17 @@ def test_epoch_tally_gives_the_epoch_metrics_of_one_process():
     for k, v in got.items():  # zero_signal_groups: float32 mean vs exact share, equal once logged (float32)
         assert torch.tensor(v, dtype=torch.float32) == torch.tensor(metrics[k], dtype=torch.float32), k
     assert 0.0 < got["rollout/zero_signal_groups"] < 1.0  # both kinds of group present
+
+
+def test_log_rollout_metrics_reduces_a_maximum_with_max_and_the_rest_with_the_mean():
+    logged = []
+
+    class Module:  # what log_rollout_metrics calls of a LightningModule (no tally: nothing to pool)
+        def log_dict(self, metrics, **kw):
+            logged.append((dict(metrics), kw.get("reduce_fx", "mean"), kw["sync_dist"]))
+
+    metrics = {"rollout/logprob_gap": 0.1, "rollout/logprob_gap_max": 0.4, "perf/rollout_seconds": 2.0}
+    log_rollout_metrics(Module(), metrics, {})
+    by_fx = {fx: m for m, fx, sync in logged if m and sync}
+    assert by_fx == {"mean": {"rollout/logprob_gap": 0.1, "perf/rollout_seconds": 2.0},
+                     "max": {"rollout/logprob_gap_max": 0.4}}

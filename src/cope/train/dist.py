@@ -54,10 +54,13 @@ def rollout_metrics(tally: dict[str, float]) -> dict[str, float]:
 def log_rollout_metrics(pl_module, metrics: dict[str, float], tally: dict[str, float]) -> None:
     """Logs the epoch's ``metrics`` (a record's, this rank's own): the ones ``tally`` covers as global values
     (:func:`rollout_metrics` of the tally pooled over ranks, :func:`log_global`), the others (``perf/*``,
-    ``counters/*``, ...) with Lightning's mean over ranks as before. An empty ``tally`` pools nothing."""
+    ``counters/*``, ``rollout/logprob_gap``, ...) with Lightning's mean over ranks as before, a ``*_max`` with the
+    maximum over ranks. An empty ``tally`` pools nothing."""
     pooled = rollout_metrics(pool(tally, pl_module.trainer.strategy, pl_module.device)) if tally else {}
-    rest = {k: v for k, v in metrics.items() if k not in pooled}
+    rest = {k: v for k, v in metrics.items() if k not in pooled and not k.endswith("_max")}
     pl_module.log_dict(rest, on_step=False, on_epoch=True, sync_dist=True)
+    maxima = {k: v for k, v in metrics.items() if k not in pooled and k.endswith("_max")}  # rollout/logprob_gap_max
+    pl_module.log_dict(maxima, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
     log_global(pl_module, pooled)
 
 
