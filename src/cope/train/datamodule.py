@@ -37,7 +37,7 @@ from cope.records import EpochRecord, ValidationRecord
 from cope.rollout.engine import EnvRuntime, HFEngine, RolloutEngine, Sampling
 from cope.rollout.metrics import episode_metrics
 from cope.train.advantages import group_advantages
-from cope.train.experience import BatchSource, CollateTransform, assign_advantages, cut_minibatches, train_tokens
+from cope.train.experience import BatchSource, CollateTransform, assign_advantages, cut_minibatches, epoch_tally, train_tokens
 from cope.train.group_prefix import pack_groups
 from cope.train.seeding import derive_seed, stream
 from cope.train.tree_batch import use_tree_attention
@@ -277,7 +277,7 @@ class RolloutDataModule(pl.LightningDataModule):
             packed = sum(mb["packed"].tokens for mb in minibatches)
             m.update({"data/tokens_forwarded": float(packed), "data/shared_fraction": 1.0 - packed / max(rows, 1)})
         return EpochRecord(epoch=epoch, episodes=eps, minibatches=minibatches, extra_batches=extra, metrics=m,
-                           counters=dict(self.counters),
+                           counters=dict(self.counters), tally=epoch_tally(eps, groups, m),
                            sampler_logprobs=bool(getattr(self.engine, "reports_logprobs", False)))
 
     def _extra_batches(self, episodes: list[Episode]) -> list:

@@ -30,6 +30,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from cope.models.policy import Policy
 from cope.train.backward import backward_microbatched
+from cope.train.dist import log_rollout_metrics, log_val_metrics
 from cope.train.logprobs import sampler_gap
 from cope.train.objectives import ROLLOUT, ForwardOut, Objective, batch_kind
 from cope.train.seeding import seed_globals
@@ -203,7 +204,7 @@ class AgentRLModule(pl.LightningModule):
         if record.sampler_logprobs:  # the same keys on every rank (DDP reduces them), also with nothing to compare
             gap = {"rollout/logprob_gap": 0.0, "rollout/logprob_gap_max": 0.0, **gap}
         metrics = {**record.metrics, **gap}
-        self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
+        log_rollout_metrics(self, metrics, record.tally)  # rollout/*, env/*: from the tallies of all ranks
 
     def _backward(self, batch: dict) -> tuple[ForwardOut, torch.Tensor, dict]:
         return backward_microbatched(self, batch)
@@ -293,9 +294,12 @@ class AgentRLModule(pl.LightningModule):
 
     def validation_step(self, batch: list[int], batch_idx: int) -> None:
         """Greedy held-out episodes of one chunk of the panel (the datamodule's engine runs them and keeps
-        them in its ``val_record``)."""
-        _, metrics = self.trainer.datamodule.evaluate(batch, first=batch_idx == 0)
-        self.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(batch))
+        them in its ``val_record``; ``val/*`` is logged once for the whole panel, at the epoch's end)."""
+        self.trainer.datamodule.evaluate(batch, first=batch_idx == 0)
+
+    def on_validation_epoch_end(self) -> None:
+        """``val/*`` of the held-out panel: every rank's episodes pooled (a share of all episodes or steps)."""
+        log_val_metrics(self, self.trainer.datamodule.val_record)
 
     def on_validation_end(self) -> None:
         if self.trainer.sanity_checking or self.trainer.state.fn != TrainerFn.FITTING:  # not the pre-fit validation
