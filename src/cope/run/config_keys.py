@@ -31,6 +31,9 @@ RENAMED = {
     "data.packed_row_tokens": "module.max_tokens_per_microbatch (the one token budget)",
     "callbacks.forecast_targets.layout": "cope.packing (packed | plain)",
     "algo.callbacks.forecast_targets.layout": "cope.packing (packed | plain)",
+    "algo.callbacks.forecast_targets.mask_invalid": "cope.invalid (mask | cut | keep)",
+    "algo.callbacks.forecast_targets.cut_at_invalid": "cope.invalid (mask | cut | keep)",
+    "algo.callbacks.forecast_targets.share_prefix": "data.share_prefix (one switch for every user of shared prefixes)",
 }
 # resolvers whose first argument is a config key (the others, oc.env, hydra, now, take no key)
 _KEY_RESOLVERS = ("oc.select", "oc.dict.keys", "oc.dict.values")
