@@ -159,14 +159,20 @@ def test_ddp_ranks_drop_the_same_steps_past_the_trust_region(train_script, read_
 
     tests, run_dir, out = Path(__file__).resolve().parent, tmp_path / "run", tmp_path / "trace"
     pythonpath = os.pathsep.join(p for p in (str(tests), os.environ.get("PYTHONPATH", "")) if p)
+    # algo=cope_continuation: its joint forecast rows ride in the policy steps, and its forecast/* epoch metrics are
+    # pooled over the ranks (no sync_dist warning below)
     proc = train_script(["debug=fast", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", f"hydra.run.dir={run_dir}",
-                         "module.max_approx_kl=1e-4", "data.minibatch_size=2", "trainer.max_epochs=3", "module.optimizer.lr=1e-2",
+                         "algo=cope_continuation", "module.max_approx_kl=1e-4", "data.minibatch_size=2", "trainer.max_epochs=3",
+                         "module.optimizer.lr=1e-2",
                          "model.warm_start_steps=150", "env.sizes=[5]", "env.min_distance=1", "validate_before_fit=false",
                          "+callbacks.trace._target_=ddp_trace.DDPTrace", f"+callbacks.trace.out={out}"],
                         tmp_path, timeout=600, env={"PYTHONPATH": pythonpath})
     assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "when logging on epoch level in distributed setting" not in proc.stdout + proc.stderr, proc.stderr[-5000:]
     adapters = [[json.loads(x)["adapter"] for x in (out / f"rank{r}.jsonl").read_text().splitlines() if '"adapter"' in x]
                 for r in range(RANKS)]
     assert adapters[0] == adapters[1] and len(adapters[0]) == 3 * 4, adapters  # 4 steps an epoch on each rank
-    stopped = read_metrics(run_dir / "csv" / "metrics.csv")["train/kl_stopped"]
+    cols = read_metrics(run_dir / "csv" / "metrics.csv")
+    assert len(cols["forecast/targets"]) == 3, cols.get("forecast/targets")  # logged every epoch, pooled
+    stopped = cols["train/kl_stopped"]
     assert 1.0 in stopped and 0.0 in stopped[4:], stopped  # the premise: a trip, and an epoch stepping after it

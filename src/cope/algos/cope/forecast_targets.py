@@ -21,6 +21,7 @@ from lightning.pytorch import Callback
 from cope.algos.cope.chunks import build_chunks, check_chunk_args
 from cope.algos.cope.layouts import LAYOUTS
 from cope.episode import Episode
+from cope.train.dist import log_global, pool
 from cope.train.seeding import stream
 
 # Raw counts summed over the minibatches of an epoch; the logged means are derived from them.
@@ -116,11 +117,12 @@ class ForecastTargets(Callback):
         self._calls += 1
         return LAYOUTS[self.packing](batch, episodes, chunks, self._pad_id)
 
-    def epoch_metrics(self) -> dict[str, float]:
-        """The per-epoch metrics accumulated so far (empty when no minibatch was built)."""
-        if not self._calls:
+    def epoch_metrics(self, sums: dict[str, float] | None = None) -> dict[str, float]:
+        """The per-epoch metrics of ``sums`` (default: this rank's accumulated so far; empty when no minibatch was
+        built)."""
+        s = {**self._sums, "calls": self._calls} if sums is None else sums
+        if not s.get("calls"):
             return {}
-        s = self._sums
         return {
             "forecast/targets": s["forecast/targets"],
             "forecast/episodes": s["forecast/episodes"],
@@ -129,9 +131,11 @@ class ForecastTargets(Callback):
         }
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        metrics = self.epoch_metrics()
+        # the sums of every rank (each counts its own episodes), then the shares of those sums: global values
+        tally = {k: float(self._sums[k]) for k in _SUMS} | {"calls": float(self._calls)}
+        metrics = self.epoch_metrics(pool(tally, trainer.strategy, pl_module.device))
         if metrics:
-            pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+            log_global(pl_module, metrics)
         self._sums.clear()
         self._calls = 0
 
