@@ -91,7 +91,7 @@ def make_steps(policy: Policy, mb: dict):
 
     def before():
         opt.zero_grad(set_to_none=True)
-        logits = module._logits(mb)
+        logits = model(input_ids=ids, attention_mask=mb["attention_mask"], position_ids=mb["position_ids"], use_cache=False).logits
         lp, ent = token_logprobs(logits, ids)
         total, _ = combine(module.objectives, ForwardOut(lp, ent, None), mb, 0)
         total.backward()
