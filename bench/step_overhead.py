@@ -8,7 +8,7 @@ The variants differ only in what the algorithm adds to the batch and the loss:
 
 * GRPO: ``collate`` + PolicyGradient (the baseline; ratios are relative to it).
 * CoPE (packed): ``algo=cope_continuation``, + forecast chunks of the successful episodes appended in the same
-  rows (segment attention).
+  rows (each row a prefix tree: the chunks are branches of the transcript).
 * CoPE (plain): + one extra row per forecast chunk (the reference layout).
 * ECHO: + ObservationLoss on the same rows (no extra tokens).
 * CoPE+ECHO: packed CoPE (continuation) and ECHO together.

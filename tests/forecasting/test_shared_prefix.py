@@ -225,7 +225,7 @@ SAME = ("loss/forecast", "loss/pg", "forecast/", "val/success", "rollout/success
 def test_a_run_with_shared_prefixes_logs_what_one_row_per_sample_logs(run_train, read_metrics, tmp_path, update):
     """``algo=cope`` on the tiny model, sharing on and off: every policy step, forecast step and validation logs the
     same values to fp32 noise (the runs then draw the same rollouts); the shared separate steps forward fewer tokens.
-    Joint: the packed rows through tree attention vs the dense segment mask, the same tokens. SGD, not the default
+    Joint: the packed rows through tree attention vs their trees' dense mask, the same tokens. SGD, not the default
     AdamW: Adam's first step is about lr x g / (|g| + eps), which turns the two runs' fp32 rounding of a near-zero
     gradient element (it differs between CPU kernels) into a move of order lr; SGD's step is lr x g."""
     cols = {}
