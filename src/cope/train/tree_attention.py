@@ -27,7 +27,7 @@ Kernels, with a tree:
   than keep every tile's copy of its ancestors' keys and values (a branch tile's keys are mostly its trunk's).
 * :func:`flex_tree_attention`: FlexAttention with a BlockMask whose mask_mod does the same ancestor check (no CPU
   backward in torch 2.13; compiled on CUDA, a new row length recompiles). Not selectable in a training run (no config
-  key, no environment variable): tests and ``bench/gpu_check.py`` call it directly. Why: the tiles kernel is the one
+  key, no environment variable): only tests call it (``tests/test_tree_attention.py``). Why: the tiles kernel is the one
   whose gradients the CPU suite checks on every run; FlexAttention's backward exists only on CUDA and has not yet
   passed a GPU training run, so a switch for it would be a production path no default test covers. Once a GPU run
   shows it faster and exact, it gets one config key.
