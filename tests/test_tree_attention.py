@@ -332,7 +332,7 @@ def test_misuse_names_the_fix():
     m = types.SimpleNamespace()
     with pytest.raises(ValueError, match="drop the 4D mask"):
         tree_attention_forward(m, q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool), prefix_tree=layout)
-    with pytest.raises(ValueError, match="build the layout for this batch"):
+    with pytest.raises(ValueError, match="build the tree for this batch"):
         tree_attention_forward(m, q[:, :, :3], k, v, None, prefix_tree=layout)
     with pytest.raises(ValueError, match="sliding-window"):
         tree_attention_forward(m, q, k, v, None, prefix_tree=layout, sliding_window=2)

@@ -127,7 +127,7 @@ def causal_lm_logprobs(
         rows_at: (P, 2) long (row, column >= 1) of tokens whose full predictive row is wanted (CoPE's temporal
             ensemble takes a KL over the whole vocabulary there): only those P rows of logits are formed.
         prefix_tree: the :class:`~cope.train.prefix_tree.PrefixTree` of shared-prefix rows (the model must run
-            ``"cope_tree"`` attention; ``position_ids`` are the layout's), or None.
+            ``"cope_tree"`` attention; ``position_ids`` are the tree's), or None.
     """
     N, T = input_ids.shape
     tau_value = float(temperature) if temperature and temperature > 0 else 1.0

@@ -80,7 +80,7 @@ class Tile:
 
 @dataclass(frozen=True)
 class Plan:
-    """How the tree kernels cut one layout into calls (pure Python; tensors are built per device by the kernels).
+    """How the tree kernels cut one tree into calls (pure Python; tensors are built per device by the kernels).
 
     ``causal``: ``(start, end) -> rows`` for nodes that see no ancestor token: one causal call on their own slice.
     ``groups``: batches of tiles of nodes that see ancestor tokens, one masked call each.
@@ -109,7 +109,7 @@ class PrefixTree:
     rows: tuple[tuple[TreeNode, ...], ...]
     length: int
     recompute: bool = True
-    # The plan and the per-device tensors the kernels build once per layout and reuse in every layer.
+    # The plan and the per-device tensors the kernels build once per tree and reuse in every layer.
     _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -171,12 +171,12 @@ class PrefixTree:
         ]
 
     def to(self, device: torch.device | str | None = None, **kwargs) -> PrefixTree:
-        """Itself: a layout holds no tensors (kernels build theirs per device). Lightning moves a batch with ``.to``
+        """Itself: a tree holds no tensors (kernels build theirs per device). Lightning moves a batch with ``.to``
         and, without this, would try to rebuild this frozen dataclass field by field and fail."""
         return self
 
     def cached(self, key: object, build: Callable[[], Any]) -> Any:
-        """``build()`` once per layout and ``key`` (e.g. a kernel's tensors on one device), then reused by every layer."""
+        """``build()`` once per tree and ``key`` (e.g. a kernel's tensors on one device), then reused by every layer."""
         if key not in self._cache:
             self._cache[key] = build()
         return self._cache[key]
@@ -221,16 +221,16 @@ def _validate_row(r: int, nodes: tuple[TreeNode, ...], length: int) -> None:
             raise ValueError(f"PrefixTree row {r}: nodes {i0} and {i1} overlap; spans must be disjoint (store each token once)")
 
 
-def _make_plan(layout: PrefixTree) -> Plan:
+def _make_plan(tree: PrefixTree) -> Plan:
     """Nodes that see no ancestor token -> causal calls; the others -> tiles of <= TILE queries, grouped greedily
     (largest keys first) while the group's padded cells stay within SLACK times its tiles' own cells."""
     causal: dict[tuple[int, int], list[int]] = {}
     tiles: list[Tile] = []
-    covered = [[False] * layout.length for _ in layout.rows]
-    for r, nodes in enumerate(layout.rows):
+    covered = [[False] * tree.length for _ in tree.rows]
+    for r, nodes in enumerate(tree.rows):
         for i, n in enumerate(nodes):
             covered[r][n.start:n.end] = [True] * (n.end - n.start)
-            prefix = layout.ancestor_keys(r, i)
+            prefix = tree.ancestor_keys(r, i)
             if not prefix:
                 causal.setdefault((n.start, n.end), []).append(r)
                 continue

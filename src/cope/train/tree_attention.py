@@ -6,13 +6,13 @@ masked blocks, has no CPU backward in torch 2.13. Usage::
 
     register()                                      # once; idempotent
     model.set_attn_implementation("cope_tree")      # or attn_implementation="cope_tree" when building/loading
-    model(input_ids, position_ids=layout.position_ids(ids.device), prefix_tree=layout, use_cache=False)
+    model(input_ids, position_ids=tree.position_ids(ids.device), prefix_tree=tree, use_cache=False)
 
-How the layout arrives: Llama/Qwen2-style models pass their forward's ``**kwargs`` (``TransformersKwargs``)
+How the tree arrives: Llama/Qwen2-style models pass their forward's ``**kwargs`` (``TransformersKwargs``)
 through the decoder layers to the attention function, so ``prefix_tree=`` reaches :func:`tree_attention_forward`.
 
 The mask trick: transformers builds the mask with ``AttentionMaskInterface[implementation]``. For "cope_tree" that
-returns a :class:`DeferredMask`, the arguments of ``sdpa_mask`` and no tensor. A forward with a layout ignores it, so
+returns a :class:`DeferredMask`, the arguments of ``sdpa_mask`` and no tensor. A forward with a tree ignores it, so
 no (T, T) tensor is ever built (non-monotonic tree ``position_ids`` would otherwise make transformers build a
 packed-sequence mask). A forward without one builds it once (shared by all layers) and runs transformers' own
 SDPA path, so the same model serves ordinary padded batches exactly like ``"sdpa"``.
@@ -23,7 +23,7 @@ Kernels, with a tree:
   a tile's keys (its visible ancestor ranges, then its own keys up to the tile end) are gathered, and similar tiles
   run as one batched SDPA call with a bottom-right causal mask. Padding tokens output their own value. All torch
   ops, so autograd's gradients are exact; the (G, Lq, Lk) masks are per tile group, never (T, T). With the
-  layout's ``recompute`` (the default) the tile calls are checkpointed: backward gathers and attends again rather
+  tree's ``recompute`` (the default) the tile calls are checkpointed: backward gathers and attends again rather
   than keep every tile's copy of its ancestors' keys and values (a branch tile's keys are mostly its trunk's).
 * :func:`flex_tree_attention`: FlexAttention with a BlockMask whose mask_mod does the same ancestor check (no CPU
   backward in torch 2.13; compiled on CUDA, a new row length recompiles). Not selectable in a training run (no config
@@ -31,7 +31,7 @@ Kernels, with a tree:
   whose gradients the CPU suite checks on every run; FlexAttention's backward exists only on CUDA and has not yet
   passed a GPU training run, so a switch for it would be a production path no default test covers. Once a GPU run
   shows it faster and exact, it gets one config key.
-Not supported with a layout: sliding-window layers, softcapping, KV-cache decoding (a layout is for whole rows).
+Not supported with a tree: sliding-window layers, softcapping, KV-cache decoding (a tree is for whole rows).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def tree_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query (B, H, T, D), key/value (B, Hkv, T, D) ->
-    ((B, T, H, D), None). With ``prefix_tree`` the layout decides who attends whom (a 2D padding mask is ignored);
+    ((B, T, H, D), None). With ``prefix_tree`` the tree decides who attends whom (a 2D padding mask is ignored);
     without it, exactly transformers' SDPA attention."""
     if prefix_tree is None:
         if isinstance(attention_mask, DeferredMask):
@@ -93,35 +93,35 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, DeferredMask)
 
 
-def _check(layout: object, query: torch.Tensor, key: torch.Tensor, attention_mask: object, kwargs: dict) -> None:
-    if not isinstance(layout, PrefixTree):
-        raise TypeError(f"prefix_tree must be a cope.train.prefix_tree.PrefixTree, got {type(layout).__name__}")
+def _check(tree: object, query: torch.Tensor, key: torch.Tensor, attention_mask: object, kwargs: dict) -> None:
+    if not isinstance(tree, PrefixTree):
+        raise TypeError(f"prefix_tree must be a cope.train.prefix_tree.PrefixTree, got {type(tree).__name__}")
     if attention_mask is not None and not isinstance(attention_mask, DeferredMask):
         raise ValueError("tree attention got both a prefix_tree and a ready-made attention mask: pass one of them "
-                         "(the layout already says who attends whom; drop the 4D mask)")
+                         "(the tree already says who attends whom; drop the 4D mask)")
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ValueError("tree attention is full causal attention: a sliding-window or softcapped layer cannot use a "
                          "prefix_tree; run such models with 'sdpa' and a dense mask")
-    N, T = len(layout.rows), layout.length
+    N, T = len(tree.rows), tree.length
     if query.shape[0] != N or query.shape[2] != T or key.shape[2] != T:
         raise ValueError(f"prefix_tree is for {N} rows of {T} tokens, but attention got queries {tuple(query.shape)} and "
-                         f"keys {tuple(key.shape)} (B, H, T, D): build the layout for this batch, and decode without it")
+                         f"keys {tuple(key.shape)} (B, H, T, D): build the tree for this batch, and decode without it")
 
 
-def _tile_attention(layout: PrefixTree, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _tile_attention(tree: PrefixTree, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     scaling: float | None, dropout: float) -> torch.Tensor:
     """The tiles kernel (see the module docstring): (N, H, T, D) inputs -> (N, T, H, D)."""
     N, H, T, D = query.shape
     Hkv = key.shape[1]
     sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout, scale=scaling, enable_gqa=H != Hkv)
-    plan = layout.cached(("tiles", str(query.device)), lambda: _TileTensors.build(layout, query.device))
+    plan = tree.cached(("tiles", str(query.device)), lambda: _TileTensors.build(tree, query.device))
     pieces = []  # (tokens, H, D) each, concatenated in plan order
     for a, b, rows in plan.causal:
         q, k, v = (x[:, :, a:b] if rows is None else x.index_select(0, rows)[:, :, a:b] for x in (query, key, value))
         pieces.append(sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(-1, H, D))  # (R*L, H, D)
     if plan.masks:
         tiles = functools.partial(_tile_groups, plan, sdpa)
-        if layout.recompute and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
+        if tree.recompute and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
             # Backward keeps only q, k, v (the checkpoint's inputs; the causal calls mostly keep them anyway) and
             # gathers and attends again, instead of keeping every tile's gathered ancestor keys, values and outputs.
             pieces.append(checkpoint(tiles, query, key, value, use_reentrant=False, preserve_rng_state=dropout > 0))
@@ -152,7 +152,7 @@ def _tile_groups(plan: _TileTensors, sdpa: Callable, query: torch.Tensor, key: t
 
 @dataclass(frozen=True)
 class _TileTensors:
-    """A layout's :class:`~cope.train.prefix_tree.Plan` as index tensors on one device (flat indices row*T+t).
+    """A tree's :class:`~cope.train.prefix_tree.Plan` as index tensors on one device (flat indices row*T+t).
 
     ``causal``: (start, end, rows; None = all rows) per causal call. Tile group g has ``masks[g]`` (G, 1, Lq, Lk)
     (bottom-right causal: query i sees keys j <= Lk_tile - Lq_tile + i); its queries are the next G*Lq entries of
@@ -168,8 +168,8 @@ class _TileTensors:
     out_index: torch.Tensor
 
     @classmethod
-    def build(cls, layout: PrefixTree, device: torch.device) -> _TileTensors:
-        plan, N, T = layout.plan(), len(layout.rows), layout.length
+    def build(cls, tree: PrefixTree, device: torch.device) -> _TileTensors:
+        plan, N, T = tree.plan(), len(tree.rows), tree.length
         out_index = torch.full((N * T,), -1, dtype=torch.long)
         base, causal, q_all, k_all, masks = 0, [], [], [], []
         for (a, b), rows in plan.causal.items():
@@ -199,23 +199,23 @@ class _TileTensors:
                    pad_index=pad_index.to(device), out_index=out_index.to(device))
 
 
-def tree_mask_mod(layout: PrefixTree, device: torch.device | str) -> Callable:
-    """FlexAttention mask_mod(b, h, q, kv) of ``layout`` (True = attend), equal to :meth:`PrefixTree.dense_mask`.
+def tree_mask_mod(tree: PrefixTree, device: torch.device | str) -> Callable:
+    """FlexAttention mask_mod(b, h, q, kv) of ``tree`` (True = attend), equal to :meth:`PrefixTree.dense_mask`.
 
     Per token: its node (a global id; padding -> M) and its index inside the node; per node pair: how many tokens
     of ancestor ``a`` node ``n`` sees (``sees[n, a]``, 0 if ``a`` is no ancestor). Query q attends kv iff same node
     and kv <= q, or kv's index in its node < sees[node(q), node(kv)], or kv == q (padding sees itself)."""
-    N, T = len(layout.rows), layout.length
-    first = [sum(len(r) for r in layout.rows[:i]) for i in range(N)]  # global id of each row's node 0
-    M = sum(len(r) for r in layout.rows)
+    N, T = len(tree.rows), tree.length
+    first = [sum(len(r) for r in tree.rows[:i]) for i in range(N)]  # global id of each row's node 0
+    M = sum(len(r) for r in tree.rows)
     node = torch.full((N, T), M, dtype=torch.long)
     local = torch.zeros(N, T, dtype=torch.long)
     sees = torch.zeros(M + 1, M + 1, dtype=torch.long)
-    for r, nodes in enumerate(layout.rows):
+    for r, nodes in enumerate(tree.rows):
         for i, n in enumerate(nodes):
             node[r, n.start:n.end] = first[r] + i
             local[r, n.start:n.end] = torch.arange(n.end - n.start)
-            for a, c in layout.chain(r, i):
+            for a, c in tree.chain(r, i):
                 sees[first[r] + i, first[r] + a] = c
     node, local, sees = node.to(device), local.to(device), sees.to(device)
 
@@ -235,7 +235,7 @@ def _compiled_flex() -> Callable:
     return torch.compile(flex_attention)
 
 
-def flex_tree_attention(layout: PrefixTree, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def flex_tree_attention(tree: PrefixTree, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         scaling: float | None = None, dropout: float = 0.0) -> torch.Tensor:
     """FlexAttention with the tree's BlockMask (compiled on CUDA; eager elsewhere, forward only), (N, H, T, D) inputs
     -> (N, T, H, D): the kernel tests and benches compare with the tiles kernel (see the module docstring)."""
@@ -243,12 +243,12 @@ def flex_tree_attention(layout: PrefixTree, query: torch.Tensor, key: torch.Tens
 
     if dropout:
         raise ValueError("the flex tree kernel has no attention dropout: set the model's attention_dropout to 0")
-    N, T = len(layout.rows), layout.length
+    N, T = len(tree.rows), tree.length
 
     def build():  # compiled on CUDA, so that no (N, 1, T, T) mask is materialized to find the blocks
-        return create_block_mask(tree_mask_mod(layout, query.device), N, None, T, T, device=query.device, _compile=query.is_cuda)
+        return create_block_mask(tree_mask_mod(tree, query.device), N, None, T, T, device=query.device, _compile=query.is_cuda)
 
-    block_mask = layout.cached(("flex", str(query.device)), build)
+    block_mask = tree.cached(("flex", str(query.device)), build)
     run = _compiled_flex() if query.is_cuda else flex_attention
     out = run(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous()
