@@ -17,7 +17,7 @@ MAZE = functools.partial(MazeEnv, sizes=[5], max_steps=4)
 def _dm(rank: int) -> RolloutDataModule:
     dm = RolloutDataModule(env=MAZE, tasks_per_epoch=2, group_size=1, seed=0, progress=False)
     dm.tokenizer = object()  # setup only checks that connect() ran
-    dm.trainer = SimpleNamespace(global_rank=rank)
+    dm.trainer = SimpleNamespace(global_rank=rank, lightning_module=None)  # no module: no micro-batch budget to bind
     dm.setup("fit")
     return dm
 
