@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     from hydra.utils import instantiate
     from step_overhead import collect
 
-    from cope.algos.cope.layouts import collate_chunks, pack_forecasts
     from cope.algos.cope.loss import ForecastLoss
+    from cope.algos.cope.packing import collate_chunks, pack_forecasts
     from cope.algos.cope.prompted import PlanPrompt, build_prompted
     from cope.algos.cope.shared_prefix import collate_shared
     from cope.run.train import instantiate_plain

@@ -289,7 +289,7 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
     import torch
 
     from cope.algos.cope.chunks import build_chunks
-    from cope.algos.cope.layouts import LAYOUTS
+    from cope.algos.cope.packing import LAYOUTS
     from cope.train.batch import collate, row_lengths
     from cope.train.group_prefix import pack_groups
     from cope.train.module import AgentRLModule

@@ -145,7 +145,7 @@ def collect(dm, policy, n: int, min_success: int, max_batches: int, seed: int):
 def minibatches(eps, size: int, layout: str | None, K: int, chat, pad_id: int) -> tuple[list[dict], int]:
     """collate + the variant's collate transform, per minibatch; returns (minibatches, forecast chunks)."""
     from cope.algos.cope.chunks import build_chunks
-    from cope.algos.cope.layouts import LAYOUTS
+    from cope.algos.cope.packing import LAYOUTS
     from cope.train.batch import collate
 
     out, n_chunks = [], 0

@@ -32,7 +32,7 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.algos.cope.chunks import build_chunks
-from cope.algos.cope.layouts import plain_forecasts
+from cope.algos.cope.packing import plain_forecasts
 from cope.algos.cope.prompted import LAYOUTS, PlanPrompt, build_prompted
 from cope.callbacks.pooled import log_global, pool
 from cope.episode import Role

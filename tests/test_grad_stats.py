@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).parent / "forecasting"))
 from forecast_fixtures import CFG, CHAT, PAD, make_episode  # noqa: E402
 
 from cope.algos.cope.chunks import build_chunks  # noqa: E402
-from cope.algos.cope.layouts import pack_forecasts  # noqa: E402
 from cope.algos.cope.loss import ForecastLoss  # noqa: E402
 from cope.algos.cope.loss_balance import LossBalance  # noqa: E402
+from cope.algos.cope.packing import pack_forecasts  # noqa: E402
 from cope.algos.grpo import PolicyGradient  # noqa: E402
 from cope.callbacks.grad_stats import GradientStats  # noqa: E402
 from cope.models.policy import Policy  # noqa: E402

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from cope.algos.cope.chunks import build_chunks
-from cope.algos.cope.layouts import plain_forecasts
+from cope.algos.cope.packing import plain_forecasts
 from cope.algos.grpo import PolicyGradient
 from cope.callbacks.probes import HeldOutProbes
 from cope.episode import Role

@@ -11,8 +11,8 @@ from forecast_fixtures import CFG, capture_logger
 from peft import LoraConfig, get_peft_model
 from prompted_fixtures import CHAT, FakeTokenizer, reference_episode, simple_episode
 
-from cope.algos.cope.layouts import collate_chunks, pack_forecasts, plain_forecasts
 from cope.algos.cope.loss import ForecastLoss
+from cope.algos.cope.packing import collate_chunks, pack_forecasts, plain_forecasts
 from cope.algos.cope.prompted import PlanPrompt, build_prompted
 from cope.algos.grpo import PolicyGradient
 from cope.models.policy import Policy

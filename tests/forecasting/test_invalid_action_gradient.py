@@ -11,8 +11,8 @@ import transformers
 from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E402
 
 from cope.algos.cope.chunks import build_chunks
-from cope.algos.cope.layouts import pack_forecasts
 from cope.algos.cope.loss import forecast_nll
+from cope.algos.cope.packing import pack_forecasts
 from cope.train.batch import collate
 from cope.train.logprobs import token_logprobs
 

@@ -13,8 +13,8 @@ from prompted_fixtures import CHAT, FakeTokenizer, reference_episode, simple_epi
 from tiny_fixtures import exactness_model, exactness_module, scored_step
 
 from cope.algos.cope.chunks import build_chunks
-from cope.algos.cope.layouts import pack_forecasts
 from cope.algos.cope.loss import ForecastLoss
+from cope.algos.cope.packing import pack_forecasts
 from cope.algos.cope.prompted import PlanPrompt, build_prompted
 from cope.algos.grpo import PolicyGradient
 from cope.train.batch import collate

@@ -12,8 +12,8 @@ from forecast_fixtures import capture_logger
 from prompted_fixtures import CHAT, FakeTokenizer, reference_episode, simple_episode
 from tiny_fixtures import exactness_model
 
-from cope.algos.cope.layouts import collate_chunks
 from cope.algos.cope.loss import ForecastLoss
+from cope.algos.cope.packing import collate_chunks
 from cope.algos.cope.prompted import PlanPrompt, build_prompted
 from cope.algos.cope.shared_prefix import collate_shared
 from cope.models.policy import Policy

@@ -1,4 +1,4 @@
-"""The training methods, one place each: an algorithm's targets, layouts, losses, state and callbacks.
+"""The training methods, one place each: an algorithm's targets, batch packing, losses, state and callbacks.
 
 * :mod:`cope.algos.grpo`: the policy-gradient objective (GRPO / Dr.GRPO clipped ratio) and the KL penalty;
   every algorithm builds on it.

@@ -46,7 +46,7 @@ def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: lis
 
 
 def attention_fits_layout(model: DictConfig, cfg: DictConfig, fail: Callable[[str, str], None]) -> None:
-    """What CoPE's forecast layouts need of ``model.attn_implementation``, checked before any work:
+    """What CoPE's forecast batches need of ``model.attn_implementation``, checked before any work:
     * flash attention takes no (N, 1, T, T) mask, and CoPE's packed rows (prefix trees) without sharing are
       attended through one (built per forward): the pairing would fail, or be wrong, at the first training forward;
     * ``data.share_prefix`` (every shared-prefix batch) switches the model to tree attention ("cope_tree"), which is

@@ -28,9 +28,9 @@ class RolloutBatch(TypedDict, total=False):
         aux_row (N,) bool: rows that are not episode transcripts (all False here; CoPE's plain forecast
             layout appends such rows): transcript-level objectives (ECHO, EMPG) skip them.
 
-    Added by CoPE (:mod:`cope.algos.cope.layouts`): ``forecast_mask`` (N, T) bool, ``forecast_chunk`` (N, T)
+    Added by CoPE (:mod:`cope.algos.cope.packing`): ``forecast_mask`` (N, T) bool, ``forecast_chunk`` (N, T)
     long, ``forecast_actions`` (C,) long, ``forecast_weight`` (C,) float. CoPE's separate update trains batches of its
-    own, ``kind == "forecast"`` (:func:`cope.algos.cope.layouts.collate_chunks`; no ``kind``: a rollout minibatch).
+    own, ``kind == "forecast"`` (:func:`cope.algos.cope.packing.collate_chunks`; no ``kind``: a rollout minibatch).
     The temporal ensemble's scored transform adds ``te_position`` (P, 2) long [row, column], ``te_ids`` (P, M) long
     and ``te_probs`` (P, M) float.
 
@@ -38,7 +38,7 @@ class RolloutBatch(TypedDict, total=False):
     forwards, trees of a prefix stored once and its branches, with ``index`` from every token of the batch's rows to
     its place in them. The one form for all three producers: GRPO groups (``data.share_prefix``,
     :func:`cope.train.group_prefix.pack_groups`), CoPE's packed joint rows (each row a transcript and its forecast
-    segments, :func:`cope.algos.cope.layouts.pack_forecasts`) and CoPE's separate forecast steps with
+    segments, :func:`cope.algos.cope.packing.pack_forecasts`) and CoPE's separate forecast steps with
     ``data.share_prefix`` (:func:`cope.algos.cope.shared_prefix.collate_shared`: the packed rows are the batch's
     rows, identity index). Every other key keeps the batch rows' shape, and so do the module's log-probs.
 

@@ -10,7 +10,7 @@ micro-batch budget, :func:`fill_rows`):
 * GRPO groups (``data.share_prefix``): :func:`cope.train.group_prefix.pack_groups`; a side view, the logical rows
   stay one per episode.
 * CoPE's joint rows (``cope.packing=packed``): each row a transcript with its forecast segments as branches
-  (:func:`cope.algos.cope.layouts.pack_forecasts`), rows packed as they are (:meth:`PackedRows.of_rows`), then
+  (:func:`cope.algos.cope.packing.pack_forecasts`), rows packed as they are (:meth:`PackedRows.of_rows`), then
   placed side by side by ``pack_groups`` when ``data.share_prefix`` is on.
 * CoPE's separate forecast steps: the packed rows are the logical rows (:meth:`PackedRows.as_rows`, identity index).
 

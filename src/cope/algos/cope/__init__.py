@@ -13,7 +13,7 @@ Shared by both readings:
 
 * :mod:`~cope.algos.cope.chunks`: the ``ForecastChunk`` record, and the continuation chunks (``algo=cope_continuation``:
   a_t..a_{t+K-1} continuing the transcript, invalid actions masked or cut);
-* :mod:`~cope.algos.cope.layouts`: chunks in a batch (packed segments, plain rows, the separate update's batches);
+* :mod:`~cope.algos.cope.packing`: chunks in a batch (packed segments, plain rows, the separate update's batches);
 * :mod:`~cope.algos.cope.loss`: the forecast objective (group-weighted per-sample CE; ``update`` separate or joint;
   the continuation's adaptive scale);
 * :mod:`~cope.algos.cope.forecast_targets` and :mod:`~cope.algos.cope.loss_balance`: the continuation's callbacks

@@ -13,7 +13,7 @@ Where we are specific (the paper's full text was not available to us):
     * The a_t part of the chunk from h_t is the transcript's own a_t (same prefix, same ids, copied into
       the chunk: it is scored untempered, in the chunk, not at its transcript position).
 
-How chunks are laid out in a batch: :mod:`cope.algos.cope.layouts`. The authors' prompted sample (the
+How chunks are laid out in a batch: :mod:`cope.algos.cope.packing`. The authors' prompted sample (the
 default since 2026-12-02): :mod:`cope.algos.cope.prompted`.
 """
 from __future__ import annotations

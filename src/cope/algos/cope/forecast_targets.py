@@ -1,7 +1,7 @@
 """CoPE forecast targets as a callback: builds action-chunk targets for each minibatch.
 
 Follows CoPE (arXiv 2610.20597): targets only from successful, non-aborted on-policy episodes;
-see :mod:`cope.algos.cope.chunks` and :mod:`cope.algos.cope.layouts` for the chunk definition and the two batch layouts, and
+see :mod:`cope.algos.cope.chunks` and :mod:`cope.algos.cope.packing` for the chunk definition and the two packings of a batch, and
 :class:`cope.algos.cope.loss.ForecastLoss` for the loss that reads them.
 
 The callback registers a collate transform on the datamodule (``add_collate_transform``), so the
@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.algos.cope.chunks import build_chunks, check_chunk_args
-from cope.algos.cope.layouts import LAYOUTS
+from cope.algos.cope.packing import PACKINGS
 from cope.episode import Episode
 from cope.train.dist import log_global, pool
 from cope.train.seeding import stream
@@ -64,8 +64,8 @@ class ForecastTargets(Callback):
         seed: int = 0,
         mask_projected: bool = True,
     ):
-        if packing not in LAYOUTS:
-            raise ValueError(f"cope.packing must be one of {sorted(LAYOUTS)}, got {packing!r}")
+        if packing not in PACKINGS:
+            raise ValueError(f"cope.packing must be one of {sorted(PACKINGS)}, got {packing!r}")
         if invalid not in INVALID:
             raise ValueError(f"cope.invalid must be one of {INVALID}, got {invalid!r}")
         check_chunk_args(K, anchors, max_anchors_per_episode)
@@ -115,7 +115,7 @@ class ForecastTargets(Callback):
         for k in _SUMS:
             self._sums[k] += metrics[k]
         self._calls += 1
-        return LAYOUTS[self.packing](batch, episodes, chunks, self._pad_id)
+        return PACKINGS[self.packing](batch, episodes, chunks, self._pad_id)
 
     def epoch_metrics(self, sums: dict[str, float] | None = None) -> dict[str, float]:
         """The per-epoch metrics of ``sums`` (default: this rank's accumulated so far; empty when no minibatch was

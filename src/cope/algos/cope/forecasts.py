@@ -4,7 +4,7 @@ Each epoch, from the episodes the DataModule collected, :func:`cope.algos.cope.p
 prompted forecast samples (gate, look-past of invalid actions, group weights); then, by ``update``:
 
 * ``separate`` (the authors'): the samples become batches of kind ``forecast``
-  (:func:`cope.algos.cope.layouts.collate_chunks`, ``minibatch_size`` samples each) that the DataModule serves after
+  (:func:`cope.algos.cope.packing.collate_chunks`, ``minibatch_size`` samples each) that the DataModule serves after
   the epoch's policy-gradient minibatches, one optimizer step each on the same optimizer (the module computes only
   the ``forecast`` objective on them, learning rate times its ``lr_scale``). After the policy steps of the epoch,
   not of each minibatch: the authors' trainer runs its forecast pass after the policy update of a training step,
@@ -34,7 +34,7 @@ import logging
 
 from lightning.pytorch import Callback
 
-from cope.algos.cope.layouts import LAYOUTS, collate_chunks
+from cope.algos.cope.packing import PACKINGS, collate_chunks
 from cope.algos.cope.prompted import PlanPrompt, build_prompted, check_prompted_args
 from cope.algos.cope.shared_prefix import collate_shared
 from cope.algos.cope.te_loss import ensemble_transform
@@ -76,8 +76,8 @@ class CopeForecasts(Callback):
         check_prompted_args(K, invalid, gate)
         if update not in UPDATES:
             raise ValueError(f"cope.update must be one of {UPDATES}, got {update!r}")
-        if packing not in LAYOUTS:
-            raise ValueError(f"cope.packing must be one of {sorted(LAYOUTS)}, got {packing!r}")
+        if packing not in PACKINGS:
+            raise ValueError(f"cope.packing must be one of {sorted(PACKINGS)}, got {packing!r}")
         if minibatch_size < 1:
             raise ValueError(f"cope.minibatch_size must be >= 1, got {minibatch_size}")
         self.K, self.layout, self.prompt, self.invalid = int(K), layout, prompt, invalid
@@ -149,7 +149,7 @@ class CopeForecasts(Callback):
     # -- joint: a collate transform ------------------------------------------------------------
     def transform(self, batch: dict, episodes: list[Episode]) -> dict:
         chunks, _ = self.samples(episodes)
-        return LAYOUTS[self.packing](batch, episodes, chunks, self._pad_id)
+        return PACKINGS[self.packing](batch, episodes, chunks, self._pad_id)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if self._built is not None:

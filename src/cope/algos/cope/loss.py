@@ -7,7 +7,7 @@ the mean over the samples of the batch (their reduction, at their micro-batch of
 steps, in optimizer steps of their own (learning rate times ``lr_scale``); ``update=joint`` adds it to the
 policy-gradient loss of the rollout minibatches (the samples packed after their transcripts). The samples and
 their layout come from :mod:`cope.algos.cope.prompted`, :mod:`cope.algos.cope.chunks` and
-:mod:`cope.algos.cope.layouts`; this file only reads ``forecast_mask``, ``forecast_chunk``,
+:mod:`cope.algos.cope.packing`; this file only reads ``forecast_mask``, ``forecast_chunk``,
 ``forecast_actions`` and ``forecast_weight``.
 
 The variants of the earlier reading of the explainer (``cope.sample=continuation``):

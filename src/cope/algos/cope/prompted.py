@@ -22,7 +22,7 @@ Where we deliberately differ:
     * ``gate='all'`` keeps every trajectory also with group weights (theirs turns ``all`` into ``wins`` then).
     * ``mask`` and ``cut`` are ours (as in :mod:`cope.algos.cope.chunks`); they had skip-invalid on or off.
 
-The samples go into a batch with :func:`cope.algos.cope.layouts.plain_forecasts` (one row per sample); the
+The samples go into a batch with :func:`cope.algos.cope.packing.plain_forecasts` (one row per sample); the
 packed layout needs chunks that start with a_t.
 """
 from __future__ import annotations

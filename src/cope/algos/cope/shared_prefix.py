@@ -2,7 +2,7 @@
 
 CoPE's separate update trains, per optimizer step, ``cope.minibatch_size`` samples, each "the transcript up to its
 anchor + the sample's own tokens" (:mod:`cope.algos.cope.prompted`). One row per sample
-(:func:`cope.algos.cope.layouts.collate_chunks`) re-forwards the whole history for every sample: an episode of T
+(:func:`cope.algos.cope.packing.collate_chunks`) re-forwards the whole history for every sample: an episode of T
 steps costs about T times its own length. Here the samples of one episode in the step share one row: its trunk is
 the episode's transcript (only as far as the step's samples need it), each sample a branch anchored in it, and tree
 attention (:mod:`cope.train.tree_attention`, ``"cope_tree"``) lets every branch token attend exactly what it
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from cope.algos.cope.chunks import ForecastChunk
-from cope.algos.cope.layouts import collate_chunks, forecast_batch
+from cope.algos.cope.packing import collate_chunks, forecast_batch
 from cope.episode import Episode
 from cope.train.prefix_tree import TreeNode
 from cope.train.tree_batch import Unit, branch, pack, split_to_fit
@@ -33,7 +33,7 @@ def collate_shared(episodes: list[Episode], chunks: list[ForecastChunk], pad_id:
     trees'; the trees
     placed side by side in as few rows as fit (:func:`cope.train.tree_batch.fill_rows`: no row longer than
     ``max_row_tokens`` or the longest tree; ``episode_index`` -1 on a row of several); ``forecast_chunk`` indexes
-    ``chunks`` (same order, weights and actions as :func:`~cope.algos.cope.layouts.collate_chunks`).
+    ``chunks`` (same order, weights and actions as :func:`~cope.algos.cope.packing.collate_chunks`).
     ``max_row_tokens`` (the module's micro-batch budget): an episode whose tree would be longer gives several trees
     of consecutive samples that each fit (each with its own trunk), so a micro-batch holds no more tokens than one row
     per sample would. An empty ``chunks`` gives that function's empty batch (no ``packed``)."""

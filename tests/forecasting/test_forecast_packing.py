@@ -10,9 +10,9 @@ from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode, segment_m
 
 from cope.algos.cope.chunks import build_chunks
 from cope.algos.cope.forecast_targets import ForecastTargets
-from cope.algos.cope.layouts import pack_forecasts, plain_forecasts
 from cope.algos.cope.loss import AdaptiveScale, ForecastLoss, forecast_nll
 from cope.algos.cope.loss_balance import LossBalance
+from cope.algos.cope.packing import pack_forecasts, plain_forecasts
 from cope.episode import Role
 from cope.train.batch import collate
 from cope.train.objectives import ForwardOut
@@ -201,8 +201,9 @@ def test_loss_balance_drives_the_objectives_own_scale():
 def test_forecast_targets_callback_registers_transform_and_logs():
     fns, logged = [], {}
     dm = SimpleNamespace(add_collate_transform=fns.append, epoch=0)  # the part of RolloutDataModule it uses
-    trainer = SimpleNamespace(datamodule=dm, global_rank=0)
-    module = SimpleNamespace(log_dict=lambda d, **kw: logged.update(d), policy=SimpleNamespace(chat=CHAT, pad_id=PAD))
+    one_process = SimpleNamespace(reduce=lambda t, reduce_op: t)  # the epoch's sums are pooled over ranks: one here
+    trainer = SimpleNamespace(datamodule=dm, global_rank=0, strategy=one_process)
+    module = SimpleNamespace(log_dict=lambda d, **kw: logged.update(d), policy=SimpleNamespace(chat=CHAT, pad_id=PAD), device="cpu")
     cb = ForecastTargets(K=3, packing="packed")  # the rows as prefix trees (tree attention: test_joint_tree.py)
     cb.setup(trainer, module, "fit")
     cb.setup(trainer, module, "fit")

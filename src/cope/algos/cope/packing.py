@@ -150,7 +150,7 @@ def plain_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastC
     return out
 
 
-LAYOUTS = {"packed": pack_forecasts, "plain": plain_forecasts}
+PACKINGS = {"packed": pack_forecasts, "plain": plain_forecasts}
 
 
 def collate_chunks(episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
