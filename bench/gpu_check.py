@@ -289,7 +289,7 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
     import torch
 
     from cope.algos.cope.chunks import build_chunks
-    from cope.algos.cope.packing import LAYOUTS
+    from cope.algos.cope.packing import PACKINGS
     from cope.train.batch import collate, row_lengths
     from cope.train.group_prefix import pack_groups
     from cope.train.module import AgentRLModule
@@ -304,7 +304,7 @@ def run_training(name: str, policy, pad: int, objectives, episodes, settings: di
         invalid = cope.get("invalid", "mask")  # as ForecastTargets maps it
         chunks, _ = build_chunks(episodes, chat, rng=random.Random(0), mask_invalid=invalid == "mask", cut_at_invalid=invalid == "cut",
                                  **{k: v for k, v in cope.items() if k in known})
-        mb = LAYOUTS[cope["packing"]](mb, episodes, chunks, pad)
+        mb = PACKINGS[cope["packing"]](mb, episodes, chunks, pad)
         if shared:  # as the DataModule does: the trees side by side, rows within the micro-batch budget
             mb = pack_groups(mb, episodes, max_row_tokens=sizes.microbatch_tokens)
         res.update(chunks=len(chunks), layout=cope["packing"], K=int(cope["K"]))

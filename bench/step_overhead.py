@@ -145,7 +145,7 @@ def collect(dm, policy, n: int, min_success: int, max_batches: int, seed: int):
 def minibatches(eps, size: int, layout: str | None, K: int, chat, pad_id: int) -> tuple[list[dict], int]:
     """collate + the variant's collate transform, per minibatch; returns (minibatches, forecast chunks)."""
     from cope.algos.cope.chunks import build_chunks
-    from cope.algos.cope.packing import LAYOUTS
+    from cope.algos.cope.packing import PACKINGS
     from cope.train.batch import collate
 
     out, n_chunks = [], 0
@@ -155,7 +155,7 @@ def minibatches(eps, size: int, layout: str | None, K: int, chat, pad_id: int) -
         if layout is not None:
             chunks, m = build_chunks([eps[i] for i in idx], chat, K=K, indices=idx)
             n_chunks += int(m["forecast/targets"])
-            mb = LAYOUTS[layout](mb, eps, chunks, pad_id)
+            mb = PACKINGS[layout](mb, eps, chunks, pad_id)
         out.append(mb)
     return out, n_chunks
 
