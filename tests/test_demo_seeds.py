@@ -14,6 +14,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 RECORDED = {
     "default": ([], [0, 1, 2, 3, 4], [False] * 5, [0.219, 0.375, 0.438, 0.406, 0.422]),
     "no_trust_region": (["module.max_approx_kl=null"], [0, 1, 2, 3, 4], [False] * 4 + [True], [0.266, 0.328, 0.328, 0.328, 0.0]),
+    "share_prefix": (["data.share_prefix=true"], [0, 1, 2, 3, 4], [False] * 5, [0.375, 0.391, 0.156, 0.0, 0.219]),
 }
 
 
