@@ -28,6 +28,7 @@ from pathlib import Path
 from lightning.pytorch import Callback
 
 from cope import records
+from cope.train.sharding import whole_trainable_state
 
 EXPORT_FILE = "cope_export.json"
 
@@ -37,13 +38,15 @@ def _run_dir(trainer) -> Path:
     return Path(getattr(trainer, "log_dir", None) or trainer.default_root_dir)
 
 
-def export_adapter(policy, path: Path, info: dict | None = None) -> Path:
+def export_adapter(policy, path: Path, info: dict | None = None, state_dict: dict | None = None) -> Path:
     """Writes ``policy.model`` (peft) and ``policy.tokenizer`` to ``path`` plus ``cope_export.json``.
 
     Args:
         policy: a :class:`cope.models.policy.Policy` (``model`` a ``PeftModel``, ``tokenizer``, ``source``).
         path: target folder (created).
         info: extra JSON-serializable fields for ``cope_export.json``.
+        state_dict: the adapter's whole tensors when the model holds shards of them (``trainer=fsdp``); None: the
+            model's own.
 
     Returns:
         ``path``.
@@ -52,7 +55,7 @@ def export_adapter(policy, path: Path, info: dict | None = None) -> Path:
     meta = {"base_model": str(policy.source), "format": "peft", **(info or {})}
     try:
         path.mkdir(parents=True, exist_ok=True)
-        policy.model.save_pretrained(str(path))
+        policy.model.save_pretrained(str(path), **({} if state_dict is None else {"state_dict": state_dict}))
         policy.tokenizer.save_pretrained(str(path))
         (path / EXPORT_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     except OSError as e:  # a full disk, a read-only folder: say where (save_pretrained's own message often does not)
@@ -119,6 +122,7 @@ class AdapterExport(Callback):
         path = _run_dir(trainer) / self.dirname  # on every rank: log_dir is a collective
         if sub:
             path = path / sub
+        state = whole_trainable_state(pl_module.policy)  # trainer=fsdp: gathered on every rank (a collective); else None
         if not trainer.is_global_zero:
             return
         counters = records.counters(trainer)
@@ -127,7 +131,7 @@ class AdapterExport(Callback):
             "epoch": int(trainer.current_epoch),
             "global_step": int(trainer.global_step),
         }
-        self.last_path = export_adapter(pl_module.policy, path, info)
+        self.last_path = export_adapter(pl_module.policy, path, info, state)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if self.every_n_epochs and (trainer.current_epoch + 1) % self.every_n_epochs == 0:

@@ -8,10 +8,11 @@ with the adapter disabled (``with policy.model.disable_adapter():``): no second 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -31,6 +32,9 @@ class Policy:
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     chat: ChatFormat
     source: str  # model.path as given (a local folder or a hub id): what checkpoints and exports record
+    # a context in which the model's weights are whole on every rank (rollouts); trainer=fsdp sets it
+    # (cope.train.sharding.WholeWeights), a null context otherwise
+    full_weights: Callable[[], ContextManager] = field(default=contextlib.nullcontext, repr=False)
 
     @property
     def pad_id(self) -> int:

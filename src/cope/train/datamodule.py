@@ -20,6 +20,7 @@ late through :meth:`connect`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -143,6 +144,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.train_record: EpochRecord | None = None  # the newest training epoch's experience
         self.val_record: ValidationRecord | None = None  # the newest validation's held-out episodes
         self.tokenizer = self.chat = None
+        self._policy: Any = None  # bound by connect: its full_weights context wraps every rollout
         self.pad_id = 0
         self._collate_transforms: list[CollateTransform] = []
         self._batch_sources: list[BatchSource] = []
@@ -160,6 +162,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.share_prefix:  # the minibatches it serves carry prefix trees; every forward without one stays SDPA
             use_tree_attention(policy.model)
         self.engine.connect(policy, rank=rank)
+        self._policy = policy
 
     def add_collate_transform(self, fn: CollateTransform) -> None:
         """``fn(minibatch, episodes) -> minibatch`` runs on every minibatch before scoring (e.g. CoPE targets)."""
@@ -192,8 +195,9 @@ class RolloutDataModule(pl.LightningDataModule):
             if self.trainer is not None:
                 self.engine.sync(self.trainer.global_step)
             synced = time.perf_counter() - t0
-            eps, stats = self.engine.rollout(tasks, groups, dataclasses.replace(sampling, seed=seed),
-                                             progress=lambda n: self._turn_done(n, bar))
+            with self._policy.full_weights() if self._policy is not None else contextlib.nullcontext():  # trainer=fsdp
+                eps, stats = self.engine.rollout(tasks, groups, dataclasses.replace(sampling, seed=seed),
+                                                 progress=lambda n: self._turn_done(n, bar))
             stats.sync_seconds += synced
             return eps, stats
         finally:

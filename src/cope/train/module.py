@@ -34,6 +34,7 @@ from cope.train.dist import log_rollout_metrics, log_val_metrics
 from cope.train.logprobs import sampler_gap
 from cope.train.objectives import ROLLOUT, ForwardOut, Objective, batch_kind
 from cope.train.seeding import seed_globals
+from cope.train.sharding import configure_sharding, step_weights, total_grad_norm
 from cope.train.step_guard import StepGuard, lr_scaled
 from cope.train.tree_batch import packed_logprobs, packed_view
 
@@ -101,6 +102,7 @@ class AgentRLModule(pl.LightningModule):
         self.strict_loading = False  # checkpoints carry adapter weights only
         self.last_validation: dict[str, float] = {}  # val/* of the newest validation, with val/epoch
         self._scored_transforms: list[ScoredTransform] = []
+        self._whole = None  # trainer=fsdp: the policy's WholeWeights switch (cope.train.sharding)
 
     @property
     def needs_ref(self) -> bool:
@@ -174,7 +176,27 @@ class AgentRLModule(pl.LightningModule):
         finally:
             self.model.train(was)
 
+    def configure_model(self) -> None:
+        """``trainer=fsdp``: the policy's layers in FSDP2 groups (:mod:`cope.train.sharding`); nothing otherwise."""
+        self._whole = configure_sharding(self)
+
     # -- training --------------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        if self._whole is not None:  # sharded only inside optimizer steps (cope.train.sharding: "Which phase")
+            self._whole.gather()
+
+    def on_validation_start(self) -> None:
+        if self._whole is not None:
+            self._whole.gather()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._whole is not None:
+            self._whole.shard()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._whole is not None:
+            self._whole.gather()
+
     def on_train_start(self) -> None:
         # rows an earlier process logged for the epoch this fit starts at (or later) are gone from the
         # run's history: that epoch is run again (a resume after a crash) or the folder is reused
@@ -207,7 +229,8 @@ class AgentRLModule(pl.LightningModule):
         log_rollout_metrics(self, metrics, record.tally)  # rollout/*, env/*: from the tallies of all ranks
 
     def _backward(self, batch: dict) -> tuple[ForwardOut, torch.Tensor, dict]:
-        return backward_microbatched(self, batch)
+        with step_weights(self, len(self.micro_batches(batch))):  # trainer=fsdp: sharded unless ranks' counts differ
+            return backward_microbatched(self, batch)
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         """One optimizer step on a rollout minibatch (the objectives of kind ``rollout``) or on one of CoPE's
@@ -232,7 +255,7 @@ class AgentRLModule(pl.LightningModule):
         opt.zero_grad()
         _, total, metrics = self._backward(batch)
         grads = [p.grad for p in self.policy.trainable_parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())  # before clipping; DDP: already synced
+        norm = total_grad_norm(grads)  # before clipping; DDP: already synced; FSDP: the shards' global norm
         kl_stop = self._kl_stop(kind, metrics)
         if kl_stop:
             opt.zero_grad()  # weights, moments and schedule stay as they were; no step count either

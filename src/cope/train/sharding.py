@@ -1,0 +1,286 @@
+"""Sharded training (``trainer=fsdp``): Lightning's FSDP2 path (``ModelParallelStrategy``, torch ``fully_shard``).
+
+Each rank holds a 1/world shard of every sharded parameter, its gradient and its optimizer moments; a group's
+parameters are all-gathered just before the group's forward (and backward) and freed after it. Groups:
+
+* **each decoder layer** (the classes the HF model names in ``_no_split_modules``), one group per layer;
+* **the decoder body** (embeddings, final norm, and every layer parameter left over), the FSDP root. The root is the
+  decoder, not the causal LM, because the fused log-prob head (:mod:`cope.train.logprobs`) calls the decoder and then
+  reads the output head's weight itself: the head's forward never runs, so a sharded head would never be gathered.
+  The output head therefore stays whole on every rank (``vocab x hidden`` per rank), frozen. With tied embeddings
+  (the tiny model, SmolLM2, Qwen2.5 <= 3B) the head keeps the original tensor and the embedding's copy is sharded: the
+  values are the same (both frozen). A trainable head (full fine-tuning, LoRA on ``lm_head``) is refused here, not
+  trained untied.
+
+**LoRA adapters are sharded, inside their layer's group.** They ride the all-gather that gathers the layer's frozen
+weights anyway and their gradients the layer's reduce-scatter, so there is no second collective path (a replicated
+adapter would need its own all-reduce, and the frozen weights around it would still be sharded); their AdamW moments
+are sharded with them. At LoRA's sizes the split costs nothing measurable, and it is the layout full fine-tuning needs.
+
+The KL reference (``disable_adapter()``) is the same sharded model with the adapter switched off: nothing changes for
+FSDP, the adapter's shards are gathered and not used.
+
+**The optimizer step.** Gradients are DTensors (``Shard(0)``). :func:`total_grad_norm` is the global norm (torch's
+``get_total_norm`` sums the shards' squares over the mesh); Lightning's ``clip_gradients`` (torch's
+``clip_grad_norm_``) scales every shard by the same global coefficient. Micro-batches: :meth:`FSDPStrategy.
+block_backward_sync` switches FSDP's gradient reduce-scatter off for all but the last micro-batch
+(``set_requires_gradient_sync``), as DDP's ``no_sync``: the micro-batches accumulate *unsharded* gradients of the
+trainable parameters (small under LoRA; a whole gradient copy per rank under full fine-tuning, where
+``sync_every_microbatch=True`` trades the collectives back for that memory).
+
+**Which phase is sharded.** The in-process rollout engine runs the model on each rank independently (ranks generate
+different numbers of tokens), and so do the scoring pass (a token budget cuts each rank's rows into its own number of
+micro-batches) and the callbacks' probes: per-forward all-gathers would deadlock there. So the groups are gathered
+once (:class:`WholeWeights`, ``set_reshard_after_forward(False)``) for everything but the optimizer steps, and
+sharded for the steps: the module shards at each training batch's start and gathers at its end, and the DataModule
+enters :attr:`cope.models.policy.Policy.full_weights` around collection and validation rollouts (a no-op when
+already gathered). A step whose ranks cut different numbers of micro-batches runs gathered too (:func:`step_weights`;
+its gradients are still reduce-scattered once). The gathered weights are bit-identical to the unsharded model's.
+Memory per rank is therefore: whole weights (plus the KV cache) during rollouts, as DDP; shards (plus one gathered
+layer, activations, the trainable parameters' gradients and moments, all sharded) during the optimizer steps.
+
+**Checkpoints.** ``save_distributed_checkpoint=False``: the trainable tensors and the optimizer state are gathered
+into one ordinary checkpoint file on rank zero (the DDP format, through the trainer's ``CheckpointIO``, here the atomic
+one), keyed by parameter name; resume reads that file on every rank and loads each rank's shard of it
+(:meth:`FSDPStrategy.load_checkpoint`). Such a file resumes at any world size and under DDP.
+
+Mixed precision: fp32 on CPU (the tests); on CUDA, bf16 compute with fp32 gradient reduction
+(``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``), ``mixed_precision="auto"``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+log = logging.getLogger(__name__)
+
+MIXED_PRECISION = ("auto", "bf16", "none")
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` as data-parallel FSDP2 only: every process in one data-parallel (sharding) group,
+    tensor parallelism 1 (the parent's ``"auto"`` would put a node's devices into tensor parallelism).
+
+    Args:
+        mixed_precision: ``auto`` (bf16 compute and fp32 gradient reduction on CUDA, fp32 elsewhere), ``bf16`` or
+            ``none``.
+        sync_every_microbatch: reduce-scatter gradients after every micro-batch (less memory: no unsharded gradient
+            accumulates) instead of once per optimizer step, at the last micro-batch (fewer collectives).
+        **kwargs: the parent's (``timeout``, ``process_group_backend``).
+    """
+
+    def __init__(self, mixed_precision: str = "auto", sync_every_microbatch: bool = False, **kwargs: Any):
+        if mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"trainer.strategy.mixed_precision must be one of {MIXED_PRECISION}, got {mixed_precision!r}")
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs)
+        self.mixed_precision = mixed_precision
+        self.sync_every_microbatch = bool(sync_every_microbatch)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes  # every rank shards; the mesh's other axis is 1
+        super().setup_environment()
+
+    def mp_policy(self):
+        """FSDP's ``MixedPrecisionPolicy`` for this device, or None (fp32)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        bf16 = self.mixed_precision == "bf16" or (self.mixed_precision == "auto" and self.root_device.type == "cuda")
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Backward without FSDP's gradient reduce-scatter (micro-batches before the last one accumulate locally)."""
+        roots = [] if self.sync_every_microbatch else _roots(self.lightning_module)
+        for m in roots:
+            m.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for m in roots:
+                m.set_requires_gradient_sync(True)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The trainable tensors, whole, on rank zero (empty elsewhere); the frozen base is never gathered."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        return get_model_state_dict(self.model, options=opts)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state, whole and keyed by parameter name, on rank zero (empty elsewhere)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, optimizer, options=opts)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Reads the checkpoint file on every rank and loads this rank's shards of its trainable tensors and optimizer
+        state. The returned checkpoint keeps its ``state_dict`` (the module's ``on_load_checkpoint`` checks it)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        path = self.broadcast(checkpoint_path)
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        opts = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.model, checkpoint["state_dict"], options=opts)
+        for opt, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            set_optimizer_state_dict(self.model, opt, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+        return checkpoint
+
+
+def configure_sharding(module) -> WholeWeights | None:
+    """What ``AgentRLModule.configure_model`` does: under :class:`FSDPStrategy`, shard ``module.model``
+    (:func:`shard_policy`) and set the policy's ``full_weights``; returns the :class:`WholeWeights` switch (None under
+    any other strategy: nothing happens)."""
+    strategy = module.trainer.strategy
+    if not isinstance(strategy, ModelParallelStrategy):
+        return None
+    if not isinstance(strategy, FSDPStrategy):
+        raise TypeError(f"{type(strategy).__name__}: the policy is sharded by cope.train.sharding.FSDPStrategy "
+                        "(trainer=fsdp) only")
+    counts = shard_policy(module.model, strategy.device_mesh["data_parallel"], strategy.mp_policy())
+    if counts is not None:  # sharded now (not again for a fit after a validation)
+            log.info("trainer=fsdp: rank %d holds %d of %d parameters (%d whole on every rank: the output head)",
+                 strategy.global_rank, counts["local"], counts["full"], counts["replicated"])
+    if not isinstance(module.policy.full_weights, WholeWeights):
+        module.policy.full_weights = WholeWeights(module.model)
+    return module.policy.full_weights
+
+
+def step_weights(module, n_parts: int):
+    """The context of one optimizer step's forwards and backwards under :class:`FSDPStrategy`: sharded (per-layer
+    all-gathers) when every rank runs ``n_parts`` micro-batches, else gathered (no collective per forward, which
+    ranks with different micro-batch counts could not match). Other strategies: a null context. One small collective
+    under FSDP when a token budget is set."""
+    whole = getattr(module.policy, "full_weights", None)
+    if not isinstance(whole, WholeWeights) or module.max_tokens_per_microbatch is None:
+        return contextlib.nullcontext()  # one forward per step on every rank
+    n = torch.tensor([n_parts, -n_parts], dtype=torch.float64, device=module.device)
+    n = module.trainer.strategy.reduce(n, reduce_op="max")
+    return whole() if int(n[0]) != -int(n[1]) else contextlib.nullcontext()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: modules whose class the HF model lists in ``_no_split_modules``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in base.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"trainer=fsdp: {type(base).__name__} names no decoder layer class (_no_split_modules="
+                         f"{sorted(names)}); it cannot be sharded by layer. Use trainer=ddp")
+    return layers
+
+
+def shard_policy(model: torch.nn.Module, mesh, mp_policy=None) -> dict[str, int] | None:
+    """``fully_shard`` on each decoder layer, then on the decoder body (the root); idempotent (a second call, as a
+    validation before fit makes, does nothing and returns None). Returns parameter counts: ``full``, ``local`` (what
+    this rank holds), ``replicated`` (whole on every rank: the output head)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder, head = base.get_decoder(), base.get_output_embeddings()
+    kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    if not isinstance(decoder, FSDPModule):
+        if head is not None and any(p.requires_grad for p in head.parameters()):
+            raise ValueError("trainer=fsdp keeps the output head whole and frozen on every rank (the fused log-prob "
+                             "head reads its weight outside any forward): a trainable lm_head (LoRA on lm_head, full "
+                             "fine-tuning) is not supported; leave lm_head out of model.lora.target_modules")
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh, **kw)
+        fully_shard(decoder, mesh=mesh, **kw)
+        return parameter_counts(model)
+    return None
+
+
+def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
+    """``full`` (every parameter once), ``local`` (held by this rank: its shards plus whole tensors) and
+    ``replicated`` (whole tensors, not sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    full = local = replicated = 0
+    for p in model.parameters():
+        full += p.numel()
+        if isinstance(p, DTensor):
+            local += p.to_local().numel()
+        else:
+            local += p.numel()
+            replicated += p.numel()
+    return {"full": full, "local": local, "replicated": replicated}
+
+
+def _roots(model: torch.nn.Module | None) -> list:
+    """The outermost FSDP modules under ``model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out, inner = [], set()
+    for m in (model.modules() if model is not None else []):
+        if isinstance(m, FSDPModule) and m not in inner:
+            out.append(m)
+            inner.update(x for x in m.modules() if x is not m)
+    return out
+
+
+class WholeWeights:
+    """Whether ``model``'s FSDP groups are gathered (whole weights on every rank), switched by :meth:`gather` and
+    :meth:`shard` (each a collective on every rank, a no-op when already so). While gathered, a forward or backward
+    runs no collective (ranks may run different numbers of forwards: rollouts, scoring, callbacks' probes); the
+    gradient reduce-scatter still runs, once per optimizer step. Calling it gives a context that gathers and, on exit,
+    restores the state it found: :attr:`cope.models.policy.Policy.full_weights` under this strategy."""
+
+    def __init__(self, model: torch.nn.Module):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.whole = False
+
+    def gather(self) -> None:
+        if self.whole:
+            return
+        for m in self.groups:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.set_reshard_after_backward(False, recurse=False)
+            m.unshard()
+        self.whole = True
+
+    def shard(self) -> None:
+        if not self.whole:
+            return
+        for m in self.groups:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+            m.set_reshard_after_backward(True, recurse=False)
+        self.whole = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        was = self.whole
+        self.gather()
+        try:
+            yield
+        finally:
+            if not was:
+                self.shard()
+
+
+def whole_trainable_state(policy) -> dict[str, torch.Tensor] | None:
+    """Under ``trainer=fsdp``: the policy model's trainable tensors whole, keyed as in ``policy.model.state_dict()``,
+    on rank zero (empty elsewhere; a collective: every rank calls it), for an adapter export. None otherwise (the
+    model's own tensors are whole)."""
+    if not isinstance(getattr(policy, "full_weights", None), WholeWeights):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    return get_model_state_dict(policy.model, options=opts)
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global 2-norm of ``grads`` as a plain tensor: sharded (DTensor) gradients' shards are summed over the mesh
+    (a collective: every rank calls it), plain gradients as they are (DDP: already all-reduced)."""
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

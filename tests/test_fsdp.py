@@ -1,0 +1,131 @@
+"""Sharded training (``trainer=fsdp``, FSDP2 on gloo) with 2 CPU processes through the real entry point, against
+``trainer=ddp`` on the same config and seed.
+
+What each run writes (:class:`FSDPTrace`, loaded into the ``train.py`` subprocesses with ``PYTHONPATH=<tests>``): every
+rank's sampled token ids per epoch, the parameters each rank holds during an optimizer step, and the whole adapter after
+fit (gathered from the shards under FSDP). The two runs must sample the same tokens (the rollouts see whole weights,
+bit-identical to DDP's), and log the same losses and metrics within fp32 noise: the gradients are the same sums, reduced
+in another order (a reduce-scatter of each layer's shards with FSDP's pre/post division, against DDP's bucketed
+all-reduce), and the global norm sums per-shard partial sums; each is a few ulp apart, so 1e-5 relative (1e-7 absolute)
+holds with a wide margin over the 2 steps here and would fail on any real error (a shard-local norm, a wrong clip, a
+gradient not reduced, a missing adapter shard).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+TESTS = Path(__file__).resolve().parent
+# a warm-started model on small mazes finishes some episodes (groups with a signal: non-zero gradients); one
+# validation (after the last epoch) on a small panel, split 2/2 over the ranks
+FAST = ["debug=fast", "trainer.devices=2", "trainer.accelerator=cpu", "model.warm_start_steps=150", "env.sizes=[5]",
+        "env.min_distance=1", "validate_before_fit=false", "data.val_tasks=4", "trainer.check_val_every_n_epoch=2"]
+REL, ABS = 1e-5, 1e-7  # fp32 reduction-order noise (module doc)
+TIMING = ("perf/", "epoch", "step")  # wall-clock columns and the row index
+
+
+class FSDPTrace(Callback):
+    """Test-only: ``<out>/rank<r>.jsonl`` rows ``{"epoch": e, "tokens": [...]}`` (every episode's token ids) and
+    ``{"held": {...}}`` (:func:`cope.train.sharding.parameter_counts` during the first step), and ``<out>/adapter.pt``
+    (rank zero: the trainable tensors, whole) at the end of fit."""
+
+    def __init__(self, out: str):
+        self.out = Path(out)
+        self.counted = False
+
+    def _write(self, trainer, row: dict) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with open(self.out / f"rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        from cope.records import train_record
+
+        self._write(trainer, {"epoch": trainer.current_epoch, "tokens": [list(e.tokens) for e in train_record(trainer).episodes]})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from cope.train.sharding import parameter_counts
+
+        if not self.counted:  # callbacks run before the module's hook: the weights are still sharded here
+            self.counted = True
+            self._write(trainer, {"held": parameter_counts(pl_module.model)})
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        from cope.train.sharding import whole_trainable_state
+
+        state = whole_trainable_state(pl_module.policy)  # a collective under FSDP
+        if state is None:
+            state = {n: p.detach().clone() for n, p in pl_module.policy.model.named_parameters() if p.requires_grad}
+        if trainer.is_global_zero:
+            torch.save(state, self.out / "adapter.pt")
+
+
+def _run(train_script, tmp_path: Path, name: str, trainer: str, extra: list[str] = ()):
+    run_dir, out = tmp_path / name, tmp_path / f"{name}_trace"
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = train_script([*FAST, f"trainer={trainer}", f"hydra.run.dir={run_dir}",
+                         "+callbacks.fsdp_trace._target_=test_fsdp.FSDPTrace", f"+callbacks.fsdp_trace.out={out}", *extra],
+                        tmp_path, timeout=300, env=env)
+    assert proc.returncode == 0, f"{trainer}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    rows = [[json.loads(x) for x in (out / f"rank{r}.jsonl").read_text().splitlines()] for r in range(2)]
+    return run_dir, rows, torch.load(out / "adapter.pt"), proc
+
+
+def _agree(train_script, read_metrics, tmp_path: Path, extra: list[str] = ()) -> dict:
+    """Runs ddp and fsdp with ``extra``; asserts they agree; returns the fsdp run's facts."""
+    ddp_dir, ddp_rows, ddp_adapter, _ = _run(train_script, tmp_path, "ddp", "ddp", extra)
+    fs_dir, fs_rows, fs_adapter, proc = _run(train_script, tmp_path, "fsdp", "fsdp", extra)
+    for r in range(2):  # the same episodes, token for token, on each rank and epoch
+        tokens = [[x["tokens"] for x in rows[r] if "tokens" in x] for rows in (ddp_rows, fs_rows)]
+        assert len(tokens[0]) == 2 and tokens[0] == tokens[1], f"rank {r}: the sampled tokens differ"
+    assert fs_rows[0][0]["tokens"] != fs_rows[1][0]["tokens"]  # the premise: the ranks sample their own episodes
+    a, b = read_metrics(ddp_dir / "csv" / "metrics.csv"), read_metrics(fs_dir / "csv" / "metrics.csv")
+    assert set(a) == set(b), set(a) ^ set(b)
+    compared = [k for k in a if not k.startswith(TIMING)]
+    for k in compared:
+        assert b[k] == pytest.approx(a[k], rel=REL, abs=ABS), (k, a[k], b[k])
+    assert {"loss/total", "train/grad_norm", "policy/approx_kl"} <= set(compared)
+    assert min(a["train/grad_norm"]) > 0 and len(a["loss/total"]) >= 2
+    assert set(ddp_adapter) == set(fs_adapter) and ddp_adapter
+    for k in ddp_adapter:  # the whole adapter after fit, gathered from the shards
+        torch.testing.assert_close(fs_adapter[k], ddp_adapter[k], rtol=REL, atol=ABS)
+    ddp_held = [x["held"] for x in ddp_rows[0] if "held" in x][0]
+    held = [[x["held"] for x in rows if "held" in x][0] for rows in fs_rows]
+    return {"held": held, "ddp_held": ddp_held, "stderr": proc.stderr + proc.stdout, "dir": fs_dir}
+
+
+@pytest.mark.long
+@pytest.mark.ddp
+def test_fsdp_matches_ddp_with_lora(train_script, read_metrics, tmp_path):
+    """trainer=fsdp against trainer=ddp (2 ranks each, LoRA, 2 epochs): the same sampled tokens, the same losses and
+    metrics and the same adapter within fp32 noise; each rank holds half of every sharded parameter during a step."""
+    got = _agree(train_script, read_metrics, tmp_path)
+    full = got["ddp_held"]["full"]  # every parameter once (the tiny model ties its head to the embedding)
+    assert got["ddp_held"]["local"] == full and got["ddp_held"]["replicated"] == full  # DDP: everything on every rank
+    head = got["held"][0]["replicated"]  # whole on every rank under FSDP: the output head only
+    assert 0 < head < full / 2
+    for h in got["held"]:
+        assert h["replicated"] == head and h["full"] == full + head  # the head keeps its own tensor, the embedding's sharded
+        assert abs((h["local"] - head) - full / 2) <= 64, h  # half of the rest (row-split rounding)
+    assert sum(h["local"] - h["replicated"] for h in got["held"]) == full  # the shards partition every parameter
+    assert got["stderr"].count("trainer=fsdp: rank") == 2  # sharded once per rank (not again after the validation)
+    # the export and the checkpoint hold the whole adapter (not rank zero's shards)
+    from safetensors.torch import load_file
+    exported = load_file(str(got["dir"] / "csv" / "adapter" / "adapter_model.safetensors"))
+    ckpt = torch.load(got["dir"] / "checkpoints" / "last.ckpt", weights_only=True)
+    lora = {k: v for k, v in ckpt["state_dict"].items() if "lora_" in k}
+    assert lora and len(exported) == len(lora)
+    assert sorted(v.shape for v in exported.values()) == sorted(v.shape for v in lora.values())
+
+
+@pytest.mark.long
+@pytest.mark.ddp
+def test_fsdp_matches_ddp_with_cope_separate_steps(train_script, read_metrics, tmp_path):
+    """algo=cope (its separate forecast optimizer steps) and a token budget that cuts the minibatches into micro-batches
+    (ranks with different counts run that step gathered): trainer=fsdp agrees with trainer=ddp as above."""
+    _agree(train_script, read_metrics, tmp_path, ["algo=cope", "module.max_tokens_per_microbatch=256"])
