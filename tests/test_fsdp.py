@@ -20,6 +20,8 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+from cope.train.objectives import batch_kind
+
 TESTS = Path(__file__).resolve().parent
 # a warm-started model on small mazes finishes some episodes (groups with a signal: non-zero gradients); one
 # validation (after the last epoch) on a small panel, split 2/2 over the ranks
@@ -31,7 +33,8 @@ TIMING = ("perf/", "epoch", "step")  # wall-clock columns and the row index
 
 class FSDPTrace(Callback):
     """Test-only: ``<out>/rank<r>.jsonl`` rows ``{"epoch": e, "tokens": [...]}`` (every episode's token ids) and
-    ``{"held": {...}}`` (:func:`cope.train.sharding.parameter_counts` during the first step), and ``<out>/adapter.pt``
+    ``{"held": {...}}`` (:func:`cope.train.sharding.parameter_counts` during the first step), ``{"parts": n, "kind": k}``
+    (each step's micro-batch count and batch kind), and ``<out>/adapter.pt``
     (rank zero: the trainable tensors, whole) at the end of fit."""
 
     def __init__(self, out: str):
@@ -51,6 +54,7 @@ class FSDPTrace(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from cope.train.sharding import parameter_counts
 
+        self._write(trainer, {"parts": len(pl_module.micro_batches(batch)), "kind": batch_kind(batch)})
         if not self.counted:  # callbacks run before the module's hook: the weights are still sharded here
             self.counted = True
             self._write(trainer, {"held": parameter_counts(pl_module.model)})
@@ -96,7 +100,9 @@ def _agree(train_script, read_metrics, tmp_path: Path, extra: list[str] = ()) ->
         torch.testing.assert_close(fs_adapter[k], ddp_adapter[k], rtol=REL, atol=ABS)
     ddp_held = [x["held"] for x in ddp_rows[0] if "held" in x][0]
     held = [[x["held"] for x in rows if "held" in x][0] for rows in fs_rows]
-    return {"held": held, "ddp_held": ddp_held, "stderr": proc.stderr + proc.stdout, "dir": fs_dir}
+    parts = [[(x["parts"], x["kind"]) for x in rows if "parts" in x] for rows in fs_rows]
+    return {"held": held, "ddp_held": ddp_held, "stderr": proc.stderr + proc.stdout, "dir": fs_dir, "parts": parts,
+            "metrics": b}
 
 
 @pytest.mark.long
@@ -128,4 +134,10 @@ def test_fsdp_matches_ddp_with_lora(train_script, read_metrics, tmp_path):
 def test_fsdp_matches_ddp_with_cope_separate_steps(train_script, read_metrics, tmp_path):
     """algo=cope (its separate forecast optimizer steps) and a token budget that cuts the minibatches into micro-batches
     (ranks with different counts run that step gathered): trainer=fsdp agrees with trainer=ddp as above."""
-    _agree(train_script, read_metrics, tmp_path, ["algo=cope", "module.max_tokens_per_microbatch=256"])
+    got = _agree(train_script, read_metrics, tmp_path, ["algo=cope", "module.max_tokens_per_microbatch=256"])
+    assert len(got["metrics"]["forecast/loss_total"]) >= 2  # separate forecast steps ran (and agreed above)
+    steps = list(zip(*got["parts"]))  # ((rank 0's count, kind), (rank 1's ...)) per step
+    assert {k for (_, k), _ in steps} == {"rollout", "forecast"}, steps
+    # the premise of both paths: a step the ranks cut alike into several micro-batches (sharded forwards) and one they
+    # cut differently (gathered for the step)
+    assert any(a == b > 1 for (a, _), (b, _) in steps) and any(a != b for (a, _), (b, _) in steps), steps
