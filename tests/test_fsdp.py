@@ -141,3 +141,24 @@ def test_fsdp_matches_ddp_with_cope_separate_steps(train_script, read_metrics, t
     # the premise of both paths: a step the ranks cut alike into several micro-batches (sharded forwards) and one they
     # cut differently (gathered for the step)
     assert any(a == b > 1 for (a, _), (b, _) in steps) and any(a != b for (a, _), (b, _) in steps), steps
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model.quantization=4bit", "model.quantization"),
+    ("rollout=vllm", "data.engine"),
+    ("callbacks.adapter_export.merged=true", "callbacks.adapter_export.merged"),
+    ("callbacks.grad_stats.every_n_steps=2", "callbacks.grad_stats.every_n_steps"),
+])
+def test_fsdp_refuses_what_cannot_be_sharded(compose, tmp_path, override, key):
+    """Each refusal comes from the config check (before any work), names the key and a fix; the same setting under
+    trainer=ddp passes the sharding rule."""
+    from cope.run.config_check import ConfigError, check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose(["trainer=fsdp", override], tmp_path))
+    msg = str(err.value)
+    assert key in msg and "trainer=fsdp" in msg and ("use " in msg.lower() or "set it" in msg), msg
+    try:
+        check_config(compose(["trainer=ddp", override], tmp_path))
+    except ConfigError as e:  # another rule may refuse it on this machine (no bitsandbytes, no vLLM), not this one
+        assert "trainer=fsdp" not in str(e), str(e)

@@ -4,6 +4,7 @@
   ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk, or of a hub id's cached
   copy), and the first prompt's rules plus an action (:func:`check_context_floor`, once the env class is built);
 * a GPU trainer needs a GPU (``trainer=gpu`` on a machine without CUDA names ``trainer=cpu``);
+* ``trainer=fsdp`` refuses what cannot be sharded (:func:`cope.train.sharding.check_sharding`);
 * flash attention cannot take CoPE's packed forecast rows (a 4D mask); shared prefixes need SDPA;
 * settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0,
   ``module.optimizer.lr=0``).
@@ -18,6 +19,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig
 
 from cope.run.config_keys import ConfigError
+from cope.train.sharding import check_sharding
 
 
 def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: list[str]) -> None:
@@ -36,6 +38,7 @@ def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: lis
     if accelerator in ("gpu", "cuda") and not _cuda_available():
         fail("trainer.accelerator", f" = {accelerator!r}: this machine has no CUDA GPU (torch.cuda.is_available() is "
              "False); use trainer=cpu in place of trainer=gpu, or trainer.accelerator=cpu")
+    check_sharding(cfg, fail)  # trainer=fsdp: what cannot be sharded (quantized weights, a server engine, ...)
     optimizer = (cfg.get("module") or {}).get("optimizer") or {}
     if optimizer.get("lr") == 0:
         warnings.append("module.optimizer.lr=0: the adapter never changes (rollouts and validation run, "

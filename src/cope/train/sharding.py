@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -59,6 +59,33 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 log = logging.getLogger(__name__)
 
 MIXED_PRECISION = ("auto", "bf16", "none")
+
+
+def check_sharding(cfg, fail: Callable[[str, str], None]) -> None:
+    """What ``trainer=fsdp`` cannot take, refused before any work (``fail(key, message)``; called by
+    :func:`cope.run.config_rules.cross_field`): quantized weights, the vLLM engine, the merged export, the gradient
+    probes. Nothing under any other strategy."""
+    strategy = (cfg.get("trainer") or {}).get("strategy")
+    if not (hasattr(strategy, "get") and strategy.get("_target_") == f"{__name__}.FSDPStrategy"):
+        return
+    model, data = cfg.get("model") or {}, cfg.get("data") or {}
+    quant = model.get("quantization")
+    if quant is not None:
+        fail("model.quantization", f" = {quant!r}: trainer=fsdp cannot shard quantized weights (bitsandbytes packs them "
+             "into its own storage, which fully_shard cannot split or gather); use model.quantization=null (the bf16 "
+             "weights are sharded instead, about 1/world of them per rank) or trainer=ddp for QLoRA")
+    engine = str((data.get("engine") or {}).get("_target_", ""))
+    if engine and not engine.endswith(".HFEngine"):
+        fail("data.engine", f" = {engine}: trainer=fsdp rolls out in-process only (rollout=hf, on the gathered "
+             "weights); a server engine would be handed an adapter written from shards. Use rollout=hf, or trainer=ddp")
+    callbacks = cfg.get("callbacks") or {}
+    if (callbacks.get("adapter_export") or {}).get("merged"):
+        fail("callbacks.adapter_export.merged", " = true: trainer=fsdp does not write the merged model yet (the frozen "
+             "base is sharded): set it to false and merge the exported adapter on one process (peft's merge_and_unload), or "
+             "use trainer=ddp")
+    if ((callbacks.get("grad_stats") or {}).get("every_n_steps") or 0) > 0:
+        fail("callbacks.grad_stats.every_n_steps", ": the gradient probes are not built for trainer=fsdp (their extra "
+             "backward would run on sharded weights outside the step); set it to 0, or use trainer=ddp")
 
 
 class FSDPStrategy(ModelParallelStrategy):
