@@ -5,6 +5,7 @@ import hydra
 from omegaconf import DictConfig
 
 from cope.run.config_keys import refuse_renamed
+from cope.run.launch import rank_overrides
 from cope.run.train import train
 
 
@@ -15,4 +16,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     refuse_renamed(sys.argv[1:])  # an old key names its replacement (Hydra alone would say "not in struct")
+    sys.argv += rank_overrides()  # not global rank 0 (torchrun, srun): no .hydra/ and a log of its own in the shared run dir
     main()

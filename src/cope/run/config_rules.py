@@ -4,6 +4,8 @@
   ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk, or of a hub id's cached
   copy), and the first prompt's rules plus an action (:func:`check_context_floor`, once the env class is built);
 * a GPU trainer needs a GPU (``trainer=gpu`` on a machine without CUDA names ``trainer=cpu``);
+* ``trainer.num_nodes`` x ``trainer.devices`` against the launcher's world, and a multi-node run needs a launcher
+  (:func:`cope.run.launch.check_launch`);
 * ``trainer=fsdp`` refuses what cannot be sharded (:func:`cope.train.sharding.check_sharding`);
 * flash attention cannot take CoPE's packed forecast rows (a 4D mask); shared prefixes need SDPA;
 * settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0,
@@ -19,6 +21,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig
 
 from cope.run.config_keys import ConfigError
+from cope.run.launch import check_launch
 from cope.train.sharding import check_sharding
 
 
@@ -38,6 +41,8 @@ def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: lis
     if accelerator in ("gpu", "cuda") and not _cuda_available():
         fail("trainer.accelerator", f" = {accelerator!r}: this machine has no CUDA GPU (torch.cuda.is_available() is "
              "False); use trainer=cpu in place of trainer=gpu, or trainer.accelerator=cpu")
+    if isinstance(cfg.get("trainer"), DictConfig):
+        check_launch(cfg.trainer, fail)
     check_sharding(cfg, fail)  # trainer=fsdp: what cannot be sharded (quantized weights, a server engine, ...)
     optimizer = (cfg.get("module") or {}).get("optimizer") or {}
     if optimizer.get("lr") == 0:
