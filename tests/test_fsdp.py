@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,11 @@ class FSDPTrace(Callback):
     """Test-only: ``<out>/rank<r>.jsonl`` rows ``{"epoch": e, "tokens": [...]}`` (every episode's token ids) and
     ``{"held": {...}}`` (:func:`cope.train.sharding.parameter_counts` during the first step), ``{"parts": n, "kind": k}``
     (each step's micro-batch count and batch kind), and ``<out>/adapter.pt``
-    (rank zero: the trainable tensors, whole) at the end of fit."""
+    (rank zero: the trainable tensors, whole) at the end of fit; ``<out>/kept.ckpt``: a copy of the checkpoint as it was
+    at the start of epoch ``keep_checkpoint_at_epoch``."""
 
-    def __init__(self, out: str):
-        self.out = Path(out)
+    def __init__(self, out: str, keep_checkpoint_at_epoch: int = -1):
+        self.out, self.keep_at = Path(out), int(keep_checkpoint_at_epoch)
         self.counted = False
 
     def _write(self, trainer, row: dict) -> None:
@@ -50,6 +52,8 @@ class FSDPTrace(Callback):
         from cope.records import train_record
 
         self._write(trainer, {"epoch": trainer.current_epoch, "tokens": [list(e.tokens) for e in train_record(trainer).episodes]})
+        if trainer.current_epoch == self.keep_at and trainer.is_global_zero:  # the previous epoch's checkpoint
+            shutil.copy(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt", self.out / "kept.ckpt")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from cope.train.sharding import parameter_counts
@@ -57,7 +61,8 @@ class FSDPTrace(Callback):
         self._write(trainer, {"parts": len(pl_module.micro_batches(batch)), "kind": batch_kind(batch)})
         if not self.counted:  # callbacks run before the module's hook: the weights are still sharded here
             self.counted = True
-            self._write(trainer, {"held": parameter_counts(pl_module.model)})
+            self._write(trainer, {"held": parameter_counts(pl_module.model),
+                                  "checkpoint_io": type(trainer.strategy.checkpoint_io).__name__})
 
     def on_fit_end(self, trainer, pl_module) -> None:
         from cope.train.sharding import whole_trainable_state
@@ -162,3 +167,27 @@ def test_fsdp_refuses_what_cannot_be_sharded(compose, tmp_path, override, key):
         check_config(compose(["trainer=ddp", override], tmp_path))
     except ConfigError as e:  # another rule may refuse it on this machine (no bitsandbytes, no vLLM), not this one
         assert "trainer=fsdp" not in str(e), str(e)
+
+
+@pytest.mark.long
+@pytest.mark.ddp
+def test_fsdp_resume_equals_the_straight_run(train_script, tmp_path):
+    """trainer=fsdp: a resume to 3 epochs from the checkpoint written after 2 equals the straight 3-epoch run: the
+    third epoch's sampled tokens and the final adapter, bit for bit. The checkpoint is one file holding the whole
+    adapter (every trainable tensor, none of the frozen base) and the optimizer's moments for each of them."""
+    args = ["algo=grpo", "trainer.max_epochs=3"]
+    _, straight_rows, straight_adapter, _ = _run(train_script, tmp_path, "straight", "fsdp",
+                                                 [*args, "+callbacks.fsdp_trace.keep_checkpoint_at_epoch=2"])
+    kept = tmp_path / "straight_trace" / "kept.ckpt"  # written after epoch 1: what a 2-epoch run leaves
+    ckpt = torch.load(kept, weights_only=True)
+    assert ckpt["epoch"] == 1 and ckpt["state_dict"] and all("lora_" in k for k in ckpt["state_dict"])
+    moments = ckpt["optimizer_states"][0]["state"]  # keyed by parameter name
+    assert set(moments) == set(ckpt["state_dict"])
+    assert [x["checkpoint_io"] for x in straight_rows[0] if "held" in x] == ["AtomicCheckpointIO"]  # written atomically
+    assert all(v["exp_avg"].shape == ckpt["state_dict"][k].shape for k, v in moments.items())
+    _, resumed_rows, adapter, _ = _run(train_script, tmp_path, "resumed", "fsdp", [*args, f"ckpt_path={kept}"])
+    for r in range(2):
+        straight = [x["tokens"] for x in straight_rows[r] if "tokens" in x]
+        resumed = [x["tokens"] for x in resumed_rows[r] if "tokens" in x]
+        assert len(straight) == 3 and resumed == straight[2:], r  # the resumed run collected epoch 2 only, the same
+    assert adapter.keys() == straight_adapter.keys() and all(torch.equal(adapter[k], straight_adapter[k]) for k in adapter)

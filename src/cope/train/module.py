@@ -181,10 +181,6 @@ class AgentRLModule(pl.LightningModule):
         self._whole = configure_sharding(self)
 
     # -- training --------------------------------------------------------------------------------
-    def on_fit_start(self) -> None:
-        if self._whole is not None:  # sharded only inside optimizer steps (cope.train.sharding: "Which phase")
-            self._whole.gather()
-
     def on_validation_start(self) -> None:
         if self._whole is not None:
             self._whole.gather()
@@ -198,6 +194,8 @@ class AgentRLModule(pl.LightningModule):
             self._whole.gather()
 
     def on_train_start(self) -> None:
+        if self._whole is not None:  # sharded only inside optimizer steps (cope.train.sharding: "Which phase"); after
+            self._whole.gather()     # a resume's checkpoint is loaded into the shards
         # rows an earlier process logged for the epoch this fit starts at (or later) are gone from the
         # run's history: that epoch is run again (a resume after a crash) or the folder is reused
         for lg in self.trainer.loggers:

@@ -40,9 +40,11 @@ Memory per rank is therefore: whole weights (plus the KV cache) during rollouts,
 layer, activations, the trainable parameters' gradients and moments, all sharded) during the optimizer steps.
 
 **Checkpoints.** ``save_distributed_checkpoint=False``: the trainable tensors and the optimizer state are gathered
-into one ordinary checkpoint file on rank zero (the DDP format, through the trainer's ``CheckpointIO``, here the atomic
-one), keyed by parameter name; resume reads that file on every rank and loads each rank's shard of it
-(:meth:`FSDPStrategy.load_checkpoint`). Such a file resumes at any world size and under DDP.
+into one ordinary checkpoint file on rank zero, written through the trainer's ``CheckpointIO`` (the atomic one), with
+the DDP checkpoint's layout except that the optimizer state is keyed by parameter name (torch's full optimizer state
+dict), not by index. Resume reads that file on every rank and loads each rank's shard of it
+(:meth:`FSDPStrategy.load_checkpoint`), exactly. Not built yet: a torch distributed (sharded) checkpoint, and resuming a
+DDP checkpoint under FSDP or an FSDP one under DDP (the optimizer keys differ) or at another world size (untested).
 
 Mixed precision: fp32 on CPU (the tests); on CUDA, bf16 compute with fp32 gradient reduction
 (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``), ``mixed_precision="auto"``.
