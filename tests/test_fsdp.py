@@ -137,9 +137,11 @@ def test_fsdp_matches_ddp_with_lora(train_script, read_metrics, tmp_path):
 @pytest.mark.long
 @pytest.mark.ddp
 def test_fsdp_matches_ddp_with_cope_separate_steps(train_script, read_metrics, tmp_path):
-    """algo=cope (its separate forecast optimizer steps) and a token budget that cuts the minibatches into micro-batches
-    (ranks with different counts run that step gathered): trainer=fsdp agrees with trainer=ddp as above."""
-    got = _agree(train_script, read_metrics, tmp_path, ["algo=cope", "module.max_tokens_per_microbatch=256"])
+    """algo=cope (its separate forecast optimizer steps), a token budget that cuts the minibatches into micro-batches
+    (ranks with different counts run that step gathered), shared-prefix attention and activation checkpointing:
+    trainer=fsdp agrees with trainer=ddp as above."""
+    got = _agree(train_script, read_metrics, tmp_path, ["algo=cope", "module.max_tokens_per_microbatch=256",
+                                                        "data.share_prefix=true", "model.gradient_checkpointing=true"])
     assert len(got["metrics"]["forecast/loss_total"]) >= 2  # separate forecast steps ran (and agreed above)
     steps = list(zip(*got["parts"]))  # ((rank 0's count, kind), (rank 1's ...)) per step
     assert {k for (_, k), _ in steps} == {"rollout", "forecast"}, steps
