@@ -196,3 +196,20 @@ def test_fsdp_resume_equals_the_straight_run(train_script, tmp_path):
         resumed = [x["tokens"] for x in resumed_rows[r] if "tokens" in x]
         assert len(straight) == 3 and resumed == straight[2:], r  # the resumed run collected epoch 2 only, the same
     assert adapter.keys() == straight_adapter.keys() and all(torch.equal(adapter[k], straight_adapter[k]) for k in adapter)
+
+
+@pytest.mark.long
+@pytest.mark.ddp
+def test_fsdp_refuses_a_ddp_checkpoint(train_script, tmp_path):
+    """A checkpoint written under trainer=ddp (optimizer state keyed by index) is refused by a trainer=fsdp resume with
+    the file and the fix, not loaded into the wrong moments."""
+    run_dir = tmp_path / "ddp"
+    proc = train_script([*FAST, "trainer=ddp", "trainer.max_epochs=1", f"hydra.run.dir={run_dir}"], tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    assert all(isinstance(k, int) for k in torch.load(ckpt, weights_only=True)["optimizer_states"][0]["state"])
+    proc = train_script([*FAST, "trainer=fsdp", "trainer.max_epochs=2", f"hydra.run.dir={tmp_path / 'fsdp'}",
+                         f"ckpt_path={ckpt}"], tmp_path, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "written under trainer=ddp" in out and "resume it with trainer=ddp" in out, out[-4000:]
+    assert "run summary" not in out or "episodes 0," in out  # nothing trained before the refusal

@@ -227,7 +227,7 @@ class AgentRLModule(pl.LightningModule):
         log_rollout_metrics(self, metrics, record.tally)  # rollout/*, env/*: from the tallies of all ranks
 
     def _backward(self, batch: dict) -> tuple[ForwardOut, torch.Tensor, dict]:
-        with step_weights(self, len(self.micro_batches(batch))):  # trainer=fsdp: sharded unless ranks' counts differ
+        with step_weights(self, batch):  # trainer=fsdp: sharded unless the ranks' micro-batch counts differ
             return backward_microbatched(self, batch)
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:

@@ -43,8 +43,9 @@ layer, activations, the trainable parameters' gradients and moments, all sharded
 into one ordinary checkpoint file on rank zero, written through the trainer's ``CheckpointIO`` (the atomic one), with
 the DDP checkpoint's layout except that the optimizer state is keyed by parameter name (torch's full optimizer state
 dict), not by index. Resume reads that file on every rank and loads each rank's shard of it
-(:meth:`FSDPStrategy.load_checkpoint`), exactly. Not built yet: a torch distributed (sharded) checkpoint, and resuming a
-DDP checkpoint under FSDP or an FSDP one under DDP (the optimizer keys differ) or at another world size (untested).
+(:meth:`FSDPStrategy.load_checkpoint`), exactly. A DDP checkpoint (optimizer state keyed by index) is refused with
+the file and the fix. Not built yet: a torch distributed (sharded) checkpoint; untested: an FSDP checkpoint resumed
+under DDP, or at another world size.
 
 Mixed precision: fp32 on CPU (the tests); on CUDA, bf16 compute with fp32 gradient reduction
 (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``), ``mixed_precision="auto"``.
@@ -153,6 +154,11 @@ class FSDPStrategy(ModelParallelStrategy):
 
         path = self.broadcast(checkpoint_path)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        for state in checkpoint.get("optimizer_states", []):
+            if any(isinstance(k, int) for k in state.get("state", {})):
+                raise ValueError(f"ckpt_path={path}: written under trainer=ddp (its optimizer state is keyed by index); "
+                                 "trainer=fsdp resumes its own checkpoints only (keyed by parameter name): resume it "
+                                 "with trainer=ddp")
         opts = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self.model, checkpoint["state_dict"], options=opts)
         for opt, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
@@ -179,14 +185,15 @@ def configure_sharding(module) -> WholeWeights | None:
     return module.policy.full_weights
 
 
-def step_weights(module, n_parts: int):
-    """The context of one optimizer step's forwards and backwards under :class:`FSDPStrategy`: sharded (per-layer
-    all-gathers) when every rank runs ``n_parts`` micro-batches, else gathered (no collective per forward, which
-    ranks with different micro-batch counts could not match). Other strategies: a null context. One small collective
-    under FSDP when a token budget is set."""
+def step_weights(module, batch: dict):
+    """The context of one optimizer step's forwards and backwards on ``batch`` under :class:`FSDPStrategy`: sharded
+    (per-layer all-gathers) when every rank cuts its batch into as many micro-batches, else gathered (no collective
+    per forward, which ranks with different micro-batch counts could not match). Other strategies: a null context.
+    One small collective under FSDP when a token budget is set."""
     whole = getattr(module.policy, "full_weights", None)
     if not isinstance(whole, WholeWeights) or module.max_tokens_per_microbatch is None:
         return contextlib.nullcontext()  # one forward per step on every rank
+    n_parts = len(module.micro_batches(batch))
     n = torch.tensor([n_parts, -n_parts], dtype=torch.float64, device=module.device)
     n = module.trainer.strategy.reduce(n, reduce_op="max")
     return whole() if int(n[0]) != -int(n[1]) else contextlib.nullcontext()
