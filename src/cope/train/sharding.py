@@ -8,14 +8,15 @@ parameters are all-gathered just before the group's forward (and backward) and f
   decoder, not the causal LM, because the fused log-prob head (:mod:`cope.train.logprobs`) calls the decoder and then
   reads the output head's weight itself: the head's forward never runs, so a sharded head would never be gathered.
   The output head therefore stays whole on every rank (``vocab x hidden`` per rank), frozen. With tied embeddings
-  (the tiny model, SmolLM2, Qwen2.5 <= 3B) the head keeps the original tensor and the embedding's copy is sharded: the
+  (the tiny model, SmolLM2, Qwen2.5-0.5B) the head keeps the original tensor and the embedding's copy is sharded: the
   values are the same (both frozen). A trainable head (full fine-tuning, LoRA on ``lm_head``) is refused here, not
   trained untied.
 
 **LoRA adapters are sharded, inside their layer's group.** They ride the all-gather that gathers the layer's frozen
 weights anyway and their gradients the layer's reduce-scatter, so there is no second collective path (a replicated
 adapter would need its own all-reduce, and the frozen weights around it would still be sharded); their AdamW moments
-are sharded with them. At LoRA's sizes the split costs nothing measurable, and it is the layout full fine-tuning needs.
+are sharded with them. Their share of each collective is the adapter's size, small next to the frozen
+weights', and it is the layout full fine-tuning needs.
 
 The KL reference (``disable_adapter()``) is the same sharded model with the adapter switched off: nothing changes for
 FSDP, the adapter's shards are gathered and not used.
@@ -48,7 +49,8 @@ the file and the fix. Not built yet: a torch distributed (sharded) checkpoint; u
 under DDP, or at another world size.
 
 Mixed precision: fp32 on CPU (the tests); on CUDA, bf16 compute with fp32 gradient reduction
-(``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``), ``mixed_precision="auto"``.
+(``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``), ``mixed_precision="auto"``; the CUDA
+path has not run on a GPU yet.
 """
 from __future__ import annotations
 
