@@ -213,3 +213,31 @@ def test_fsdp_refuses_a_ddp_checkpoint(train_script, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "written under trainer=ddp" in out and "resume it with trainer=ddp" in out, out[-4000:]
     assert "run summary" not in out or "episodes 0," in out  # nothing trained before the refusal
+
+
+def test_fsdp_refuses_a_trainable_output_head(tmp_path):
+    """The output head stays whole and frozen under FSDP (the fused log-prob head reads its weight outside any forward):
+    LoRA on lm_head is refused when the model is sharded, naming the key to change; the same model without it shards
+    (one process, gloo)."""
+    import torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from cope.train.sharding import shard_policy
+
+    def model(targets):
+        cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, tie_word_embeddings=False)
+        m = Qwen2ForCausalLM(cfg).requires_grad_(False)
+        return get_peft_model(m, LoraConfig(r=2, target_modules=targets, task_type="CAUSAL_LM"))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with pytest.raises(ValueError, match="model.lora.target_modules"):
+            shard_policy(model(["q_proj", "lm_head"]), mesh)
+        counts = shard_policy(model(["q_proj"]), mesh)
+        assert counts["replicated"] == 64 * 16 and counts["local"] == counts["full"]  # one rank: its shard is everything
+    finally:
+        dist.destroy_process_group()
