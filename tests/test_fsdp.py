@@ -117,7 +117,8 @@ def test_fsdp_matches_ddp_with_lora(train_script, read_metrics, tmp_path):
     """trainer=fsdp against trainer=ddp (2 ranks each, LoRA, 2 epochs, the KL to the adapter-disabled reference on): the
     same sampled tokens, the same losses and metrics and the same adapter within fp32 noise; each rank holds half of
     every sharded parameter during a step."""
-    got = _agree(train_script, read_metrics, tmp_path, ["algo.objectives.kl.weight=0.05"])  # the reference pass on
+    # the reference pass on; a validation before fit (it leaves the weights gathered when the optimizer is built)
+    got = _agree(train_script, read_metrics, tmp_path, ["algo.objectives.kl.weight=0.05", "validate_before_fit=true"])
     assert "loss/kl" in got["metrics"] and max(got["metrics"]["loss/kl"]) > 0  # the adapter-disabled reference ran
     full = got["ddp_held"]["full"]  # every parameter once (the tiny model ties its head to the embedding)
     assert got["ddp_held"]["local"] == full and got["ddp_held"]["replicated"] == full  # DDP: everything on every rank

@@ -329,6 +329,8 @@ class AgentRLModule(pl.LightningModule):
         self.last_validation = {**vals, "val/epoch": float(self.current_epoch)}
 
     def configure_optimizers(self):
+        if self._whole is not None:  # trainer=fsdp: the optimizer holds the shards, whatever a validation left gathered
+            self._whole.shard()
         params = self.policy.trainable_parameters()
         if not params:
             raise ValueError("the policy has no trainable parameters (check model.lora)")
