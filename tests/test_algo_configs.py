@@ -1,4 +1,7 @@
 """Every algo config, and each CoPE ablation override, trains 2 epochs end to end and logs its objective.
+`algo=echo` and plain `algo=cope` train inside `algo=cope_echo` (both objectives, each asserted), and plain
+`algo=cope_continuation` inside `cont-invalid=mask` (its defaults plus every episode a source), so they get no run
+of their own.
 
 With debug=fast the cold-start policy makes only invalid moves and never succeeds, so plain `algo=cope`
 has no forecast samples (`forecast/samples` is logged as 0) and takes no forecast step. The runs of the
@@ -22,8 +25,6 @@ CONT = "algo=cope_continuation"
 CASES = {
     # id: (overrides, keys that must be logged)
     "grpo": (["algo=grpo"], ("loss/pg",)),
-    "echo": (["algo=echo"], ("loss/pg", "loss/echo")),
-    "cope": (["algo=cope"], ("loss/pg", *AUTHORS_KEYS)),
     "empg": (["algo=empg"], ("loss/pg", "empg/scale_mean")),
     "cope_echo": (["algo=cope_echo"], ("loss/pg", *AUTHORS_KEYS, "loss/echo")),
     "cope-separate": (["algo=cope", *LEARNS], ("loss/pg", "loss/forecast", "forecast/grad_norm", *AUTHORS_KEYS)),
@@ -32,7 +33,6 @@ CASES = {
     "cope-te-cold": (["algo=cope", "cope.te.weight=0.1", "cope.te.warmup_steps=0"], AUTHORS_KEYS),  # no sample: no member
     "cope-te": (["algo=cope", "cope.te.weight=0.1", "cope.te.warmup_steps=0", *LEARNS],
                 ("loss/te", "te/kl", "te/members_per_action", "te/positions", *AUTHORS_KEYS)),
-    "cope_continuation": ([CONT], ("loss/pg", *COPE_KEYS)),
     # invalid=mask (default) with every episode a source: all-invalid chunks give no targets
     "cont-invalid=mask": ([CONT, "cope.min_score=-1"], COPE_KEYS),
     "cont-invalid=keep": ([CONT, *FORCE_TARGETS], COPE_KEYS),
@@ -80,7 +80,7 @@ def test_algo_trains_and_logs(case, run_train, read_metrics, tmp_path):
         assert all(v == 0 for v in cols["loss/forecast"]), cols["loss/forecast"]
     elif "forecast/targets" in keys and not any(cols["forecast/targets"]):  # cold start: no successful episode
         assert all(v == 0 for v in cols["loss/forecast"]), cols["loss/forecast"]
-    if case in ("cope", "cope_echo"):  # cold start: no sample, so no forecast step
+    if case == "cope_echo":  # cold start: no sample, so no forecast step
         assert cols["forecast/samples"] == [0.0, 0.0] and not cols.get("forecast/grad_norm"), cols["forecast/samples"]
     if case == "cope-separate":  # one forecast step per minibatch of 16 samples, after the epoch's policy step
         steps = [math.ceil(n / 16) for n in cols["forecast/samples"]]

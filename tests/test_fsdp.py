@@ -86,13 +86,18 @@ def _run(train_script, tmp_path: Path, name: str, trainer: str, extra: list[str]
     return run_dir, rows, torch.load(out / "adapter.pt"), proc
 
 
-def _agree(train_script, read_metrics, tmp_path: Path, extra: list[str] = ()) -> dict:
-    """Runs ddp and fsdp with ``extra``; asserts they agree; returns the fsdp run's facts."""
-    ddp_dir, ddp_rows, ddp_adapter, _ = _run(train_script, tmp_path, "ddp", "ddp", extra)
-    fs_dir, fs_rows, fs_adapter, proc = _run(train_script, tmp_path, "fsdp", "fsdp", extra)
+def _pair(train_script, tmp_path: Path, extra: list[str] = ()) -> dict:
+    """Runs ddp and fsdp with ``extra``: each run's (dir, rows, adapter, proc)."""
+    return {t: _run(train_script, tmp_path, t, t, extra) for t in ("ddp", "fsdp")}
+
+
+def _agree(pair: dict, read_metrics, epochs: int) -> dict:
+    """Asserts the pair's ddp and fsdp runs agree; returns the fsdp run's facts."""
+    ddp_dir, ddp_rows, ddp_adapter, _ = pair["ddp"]
+    fs_dir, fs_rows, fs_adapter, proc = pair["fsdp"]
     for r in range(2):  # the same episodes, token for token, on each rank and epoch
         tokens = [[x["tokens"] for x in rows[r] if "tokens" in x] for rows in (ddp_rows, fs_rows)]
-        assert len(tokens[0]) == 2 and tokens[0] == tokens[1], f"rank {r}: the sampled tokens differ"
+        assert len(tokens[0]) == epochs and tokens[0] == tokens[1], f"rank {r}: the sampled tokens differ"
     assert fs_rows[0][0]["tokens"] != fs_rows[1][0]["tokens"]  # the premise: the ranks sample their own episodes
     a, b = read_metrics(ddp_dir / "csv" / "metrics.csv"), read_metrics(fs_dir / "csv" / "metrics.csv")
     assert set(a) == set(b), set(a) ^ set(b)
@@ -111,14 +116,24 @@ def _agree(train_script, read_metrics, tmp_path: Path, extra: list[str] = ()) ->
             "metrics": b}
 
 
+# the LoRA pair, shared by the agreement, resume and refusal tests below (each launch costs ~20 s): 3 epochs, the KL to
+# the adapter-disabled reference on, a validation before fit (it leaves the weights gathered when the optimizer is
+# built), the checkpoint written after epoch 2 kept for the resume
+LORA = ["algo=grpo", "algo.objectives.kl.weight=0.05", "validate_before_fit=true", "trainer.max_epochs=3"]
+
+
+@pytest.fixture(scope="module")
+def lora_pair(train_script, tmp_path_factory):
+    return _pair(train_script, tmp_path_factory.mktemp("lora"), [*LORA, "+callbacks.fsdp_trace.keep_checkpoint_at_epoch=2"])
+
+
 @pytest.mark.long
 @pytest.mark.ddp
-def test_fsdp_matches_ddp_with_lora(train_script, read_metrics, tmp_path):
-    """trainer=fsdp against trainer=ddp (2 ranks each, LoRA, 2 epochs, the KL to the adapter-disabled reference on): the
+def test_fsdp_matches_ddp_with_lora(lora_pair, read_metrics):
+    """trainer=fsdp against trainer=ddp (2 ranks each, LoRA, 3 epochs, the KL to the adapter-disabled reference on): the
     same sampled tokens, the same losses and metrics and the same adapter within fp32 noise; each rank holds half of
     every sharded parameter during a step."""
-    # the reference pass on; a validation before fit (it leaves the weights gathered when the optimizer is built)
-    got = _agree(train_script, read_metrics, tmp_path, ["algo.objectives.kl.weight=0.05", "validate_before_fit=true"])
+    got = _agree(lora_pair, read_metrics, epochs=3)
     assert "loss/kl" in got["metrics"] and max(got["metrics"]["loss/kl"]) > 0  # the adapter-disabled reference ran
     full = got["ddp_held"]["full"]  # every parameter once (the tiny model ties its head to the embedding)
     assert got["ddp_held"]["local"] == full and got["ddp_held"]["replicated"] == full  # DDP: everything on every rank
@@ -144,8 +159,9 @@ def test_fsdp_matches_ddp_with_cope_separate_steps(train_script, read_metrics, t
     """algo=cope (its separate forecast optimizer steps), a token budget that cuts the minibatches into micro-batches
     (ranks with different counts run that step gathered), shared-prefix attention and activation checkpointing:
     trainer=fsdp agrees with trainer=ddp as above."""
-    got = _agree(train_script, read_metrics, tmp_path, ["algo=cope", "module.max_tokens_per_microbatch=256",
-                                                        "data.share_prefix=true", "model.gradient_checkpointing=true"])
+    pair = _pair(train_script, tmp_path, ["algo=cope", "module.max_tokens_per_microbatch=256", "data.share_prefix=true",
+                                          "model.gradient_checkpointing=true"])
+    got = _agree(pair, read_metrics, epochs=2)
     assert len(got["metrics"]["forecast/loss_total"]) >= 2  # separate forecast steps ran (and agreed above)
     steps = list(zip(*got["parts"]))  # ((rank 0's count, kind), (rank 1's ...)) per step
     assert {k for (_, k), _ in steps} == {"rollout", "forecast"}, steps
@@ -177,21 +193,19 @@ def test_fsdp_refuses_what_cannot_be_sharded(compose, tmp_path, override, key):
 
 @pytest.mark.long
 @pytest.mark.ddp
-def test_fsdp_resume_equals_the_straight_run(train_script, tmp_path):
+def test_fsdp_resume_equals_the_straight_run(lora_pair, train_script, tmp_path):
     """trainer=fsdp: a resume to 3 epochs from the checkpoint written after 2 equals the straight 3-epoch run: the
     third epoch's sampled tokens and the final adapter, bit for bit. The checkpoint is one file holding the whole
     adapter (every trainable tensor, none of the frozen base) and the optimizer's moments for each of them."""
-    args = ["algo=grpo", "trainer.max_epochs=3"]
-    _, straight_rows, straight_adapter, _ = _run(train_script, tmp_path, "straight", "fsdp",
-                                                 [*args, "+callbacks.fsdp_trace.keep_checkpoint_at_epoch=2"])
-    kept = tmp_path / "straight_trace" / "kept.ckpt"  # written after epoch 1: what a 2-epoch run leaves
+    straight_dir, straight_rows, straight_adapter, _ = lora_pair["fsdp"]
+    kept = straight_dir.parent / "fsdp_trace" / "kept.ckpt"  # written after epoch 1: what a 2-epoch run leaves
     ckpt = torch.load(kept, weights_only=True)
     assert ckpt["epoch"] == 1 and ckpt["state_dict"] and all("lora_" in k for k in ckpt["state_dict"])
     moments = ckpt["optimizer_states"][0]["state"]  # keyed by parameter name
     assert set(moments) == set(ckpt["state_dict"])
     assert [x["checkpoint_io"] for x in straight_rows[0] if "held" in x] == ["AtomicCheckpointIO"]  # written atomically
     assert all(v["exp_avg"].shape == ckpt["state_dict"][k].shape for k, v in moments.items())
-    _, resumed_rows, adapter, _ = _run(train_script, tmp_path, "resumed", "fsdp", [*args, f"ckpt_path={kept}"])
+    _, resumed_rows, adapter, _ = _run(train_script, tmp_path, "resumed", "fsdp", [*LORA, f"ckpt_path={kept}"])
     for r in range(2):
         straight = [x["tokens"] for x in straight_rows[r] if "tokens" in x]
         resumed = [x["tokens"] for x in resumed_rows[r] if "tokens" in x]
@@ -201,19 +215,17 @@ def test_fsdp_resume_equals_the_straight_run(train_script, tmp_path):
 
 @pytest.mark.long
 @pytest.mark.ddp
-def test_fsdp_refuses_a_ddp_checkpoint(train_script, tmp_path):
+def test_fsdp_refuses_a_ddp_checkpoint(lora_pair, train_script, tmp_path):
     """A checkpoint written under trainer=ddp (optimizer state keyed by index) is refused by a trainer=fsdp resume with
-    the file and the fix, not loaded into the wrong moments."""
-    run_dir = tmp_path / "ddp"
-    proc = train_script([*FAST, "trainer=ddp", "trainer.max_epochs=1", f"hydra.run.dir={run_dir}"], tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    the file and the fix, before any model is built or process launched (not loaded into the wrong moments)."""
+    ckpt = lora_pair["ddp"][0] / "checkpoints" / "last.ckpt"
     assert all(isinstance(k, int) for k in torch.load(ckpt, weights_only=True)["optimizer_states"][0]["state"])
-    proc = train_script([*FAST, "trainer=fsdp", "trainer.max_epochs=2", f"hydra.run.dir={tmp_path / 'fsdp'}",
+    proc = train_script([*FAST, *LORA, "trainer=fsdp", "trainer.max_epochs=4", f"hydra.run.dir={tmp_path / 'fsdp'}",
                          f"ckpt_path={ckpt}"], tmp_path, timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "written under trainer=ddp" in out and "resume it with trainer=ddp" in out, out[-4000:]
-    assert "run summary" not in out or "episodes 0," in out  # nothing trained before the refusal
+    assert proc.returncode != 0 and "written under trainer=ddp" in out and "this run is trainer=fsdp" in out, out[-4000:]
+    assert "trainer it was trained with" in out and "policy " not in out and "Starting with 2 processes" not in out, out
+    assert not (tmp_path / "fsdp" / "checkpoints").exists()
 
 
 def test_fsdp_refuses_a_trainable_output_head(tmp_path):

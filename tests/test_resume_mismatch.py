@@ -1,5 +1,5 @@
-"""Resuming with another base model or LoRA rank than the checkpoint's is one error naming both, before any model
-is built (it once failed after the model load, with a bare "size mismatch" from ``load_state_dict`` or a
+"""Resuming with another base model, LoRA rank or strategy layout than the checkpoint's is one error naming both,
+before any model is built (it once failed after the model load, with a bare "size mismatch" from ``load_state_dict`` or a
 ``KeyError``, or, for an unchanged shape on another base, not at all).
 
 What a checkpoint records as ``base_model`` is ``Policy.source``: ``model.path`` as given for a pretrained model
@@ -55,6 +55,23 @@ def test_both_problems_in_one_message(tmp_path):
         check_resume_matches(_ckpt(tmp_path / "c.ckpt", "Org/A", r=16), BaseModel("Org/B", "model.path"), 32)
     msg = str(err.value)
     assert "'Org/A'" in msg and "'Org/B'" in msg and "r=16" in msg and "model.lora.r=32" in msg, msg
+
+
+@pytest.mark.parametrize("written,sharded", [(int, True), (str, False)])
+def test_other_strategys_layout_is_named(tmp_path, written, sharded):
+    """trainer=fsdp keys the optimizer state by parameter name, DDP and one process by index (Lightning's): a checkpoint
+    of one resumed under the other is refused before the build, naming both strategies; its own layout passes."""
+    path = _ckpt(tmp_path / "c.ckpt", "Org/Name")
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["optimizer_states"] = [{"state": {written(0) if written is int else "w": {"step": torch.tensor(1.0)}}}]
+    torch.save(ckpt, path)
+    with pytest.raises(CheckpointMismatchError) as err:
+        check_resume_matches(path, BaseModel("Org/Name", "model.path"), 16, sharded=sharded)
+    msg = str(err.value)
+    assert ("written under trainer=ddp" if written is int else "written under trainer=fsdp") in msg, msg
+    assert "this run is " + ("trainer=fsdp" if sharded else "another trainer") in msg and "trainer it was trained" in msg
+    check_resume_matches(path, BaseModel("Org/Name", "model.path"), 16, sharded=not sharded)
+    check_resume_matches(path, BaseModel("Org/Name", "model.path"), 16)  # no strategy given: not checked
 
 
 def test_checkpoint_without_a_record_is_not_refused(tmp_path):

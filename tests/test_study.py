@@ -23,33 +23,35 @@ def _study(out: Path, *regimes: str) -> subprocess.CompletedProcess:
 
 
 def test_study_smoke(tmp_path):
+    """One regime (`prior`: GRPO, CoPE and ECHO, tuned then tested, 12 runs); a second regime would rerun the same
+    code (the per-size arithmetic is test_study_report's, a regime with no tuning run the SmolLM2 smoke's)."""
     out = tmp_path / "study"
-    proc = _study(out, "prior", "echo6")
+    proc = _study(out, "prior")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "study.json").read_text())
     assert set(report["meta"]["choice"]) == {"prior/grpo", "prior/cope", "prior/echo"}
     test = report["test"]
-    assert set(test) == {"prior", "echo6"} and set(test["echo6"]) == {"grpo", "echo"}
+    assert set(test) == {"prior"} and set(test["prior"]) == {"grpo", "cope", "echo"}
     for arm, row in test["prior"].items():
         assert row["seeds"] == [0, 1], arm
         assert len(row["runs"]["0"]["success"]) == 3  # the warm start and two validations
     assert row["delta_auc"][3] == 2  # paired over both seeds
     # the auxiliary arms logged their gradient cosine with the policy gradient on the sampled steps (every 4th)
-    for run, key in ((out / "prior/test/cope" / test["prior"]["cope"]["setting"] / "seed0", "grad/cos_forecast_pg"),
-                     (out / "echo6/test/echo" / test["echo6"]["echo"]["setting"] / "seed0", "grad/cos_echo_pg")):
+    for arm, key in (("cope", "grad/cos_forecast_pg"), ("echo", "grad/cos_echo_pg")):
+        run = out / "prior/test" / arm / test["prior"][arm]["setting"] / "seed0"
         with (run / "csv/metrics.csv").open() as f:
             rows = list(csv.DictReader(f))
         steps = {r["step"] for r in rows if r.get("loss/pg")}
         cos = [float(r[key]) for r in rows if r.get(key)]
         assert steps and len(cos) == (len(steps) + 3) // 4 and all(-1.0 <= v <= 1.0 for v in cos), run
     text = (out / "study.md").read_text()
-    assert "## prior:" in text and "## echo6:" in text and "Δ AUC vs GRPO" in text and "Tuning" in text
-    assert re.search(r"Wall time of the finished runs: [1-9]\d* tuning \+ 6 test runs", text)  # prior: 3 arms x 2 seeds
-    sized = report["by_size"]["prior"]  # from the runs' csv/val_episodes files; echo6 has one size only
+    assert "## prior:" in text and "Δ AUC vs GRPO" in text and "Tuning" in text
+    assert re.search(r"Wall time of the finished runs: [1-9]\d* tuning \+ 6 test runs", text)  # 3 arms x 2 seeds
+    sized = report["by_size"]["prior"]  # from the runs' csv/val_episodes files
     assert sized and all(row["n"] == 2 for arms in sized.values() for row in arms.values())
-    assert "Per maze size" in text and "echo6" not in report["by_size"]
+    assert "Per maze size" in text
     assert (out / "success_vs_episodes.png").stat().st_size > 0 and (out / "mechanism.png").stat().st_size > 0
-    again = _study(out, "prior", "echo6")  # resumable: everything is reused
+    again = _study(out, "prior")  # resumable: everything is reused
     assert again.returncode == 0 and "(reused)" in again.stdout and "(ok)" not in again.stdout
 
 

@@ -116,14 +116,18 @@ def lora_ranks(state_dict: dict[str, Any]) -> set[int]:
     return {int(v.shape[0]) for k, v in state_dict.items() if ".lora_A." in k and k.endswith(".weight") and v.dim() == 2}
 
 
-def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r: int | None) -> None:
-    """Refuses to resume from ``path`` into another base model or another LoRA rank than the checkpoint's, in one
-    :class:`CheckpointMismatchError` naming both sides, before any model is built (it would otherwise fail after
-    the model load with a bare shape error, or, on another base with the same shapes, resume silently).
+def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r: int | None,
+                         sharded: bool | None = None) -> None:
+    """Refuses to resume from ``path`` into another base model, another LoRA rank or another strategy's layout than the
+    checkpoint's, in one :class:`CheckpointMismatchError` naming both sides, before any model is built (it would
+    otherwise fail after the model load with a bare shape error, or, on another base with the same shapes, resume
+    silently).
 
     Args:
         base: what this run's config builds (:func:`cope.models.source.base_model_of`; None: not known, no check).
         lora_r: ``model.lora.r`` (None: no check). Checkpoints without a ``base_model`` record pass that check.
+        sharded: this run is ``trainer=fsdp`` (its optimizer state is keyed by parameter name; any other strategy's by
+            index, Lightning's default); None: no check.
     """
     ckpt = read_checkpoint(path, mmap=True)
     problems = []
@@ -135,10 +139,15 @@ def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r
     if lora_r is not None and ranks and ranks != {lora_r}:
         problems.append(f"LoRA rank: the checkpoint's adapter has r={'/'.join(map(str, sorted(ranks)))}, this config has "
                         f"model.lora.r={lora_r}")
+    keys = {type(k) for s in ckpt.get("optimizer_states") or [] for k in (s.get("state") or {})}
+    if sharded is not None and keys and (str in keys) != sharded:
+        was, now = ("trainer=fsdp", "another trainer") if str in keys else ("trainer=ddp (or one process)", "trainer=fsdp")
+        problems.append(f"strategy: the checkpoint was written under {was} (optimizer state keyed by "
+                        f"{'parameter name' if str in keys else 'index'}), this run is {now}")
     if problems:
-        raise CheckpointMismatchError(f"checkpoint {path} does not fit this run's model: {'; '.join(problems)}. Resume "
-                                      "with the model and model.lora it was trained with, or start a new run (drop "
-                                      "ckpt_path, or use another hydra.run.dir)")
+        raise CheckpointMismatchError(f"checkpoint {path} does not fit this run: {'; '.join(problems)}. Resume "
+                                      "with the model, model.lora and trainer it was trained with, or start a new run "
+                                      "(drop ckpt_path, or use another hydra.run.dir)")
 
 
 def estimate_output_bytes(trainable_params: int) -> int:

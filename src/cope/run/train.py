@@ -19,6 +19,7 @@ from cope.run.config_check import check_config
 from cope.run.config_keys import Reads, name_sources
 from cope.run.config_rules import check_context_floor
 from cope.run.preemption import SigtermGuard
+from cope.train.sharding import uses_fsdp
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_context_floor(env_factory, cfg.data)  # the rules must fit data.max_context: known before the model build
     model_factory = build(cfg.model, "model")  # a partial: nothing is loaded yet
     if ckpt_path is not None:  # the checkpoint's base model and LoRA rank against this config's, before the build
-        check_resume_matches(ckpt_path, base_model_of(model_factory, env_factory), _lora_rank(cfg.model))
+        check_resume_matches(ckpt_path, base_model_of(model_factory, env_factory), _lora_rank(cfg.model),
+                             sharded=uses_fsdp(cfg.trainer))
     if cfg.model.get("adapter"):  # the adapter to start from against this config's base and rank, before the build
         from cope.models.policy import check_adapter
 

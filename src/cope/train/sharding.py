@@ -66,12 +66,17 @@ log = logging.getLogger(__name__)
 MIXED_PRECISION = ("auto", "bf16", "none")
 
 
+def uses_fsdp(trainer) -> bool:
+    """Whether a ``trainer`` config block runs :class:`FSDPStrategy` (``trainer=fsdp``)."""
+    strategy = (trainer or {}).get("strategy")
+    return hasattr(strategy, "get") and strategy.get("_target_") == f"{__name__}.FSDPStrategy"
+
+
 def check_sharding(cfg, fail: Callable[[str, str], None]) -> None:
     """What ``trainer=fsdp`` cannot take, refused before any work (``fail(key, message)``; called by
     :func:`cope.run.config_rules.cross_field`): quantized weights, the vLLM engine, the merged export, the gradient
     probes. Nothing under any other strategy."""
-    strategy = (cfg.get("trainer") or {}).get("strategy")
-    if not (hasattr(strategy, "get") and strategy.get("_target_") == f"{__name__}.FSDPStrategy"):
+    if not uses_fsdp(cfg.get("trainer")):
         return
     model, data = cfg.get("model") or {}, cfg.get("data") or {}
     quant = model.get("quantization")
