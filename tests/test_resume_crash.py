@@ -2,7 +2,9 @@
 ends exactly where the same run ends uninterrupted: same counters, same metrics rows (none duplicated,
 none lost), same trajectories and learning-curve files, same final adapter bit for bit (CPU, one thread).
 
-Each algo with state is covered: GRPO, ECHO, CoPE with the adaptive scale (LossBalance state) and EMPG.
+Each algo with state, and each path a resume must replay, is covered: GRPO; CoPE's separate forecast steps with ECHO's
+observation loss beside them (`algo=cope_echo`); the temporal ensemble; the continuation reading's adaptive scale
+(LossBalance state). EMPG (a stateless rescaling of the batch's advantages) runs GRPO's path and gets no run of its own.
 The tiny model is warm-started long enough that episodes succeed (a cold one makes only invalid moves, and
 every algo but ECHO would then leave the adapter unchanged, which would make the comparison vacuous).
 The kill lands anywhere in the third epoch or later: rollouts, training steps, validation, a checkpoint
@@ -31,11 +33,9 @@ BASE = ["debug=fast", "model.warm_start_steps=150", "env.sizes=[6]", "env.max_st
         "data.sampling.temperature=0.3", f"trainer.max_epochs={EPOCHS}"]
 ALGOS = {
     "grpo": ["algo=grpo"],
-    "echo": ["algo=echo"],
     "cope_adaptive": ["algo=cope_continuation", "cope.normalize=adaptive"],
-    "cope_separate": ["algo=cope", "cope.gate=all", "cope.minibatch_size=8"],  # the authors': forecast steps of its own
+    "cope_echo": ["algo=cope_echo", "cope.gate=all", "cope.minibatch_size=8"],  # forecast steps of its own, + ECHO
     "cope_te": ["algo=cope", "cope.gate=all", "cope.te.weight=0.1", "cope.te.warmup_steps=2"],  # + the temporal ensemble
-    "empg": ["algo=empg"],
 }
 TIMING = ("perf/",)  # wall-clock metrics: the only columns allowed to differ
 
