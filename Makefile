@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install system-deps train test test-fast test-all lint bench appworld-venv vllm-venv bench-rollout clean
+.PHONY: install system-deps train test test-fast test-learning test-all lint bench appworld-venv vllm-venv bench-rollout clean
 
 system-deps:
 	bash scripts/system_deps.sh
@@ -43,7 +43,12 @@ lint: $(STAMP)
 
 # the contributor's fast tier, about a minute: the default suite without the tests marked `long`
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not gpu and not long" $(ARGS)
+	$(BIN)/python -m pytest -m "not slow and not gpu and not learning and not long" $(ARGS)
+
+# the default demo trained past the epoch where it once collapsed (tests/test_demo_no_collapse.py): 5-10 minutes on
+# 2 idle cores; not in CI (its budget), run before a release or after touching the loss, the sampler or the trust region
+test-learning: $(STAMP)
+	$(BIN)/python -m pytest -m learning $(ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -m "" $(ARGS)

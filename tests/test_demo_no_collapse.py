@@ -7,13 +7,15 @@ from its sampler, the end-of-turn probability after a move fell 0.87 -> 0.18 -> 
 96% of the rollouts' actions were invalid multi-move answers (``westnorthnorth...``). This runs the default through
 the real entry point just past that point (32 epochs, the same seed and thread count) and checks the format is
 intact: no epoch's rollouts all invalid, the held-out panel still stops after its moves and
-does not answer with several, and it still solves mazes. About 5 minutes on 2 cores (the warm start is built first,
-in the test's own cache)."""
+does not answer with several, and it still solves mazes. About 5 minutes on 2 idle cores (the warm start is built
+first, in the test's own cache), over 20 under load: it is marked `learning`, left out of CI's budget, and run with
+`make test-learning`. On another machine the fp32 reduction order gives another trajectory, so CI would check a
+different path anyway; the 5-seed record is bench/results/demo_seeds."""
 from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.learning  # not in CI: `make test-learning`
 
 EPOCHS, SEED = 32, 4
 
