@@ -185,7 +185,7 @@ def configure_sharding(module) -> WholeWeights | None:
                         "(trainer=fsdp) only")
     counts = shard_policy(module.model, strategy.device_mesh["data_parallel"], strategy.mp_policy())
     if counts is not None:  # sharded now (not again for a fit after a validation)
-            log.info("trainer=fsdp: rank %d holds %d of %d parameters (%d whole on every rank: the output head)",
+        log.info("trainer=fsdp: rank %d holds %d of %d parameters (%d whole on every rank: the output head)",
                  strategy.global_rank, counts["local"], counts["full"], counts["replicated"])
     if not isinstance(module.policy.full_weights, WholeWeights):
         module.policy.full_weights = WholeWeights(module.model)
