@@ -214,6 +214,25 @@ def test_fsdp_resume_equals_the_straight_run(lora_pair, train_script, tmp_path):
 
 
 @pytest.mark.long
+def test_fsdp_resumes_at_another_world_size(lora_pair, train_script, read_metrics, tmp_path):
+    """The 2-process checkpoint (whole tensors keyed by name) resumes in one process: the epoch after it trains and the
+    counters continue, and the log says the episodes from here on are not the 2-process run's."""
+    kept = lora_pair["fsdp"][0].parent / "fsdp_trace" / "kept.ckpt"
+    ckpt = torch.load(kept, weights_only=True)
+    assert ckpt["world_size"] == 2
+    run_dir = tmp_path / "one"
+    proc = train_script([*FAST, *LORA, "trainer=fsdp", "trainer.devices=1", f"hydra.run.dir={run_dir}",
+                         f"ckpt_path={kept}"], tmp_path, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "written by 2 processes on 1" in out and "rank 0 holds" in out, out[-4000:]
+    cols = read_metrics(run_dir / "csv" / "metrics.csv")
+    assert len(cols["loss/total"]) >= 1 and min(cols["train/grad_norm"]) > 0
+    before = ckpt["RolloutDataModule"]["counters"]["episodes"]  # both ranks' two epochs
+    assert cols["counters/episodes"][-1] == before + before / 4, (cols["counters/episodes"], before)  # + one rank's one
+
+
+@pytest.mark.long
 @pytest.mark.ddp
 def test_fsdp_refuses_a_ddp_checkpoint(lora_pair, train_script, tmp_path):
     """A checkpoint written under trainer=ddp (optimizer state keyed by index) is refused by a trainer=fsdp resume with

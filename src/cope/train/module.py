@@ -347,6 +347,7 @@ class AgentRLModule(pl.LightningModule):
         checkpoint["base_model"] = self.policy.source
         checkpoint["skipped_steps"] = self.step_guard.skipped
         checkpoint["kl_stopped_steps"] = self.kl_stopped_steps
+        checkpoint["world_size"] = self.trainer.world_size
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
@@ -357,3 +358,9 @@ class AgentRLModule(pl.LightningModule):
             o.load_state_dict(checkpoint.get("objectives", {}).get(o.name, {}))
         self.step_guard.skipped = int(checkpoint.get("skipped_steps", 0))
         self.kl_stopped_steps = int(checkpoint.get("kl_stopped_steps", 0))
+        written = checkpoint.get("world_size")
+        if written is not None and int(written) != self.trainer.world_size:  # weights, moments and counters are whole
+            log.warning("resuming a checkpoint written by %d processes on %d: the weights, optimizer state and counters "
+                        "carry over, but each rank's task stream derives from (seed, rank, epoch), so the episodes "
+                        "from here on are not the ones the %d-process run would have drawn", int(written),
+                        self.trainer.world_size, int(written))
