@@ -116,6 +116,13 @@ def lora_ranks(state_dict: dict[str, Any]) -> set[int]:
     return {int(v.shape[0]) for k, v in state_dict.items() if ".lora_A." in k and k.endswith(".weight") and v.dim() == 2}
 
 
+def optimizer_keying(ckpt: dict) -> str | None:
+    """How a checkpoint keys its optimizer state: ``"parameter name"`` (``trainer=fsdp``), ``"index"`` (Lightning's
+    default: DDP, one process), or None (no optimizer state)."""
+    keys = {type(k) for s in ckpt.get("optimizer_states") or [] for k in (s.get("state") or {})}
+    return None if not keys else "parameter name" if str in keys else "index"
+
+
 def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r: int | None,
                          sharded: bool | None = None) -> None:
     """Refuses to resume from ``path`` into another base model, another LoRA rank or another strategy's layout than the
@@ -139,11 +146,11 @@ def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r
     if lora_r is not None and ranks and ranks != {lora_r}:
         problems.append(f"LoRA rank: the checkpoint's adapter has r={'/'.join(map(str, sorted(ranks)))}, this config has "
                         f"model.lora.r={lora_r}")
-    keys = {type(k) for s in ckpt.get("optimizer_states") or [] for k in (s.get("state") or {})}
-    if sharded is not None and keys and (str in keys) != sharded:
-        was, now = ("trainer=fsdp", "another trainer") if str in keys else ("trainer=ddp (or one process)", "trainer=fsdp")
-        problems.append(f"strategy: the checkpoint was written under {was} (optimizer state keyed by "
-                        f"{'parameter name' if str in keys else 'index'}), this run is {now}")
+    keyed = optimizer_keying(ckpt)
+    if sharded is not None and keyed is not None and (keyed == "parameter name") != sharded:
+        was, now = ("trainer=fsdp", "another trainer") if sharded is False else ("trainer=ddp (or one process)", "trainer=fsdp")
+        problems.append(f"strategy: the checkpoint was written under {was} (optimizer state keyed by {keyed}), this run "
+                        f"is {now}")
     if problems:
         raise CheckpointMismatchError(f"checkpoint {path} does not fit this run: {'; '.join(problems)}. Resume "
                                       "with the model, model.lora and trainer it was trained with, or start a new run "

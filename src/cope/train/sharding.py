@@ -61,6 +61,8 @@ from typing import Any, Callable, Iterator
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from cope.run.checkpoint_io import optimizer_keying
+
 log = logging.getLogger(__name__)
 
 MIXED_PRECISION = ("auto", "bf16", "none")
@@ -161,11 +163,10 @@ class FSDPStrategy(ModelParallelStrategy):
 
         path = self.broadcast(checkpoint_path)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        for state in checkpoint.get("optimizer_states", []):
-            if any(isinstance(k, int) for k in state.get("state", {})):
-                raise ValueError(f"ckpt_path={path}: written under trainer=ddp (its optimizer state is keyed by index); "
-                                 "trainer=fsdp resumes its own checkpoints only (keyed by parameter name): resume it "
-                                 "with trainer=ddp")
+        if optimizer_keying(checkpoint) == "index":  # train.py refuses this before the build; a direct Trainer user here
+            raise ValueError(f"ckpt_path={path}: written under trainer=ddp (its optimizer state is keyed by index); "
+                             "trainer=fsdp resumes its own checkpoints only (keyed by parameter name): resume it "
+                             "with trainer=ddp")
         opts = StateDictOptions(full_state_dict=True, strict=False)
         set_model_state_dict(self.model, checkpoint["state_dict"], options=opts)
         for opt, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
