@@ -1,4 +1,5 @@
-"""Export of the trained LoRA adapter in plain peft format, next to the run's logs.
+"""Export of the trained LoRA adapter in plain peft format (or, under ``model.finetune=full``, of the whole trained
+model as a plain HF model folder), next to the run's logs.
 
 At ``on_fit_end`` (and, when ``every_n_epochs > 0``, after every n-th training epoch) the policy's
 peft model and tokenizer are written with ``save_pretrained`` to ``<log_dir>/<dirname>`` (epochs:
@@ -10,6 +11,10 @@ peft model and tokenizer are written with ``save_pretrained`` to ``<log_dir>/<di
 A ``cope_export.json`` beside the adapter names the base model (``Policy.source``) and holds the
 experience counters at export time.
 
+Full fine-tuning: the same call writes the model's weights and config (``save_pretrained`` of the causal LM, format
+``hf`` in ``cope_export.json``) into ``<log_dir>/model`` (the default folder name then), which loads with plain
+``AutoModelForCausalLM.from_pretrained`` and is a ``model.path`` for ``eval.py`` or a next run.
+
 ``merged=true`` also writes, at the end of fit, ``<log_dir>/<merged_dirname>``: the base model with the
 adapter merged in (W + scale B A per LoRA layer, added in fp32 and cast back to the base's dtype), loadable
 by plain ``AutoModelForCausalLM.from_pretrained`` (a plain model folder, the format ``vllm serve`` takes without
@@ -17,8 +22,9 @@ LoRA); no adapter file.
 Computed from a state dict: the training model is not touched (a merge and unmerge would not round-trip
 exactly). A quantized (4-bit or 8-bit) base is refused: merging into nf4 rounds the adapter away.
 
-Only global rank zero writes; with DDP every rank holds the full adapter, so nothing has to be gathered
-(sharded strategies such as FSDP would need a gather first).
+Only global rank zero writes; with DDP every rank holds the full adapter, so nothing has to be gathered; under
+``trainer=fsdp`` the trained tensors are gathered whole onto rank zero's CPU first
+(:func:`cope.train.sharding.whole_trainable_state`).
 """
 from __future__ import annotations
 
@@ -39,10 +45,11 @@ def _run_dir(trainer) -> Path:
 
 
 def export_adapter(policy, path: Path, info: dict | None = None, state_dict: dict | None = None) -> Path:
-    """Writes ``policy.model`` (peft) and ``policy.tokenizer`` to ``path`` plus ``cope_export.json``.
+    """Writes ``policy.model`` (peft: the adapter; full fine-tuning: the whole model) and ``policy.tokenizer`` to
+    ``path`` plus ``cope_export.json``.
 
     Args:
-        policy: a :class:`cope.models.policy.Policy` (``model`` a ``PeftModel``, ``tokenizer``, ``source``).
+        policy: a :class:`cope.models.policy.Policy` (``model`` a ``PeftModel`` or a causal LM, ``tokenizer``, ``source``).
         path: target folder (created).
         info: extra JSON-serializable fields for ``cope_export.json``.
         state_dict: the adapter's whole tensors when the model holds shards of them (``trainer=fsdp``); None: the
@@ -52,7 +59,7 @@ def export_adapter(policy, path: Path, info: dict | None = None, state_dict: dic
         ``path``.
     """
     path = Path(path)
-    meta = {"base_model": str(policy.source), "format": "peft", **(info or {})}
+    meta = {"base_model": str(policy.source), "format": "hf" if policy.finetune == "full" else "peft", **(info or {})}
     try:
         path.mkdir(parents=True, exist_ok=True)
         policy.model.save_pretrained(str(path), **({} if state_dict is None else {"state_dict": state_dict}))
@@ -101,15 +108,18 @@ class AdapterExport(Callback):
     """Saves the LoRA adapter and tokenizer at the end of fit (and every n epochs when asked).
 
     Args:
-        dirname: folder inside the run folder (relative, non-empty).
+        dirname: folder inside the run folder (relative, non-empty); None: ``adapter``, or ``model`` under
+            ``model.finetune=full``.
         every_n_epochs: also export after epochs ``n-1, 2n-1, ...`` into ``<dirname>/epoch_<k>``;
             0 disables the periodic export; >= 0.
         merged: also write the base with the adapter merged in, at the end of fit, into ``merged_dirname``.
         merged_dirname: that folder inside the run folder.
     """
 
-    def __init__(self, dirname: str = "adapter", every_n_epochs: int = 0, merged: bool = False, merged_dirname: str = "merged"):
-        if not isinstance(dirname, str) or not dirname.strip() or Path(dirname).is_absolute() or ".." in Path(dirname).parts:
+    def __init__(self, dirname: str | None = None, every_n_epochs: int = 0, merged: bool = False,
+                 merged_dirname: str = "merged"):
+        if dirname is not None and (not isinstance(dirname, str) or not dirname.strip() or Path(dirname).is_absolute()
+                                    or ".." in Path(dirname).parts):
             raise ValueError(f"AdapterExport.dirname must be a non-empty relative folder name, got {dirname!r}")
         if not isinstance(every_n_epochs, int) or isinstance(every_n_epochs, bool) or every_n_epochs < 0:
             raise ValueError(f"AdapterExport.every_n_epochs must be an int >= 0, got {every_n_epochs!r}")
@@ -119,7 +129,8 @@ class AdapterExport(Callback):
         self.last_path: Path | None = None  # where the latest export went (rank zero)
 
     def _export(self, trainer, pl_module, sub: str | None) -> None:
-        path = _run_dir(trainer) / self.dirname  # on every rank: log_dir is a collective
+        name = self.dirname or ("model" if pl_module.policy.finetune == "full" else "adapter")
+        path = _run_dir(trainer) / name  # on every rank: log_dir is a collective
         if sub:
             path = path / sub
         state = whole_trainable_state(pl_module.policy)  # trainer=fsdp: gathered on every rank (a collective); else None

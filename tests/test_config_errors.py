@@ -267,7 +267,11 @@ def test_shipped_configs_validate(tmp_path, caplog, monkeypatch, overrides):
     assert not [r for r in caplog.records if r.name == "cope.run.config_check"], caplog.text
 
 
-@pytest.mark.parametrize("name", _options("experiment"))
+# the presets that leave the model to the user (the others name theirs: the authors' setting is Qwen2.5-7B)
+FOR_ANY_MODEL = [o for o in _options("experiment") if "override /model" not in (CONF / "experiment" / f"{o}.yaml").read_text()]
+
+
+@pytest.mark.parametrize("name", FOR_ANY_MODEL)
 def test_preset_on_tiny_model_is_refused(tmp_path, name):
     from cope.run.config_check import ConfigError, check_config
 

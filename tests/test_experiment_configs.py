@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 
 EXPERIMENTS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "experiment").glob("*.yaml"))
-NEEDS = {"scienceworld": "scienceworld", "textworld": "textworld", "alfworld": "alfworld", "tau2": "tau2"}
+NEEDS = {"scienceworld": "scienceworld", "textworld": "textworld", "alfworld": "alfworld", "tau2": "tau2",
+         "cope_authors_alfworld": "alfworld"}
 EXTRA = {"tau2": ["env.user_model=some-user-model"],  # the preset's user model has no default
-         "alfworld": ["env.source=generated"]}  # the official games are a download
+         "alfworld": ["env.source=generated"],  # the official games are a download
+         "cope_authors_alfworld": ["env.source=generated"]}
 
 
 @pytest.mark.long  # builds each real env (tau2 domain load, ScienceWorld JVM, ...)

@@ -116,6 +116,17 @@ def _agree(pair: dict, read_metrics, epochs: int) -> dict:
             "metrics": b}
 
 
+def _half_each(got: dict) -> None:
+    """Under DDP every rank holds every parameter; under FSDP each rank half of each (the tied embedding and head one
+    tensor), nothing whole on every rank, and the two halves partition them."""
+    full = got["ddp_held"]["full"]  # every parameter once (the tiny model ties its head to the embedding)
+    assert got["ddp_held"]["local"] == full and got["ddp_held"]["replicated"] == full
+    for h in got["held"]:
+        assert h["replicated"] == 0 and h["full"] == full, h
+        assert abs(h["local"] - full / 2) <= 64, h  # half (row-split rounding)
+    assert sum(h["local"] for h in got["held"]) == full
+
+
 # the LoRA pair, shared by the agreement, resume and refusal tests below (each launch costs ~20 s): 3 epochs, the KL to
 # the adapter-disabled reference on, a validation before fit (it leaves the weights gathered when the optimizer is
 # built), the checkpoint written after epoch 2 kept for the resume
@@ -135,14 +146,7 @@ def test_fsdp_matches_ddp_with_lora(lora_pair, read_metrics):
     every sharded parameter during a step."""
     got = _agree(lora_pair, read_metrics, epochs=3)
     assert "loss/kl" in got["metrics"] and max(got["metrics"]["loss/kl"]) > 0  # the adapter-disabled reference ran
-    full = got["ddp_held"]["full"]  # every parameter once (the tiny model ties its head to the embedding)
-    assert got["ddp_held"]["local"] == full and got["ddp_held"]["replicated"] == full  # DDP: everything on every rank
-    head = got["held"][0]["replicated"]  # whole on every rank under FSDP: the output head only
-    assert 0 < head < full / 2
-    for h in got["held"]:
-        assert h["replicated"] == head and h["full"] == full + head  # the head keeps its own tensor, the embedding's sharded
-        assert abs((h["local"] - head) - full / 2) <= 64, h  # half of the rest (row-split rounding)
-    assert sum(h["local"] - h["replicated"] for h in got["held"]) == full  # the shards partition every parameter
+    _half_each(got)
     assert got["stderr"].count("trainer=fsdp: rank") == 2  # sharded once per rank (not again after the validation)
     # the export and the checkpoint hold the whole adapter (not rank zero's shards)
     from safetensors.torch import load_file
@@ -168,6 +172,22 @@ def test_fsdp_matches_ddp_with_cope_separate_steps(train_script, read_metrics, t
     # the premise of both paths: a step the ranks cut alike into several micro-batches (sharded forwards) and one they
     # cut differently (gathered for the step)
     assert any(a == b > 1 for (a, _), (b, _) in steps) and any(a != b for (a, _), (b, _) in steps), steps
+
+
+@pytest.mark.long
+@pytest.mark.ddp
+def test_fsdp_matches_ddp_with_full_finetuning(train_script, read_metrics, tmp_path):
+    """model.finetune=full with algo=cope (its separate forecast steps on the same optimizer) and the KL to the frozen
+    reference copy: trainer=fsdp agrees with trainer=ddp (the same global batch) in sampled tokens, every metric and
+    every trained weight; each rank holds half of every parameter (the tied embedding and head included)."""
+    pair = _pair(train_script, tmp_path, ["model.finetune=full", "algo=cope", "algo.objectives.kl.weight=0.05",
+                                          "module.optimizer.lr=1e-4"])
+    got = _agree(pair, read_metrics, epochs=2)
+    _half_each(got)
+    weights = pair["fsdp"][2]
+    assert any("embed_tokens" in k for k in weights) and not any("lora_" in k for k in weights)
+    assert len(got["metrics"]["forecast/loss_total"]) >= 1 and max(got["metrics"]["loss/kl"]) > 0
+    assert (got["dir"] / "csv" / "model" / "config.json").is_file()  # the export: the whole model, gathered
 
 
 @pytest.mark.parametrize("override,key", [
@@ -247,29 +267,55 @@ def test_fsdp_refuses_a_ddp_checkpoint(lora_pair, train_script, tmp_path):
     assert not (tmp_path / "fsdp" / "checkpoints").exists()
 
 
-def test_fsdp_refuses_a_trainable_output_head(tmp_path):
-    """The output head stays whole and frozen under FSDP (the fused log-prob head reads its weight outside any forward):
-    LoRA on lm_head is refused when the model is sharded, naming the key to change; the same model without it shards
-    (one process, gloo)."""
+@pytest.mark.parametrize("mode", ["lora_on_lm_head", "full"])
+def test_sharded_model_scores_and_trains_its_head(tmp_path, mode):
+    """The output head (and the tied embedding) are sharded in the root group and read inside the LM's forward, so a
+    trained head shards too: LoRA on lm_head (the model's own logits) and full fine-tuning (the chunked path with the
+    head's gradient). Sharded (one gloo process: every gather and free still runs), the log-probs and every gradient
+    equal the unsharded model's."""
+    import copy
+
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from cope.train.logprobs import causal_lm_logprobs
     from cope.train.sharding import shard_policy
 
-    def model(targets):
-        cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                          num_key_value_heads=1, tie_word_embeddings=False)
-        m = Qwen2ForCausalLM(cfg).requires_grad_(False)
-        return get_peft_model(m, LoraConfig(r=2, target_modules=targets, task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=mode == "full")
+    model = Qwen2ForCausalLM(cfg)
+    if mode == "lora_on_lm_head":
+        model = get_peft_model(model.requires_grad_(False), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1)
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask, pos = torch.ones_like(ids), torch.arange(9).expand(2, 9)
+    weights = torch.randn(2, 9, generator=torch.Generator().manual_seed(2))
+
+    def grads(m):
+        lp, _ = causal_lm_logprobs(m, ids, mask, pos, tempered=mask.bool(), temperature=0.7, chunk_elems=3 * 64)
+        (lp * weights).sum().backward()
+        out = {}
+        for n, p in m.named_parameters():
+            if p.requires_grad:
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                out[n.replace("_checkpoint_wrapped_module.", "")] = g
+        return lp.detach(), out
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
-        mesh = init_device_mesh("cpu", (1,))
-        with pytest.raises(ValueError, match="model.lora.target_modules"):
-            shard_policy(model(["q_proj", "lm_head"]), mesh)
-        counts = shard_policy(model(["q_proj"]), mesh)
-        assert counts["replicated"] == 64 * 16 and counts["local"] == counts["full"]  # one rank: its shard is everything
+        counts = shard_policy(model, init_device_mesh("cpu", (1,)))
+        assert counts["replicated"] == 0 and counts["local"] == counts["full"]  # one rank: its shard is everything
+        want_lp, want = grads(plain)
+        got_lp, got = grads(model)
     finally:
         dist.destroy_process_group()
+    torch.testing.assert_close(got_lp, want_lp)
+    assert set(got) == set(want) and any("lm_head" in n or "embed_tokens" in n for n in got)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], msg=n)

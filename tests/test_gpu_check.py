@@ -110,7 +110,7 @@ def gpu_check():
 def test_the_gpu_shape_is_qwen25_7b(gpu_check):
     """The GPU run's model built on the meta device (no memory): Qwen2.5-7B's published parameter count,
     an untied head on the fused log-prob path, and the 7B preset's LoRA on every projection."""
-    from cope.train.logprobs import frozen_linear_head
+    from cope.train.logprobs import linear_head
 
     chat, _, _ = gpu_check.scaffold(gpu_check.QWEN25_7B["vocab_size"])
     settings = gpu_check.project_settings()
@@ -119,7 +119,7 @@ def test_the_gpu_shape_is_qwen25_7b(gpu_check):
     assert n_train == gpu_check.expected_lora_params(gpu_check.QWEN25_7B, 32) == 80_740_352
     assert sum(p.numel() for p in policy.model.parameters()) - n_train == 7_615_616_512  # Qwen2.5-7B
     base = policy.model.get_base_model()
-    assert base.lm_head.weight is not base.model.embed_tokens.weight and frozen_linear_head(policy.model) is not None
+    assert base.lm_head.weight is not base.model.embed_tokens.weight and linear_head(policy.model) is not None
     assert {p.dtype for p in base.parameters() if not p.requires_grad} == {torch.bfloat16}
     assert base.config.rope_parameters["rope_theta"] == 1e6 and base.is_gradient_checkpointing
 

@@ -7,7 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from cope.train.logprobs import causal_lm_logprobs, frozen_linear_head
+from cope.train.logprobs import causal_lm_logprobs, linear_head
 
 V = 97
 
@@ -61,7 +61,7 @@ def _grads(model, lp, weights):
 @pytest.mark.parametrize("tied", [True, False])
 def test_equals_full_log_softmax_in_value_and_gradient(temperature, chunk_elems, tied):
     model = _model(tied=tied)
-    assert frozen_linear_head(model) is not None  # the fused path is the one under test
+    assert linear_head(model) is not None  # the fused path is the one under test
     ids, mask, pos, act = _batch()
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
     want_lp, want_ent = _reference(model, ids, mask, pos, act, temperature)
@@ -89,9 +89,15 @@ def test_temperature_applies_to_action_tokens_only():
     assert torch.equal(greedy, raw)
 
 
-def test_fallback_when_the_head_is_trained():
-    model = _model(head_trainable=True)
-    assert frozen_linear_head(model) is None
+@pytest.mark.parametrize("case", ["trained_tied", "trained_untied", "post_processed"])
+def test_trained_head_in_value_and_gradient(case):
+    """Full fine-tuning trains the output head: the chunked path gives its gradient (and the body's) too. An
+    architecture that scales its logits is scored from its own logits instead (the fallback; here the scale is declared
+    only, so it must equal the plain log-softmax), the head's gradient included."""
+    model = _model(tied=case != "trained_untied", head_trainable=True)
+    if case == "post_processed":
+        model.get_base_model().config.logit_scale = 2.0
+    assert (linear_head(model) is None) == (case == "post_processed")
     ids, mask, pos, act = _batch()
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))
     want_lp, want_ent = _reference(model, ids, mask, pos, act, 0.8)
@@ -100,6 +106,7 @@ def test_fallback_when_the_head_is_trained():
     torch.testing.assert_close(lp, want_lp.detach(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=1e-5)
     got_g = _grads(model, lp, weights)
+    assert any("lm_head" in n or "embed_tokens" in n for n in got_g)
     for n in want_g:  # the head's own gradient included
         torch.testing.assert_close(got_g[n], want_g[n], atol=1e-5, rtol=1e-4, msg=n)
 

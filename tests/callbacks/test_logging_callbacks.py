@@ -270,7 +270,7 @@ def tiny_policy(tok, tmp_path_factory):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
-    return SimpleNamespace(model=model.eval(), tokenizer=tok, source=str(base_dir))
+    return SimpleNamespace(model=model.eval(), tokenizer=tok, source=str(base_dir), finetune="lora")
 
 
 def test_adapter_export_loads_with_plain_peft(tiny_policy, tmp_path):

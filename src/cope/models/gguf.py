@@ -147,6 +147,7 @@ def gguf_policy(
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
     adapter: str | None = None,
+    finetune: str = "lora",
     env_factory: Any = None,  # unused: accepted so every model config has the same call signature
 ):
     """Convert (once, cached) the GGUF file ``filename`` of the installed ``package`` and load it as
@@ -156,4 +157,4 @@ def gguf_policy(
     path = convert_gguf(packaged_file(package, filename, install_hint), cache_dir)
     return load_pretrained(str(path), lora=lora, dtype=dtype, quantization=quantization,
                            gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation,
-                           local_files_only=True, adapter=adapter, source_is_cache_key=True)
+                           local_files_only=True, adapter=adapter, source_is_cache_key=True, finetune=finetune)

@@ -1,10 +1,12 @@
-"""The policy: a causal LM with a LoRA adapter, its tokenizer and chat scaffold.
+"""The policy: a causal LM (LoRA-adapted, or trained whole), its tokenizer and chat scaffold.
 
 Loading stays apart from training (litgpt's ``lora.py`` vs ``finetune/lora.py``): this module builds
 the model (``from_pretrained`` on a local folder, or on a hub id's snapshot folder in the HF cache,
 :mod:`cope.models.hub`; no network at run time when ``local_files_only``), optionally 4-bit (QLoRA via
-bitsandbytes), wraps it in peft LoRA and returns a :class:`Policy`. The KL reference is the same model
-with the adapter disabled (``with policy.model.disable_adapter():``): no second copy in memory.
+bitsandbytes), wraps it in peft LoRA (``finetune="lora"``) or makes every parameter trainable (``finetune="full"``)
+and returns a :class:`Policy`. The KL reference (:meth:`Policy.reference`) is, under LoRA, the same model with the
+adapter disabled (no second copy in memory); under full fine-tuning a frozen copy of the starting weights
+(:meth:`Policy.freeze_reference`: one more model in memory, sharded like the policy under ``trainer=fsdp``).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -24,17 +26,23 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 QUANTIZATIONS = (None, "4bit", "8bit")
+FINETUNES = ("lora", "full")  # model.finetune
 
 
 @dataclass
 class Policy:
-    model: Any  # peft.PeftModel wrapping a transformers causal LM
+    model: Any  # peft.PeftModel wrapping a transformers causal LM (finetune "lora"), or the causal LM itself ("full")
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     chat: ChatFormat
     source: str  # model.path as given (a local folder or a hub id): what checkpoints and exports record
+    finetune: str = "lora"  # model.finetune: "lora" (an adapter is trained) or "full" (every parameter)
     # a context in which the model's weights are whole on every rank (rollouts); trainer=fsdp sets it
     # (cope.train.sharding.WholeWeights), a null context otherwise
     full_weights: Callable[[], ContextManager] = field(default=contextlib.nullcontext, repr=False)
+    # full fine-tuning: the frozen copy of the starting weights (freeze_reference), and the context in which its
+    # weights are whole (trainer=fsdp: cope.train.sharding.SwappedWeights; a null context otherwise)
+    reference_model: Any = field(default=None, repr=False)
+    reference_weights: Callable[[], ContextManager] = field(default=contextlib.nullcontext, repr=False)
 
     @property
     def pad_id(self) -> int:
@@ -42,6 +50,36 @@ class Policy:
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def freeze_reference(self) -> None:
+        """Full fine-tuning: keep a frozen copy of the weights as they are now (the start of training) as the KL
+        reference; call it before any update and before a checkpoint is loaded. A no-op under LoRA (the reference is
+        the adapter-disabled model) or when the copy exists."""
+        if self.finetune != "full" or self.reference_model is not None:
+            return
+        import copy
+
+        ref = copy.deepcopy(self.model)
+        ref.requires_grad_(False)
+        self.reference_model = ref.eval()
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[Any]:
+        """``with policy.reference() as ref:`` the model whose log-probs are the KL reference: the policy's own model
+        with the adapter disabled (LoRA), or the frozen copy of :meth:`freeze_reference` (full fine-tuning), on the
+        policy's device and, under ``trainer=fsdp``, gathered while the policy is sharded."""
+        if self.finetune != "full":
+            with self.model.disable_adapter():
+                yield self.model
+            return
+        if self.reference_model is None:
+            raise RuntimeError("full fine-tuning: Policy.freeze_reference() was not called before the first update, so "
+                               "there is no KL reference (the trainer calls it in configure_model when a KL term is on)")
+        device = next(self.model.parameters()).device
+        if next(self.reference_model.parameters()).device != device:
+            self.reference_model.to(device)
+        with self.reference_weights():
+            yield self.reference_model
 
 
 def _quant_config(quantization: str | None, compute_dtype: torch.dtype):
@@ -83,9 +121,10 @@ def load_pretrained(
     trust_remote_code: bool = False,
     adapter: str | None = None,
     source_is_cache_key: bool = False,
+    finetune: str = "lora",
     env_factory: Any = None,  # unused: accepted so every model config has the same call signature
 ) -> Policy:
-    """Load a causal LM + tokenizer from a local folder or the HF cache and add a LoRA adapter.
+    """Load a causal LM + tokenizer from a local folder or the HF cache and add a LoRA adapter (or train it whole).
 
     Args:
         path: local folder or hub id (its snapshot folder in the local HF cache when ``local_files_only``);
@@ -102,11 +141,14 @@ def load_pretrained(
             else ``adapter_config.json``) must be this one and its rank ``lora.r`` (checked in :func:`attach_lora`).
         source_is_cache_key: the folder's name identifies the model (the tiny and GGUF caches): an adapter recorded
             under the same name in another cache root counts as made on this base.
+        finetune: ``lora`` (the adapter is trained, the base frozen) or ``full`` (every parameter is trained; ``lora``
+            and ``adapter`` are not used, quantized weights cannot be trained): :func:`check_finetune`.
     """
     if dtype not in DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"model.quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    check_finetune(finetune, quantization, adapter)
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -141,11 +183,31 @@ def load_pretrained(
         model.config.use_cache = False
     # the scaffold from the model's own chat template; every eos id of its generation config ends a turn
     chat = ChatFormat.from_template(tokenizer, getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-    model = attach_lora(model, lora, adapter, str(path), source_is_cache_key)
+    if finetune == "full":
+        model.requires_grad_(True)
+    else:
+        model = attach_lora(model, lora, adapter, str(path), source_is_cache_key)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_all = sum(p.numel() for p in model.parameters())
-    log.info("policy %s: %d trainable / %d parameters (LoRA r=%s)", path, n_train, n_all, getattr(lora, "r", "?"))
-    return Policy(model=model, tokenizer=tokenizer, chat=chat, source=str(path))
+    how = "full fine-tuning" if finetune == "full" else f"LoRA r={getattr(lora, 'r', '?')}"
+    log.info("policy %s: %d trainable / %d parameters (%s)", path, n_train, n_all, how)
+    return Policy(model=model, tokenizer=tokenizer, chat=chat, source=str(path), finetune=finetune)
+
+
+def check_finetune(finetune: str, quantization: str | None = None, adapter: str | None = None) -> None:
+    """``model.finetune`` with what it cannot take, one message naming the key (also run by the config check)."""
+    if finetune not in FINETUNES:
+        raise ValueError(f"model.finetune must be one of {FINETUNES}, got {finetune!r}")
+    if finetune != "full":
+        return
+    if quantization is not None:
+        raise ValueError(f"model.finetune=full with model.quantization={quantization}: quantized weights cannot be "
+                         "trained; set model.quantization=null (full fine-tuning trains the bf16 weights) or "
+                         "model.finetune=lora (QLoRA)")
+    if adapter is not None:
+        raise ValueError(f"model.finetune=full with model.adapter={adapter!r}: a LoRA adapter is not a starting point for "
+                         "full fine-tuning; merge it into the base first (peft's merge_and_unload, saved as a model "
+                         "folder for model.path), or keep model.finetune=lora")
 
 
 def adapter_base(folder: Path) -> str | None:

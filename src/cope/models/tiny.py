@@ -230,6 +230,7 @@ def tiny_policy(
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
     adapter: str | None = None,
+    finetune: str = "lora",
 ) -> Policy:
     """Build (once, cached) and load the tiny warm-started policy for the env of ``env_factory``; ``adapter``: a
     LoRA folder to start from (see :func:`cope.models.policy.load_pretrained`).
@@ -256,4 +257,4 @@ def tiny_policy(
     build_once(out, build)  # concurrent runs (a study's parallel jobs, DDP ranks) wait for one build
     return load_pretrained(str(out), lora=lora, dtype=dtype, quantization=quantization,
                            gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation,
-                           adapter=adapter, source_is_cache_key=True)
+                           adapter=adapter, source_is_cache_key=True, finetune=finetune)

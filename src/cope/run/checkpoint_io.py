@@ -124,7 +124,7 @@ def optimizer_keying(ckpt: dict) -> str | None:
 
 
 def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r: int | None,
-                         sharded: bool | None = None) -> None:
+                         sharded: bool | None = None, finetune: str | None = None) -> None:
     """Refuses to resume from ``path`` into another base model, another LoRA rank or another strategy's layout than the
     checkpoint's, in one :class:`CheckpointMismatchError` naming both sides, before any model is built (it would
     otherwise fail after the model load with a bare shape error, or, on another base with the same shapes, resume
@@ -135,6 +135,8 @@ def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r
         lora_r: ``model.lora.r`` (None: no check). Checkpoints without a ``base_model`` record pass that check.
         sharded: this run is ``trainer=fsdp`` (its optimizer state is keyed by parameter name; any other strategy's by
             index, Lightning's default); None: no check.
+        finetune: ``model.finetune`` (``lora`` | ``full``); None: no check. Checkpoints without a ``finetune`` record
+            were written under LoRA.
     """
     ckpt = read_checkpoint(path, mmap=True)
     problems = []
@@ -142,8 +144,12 @@ def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r
     if base is not None and isinstance(recorded, str) and not base.matches(recorded):
         problems.append(f"base model: the checkpoint was trained on {recorded!r}, this config builds {base.source!r} "
                         f"(from {base.named_by})")
+    written = ckpt.get("finetune", "lora")
+    if finetune is not None and written != finetune:
+        problems.append(f"training mode: the checkpoint was written with model.finetune={written}, this config has "
+                        f"model.finetune={finetune}")
     ranks = lora_ranks(ckpt.get("state_dict") or {})
-    if lora_r is not None and ranks and ranks != {lora_r}:
+    if lora_r is not None and ranks and ranks != {lora_r} and finetune != "full":
         problems.append(f"LoRA rank: the checkpoint's adapter has r={'/'.join(map(str, sorted(ranks)))}, this config has "
                         f"model.lora.r={lora_r}")
     keyed = optimizer_keying(ckpt)
@@ -153,7 +159,7 @@ def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r
                         f"is {now}")
     if problems:
         raise CheckpointMismatchError(f"checkpoint {path} does not fit this run: {'; '.join(problems)}. Resume "
-                                      "with the model, model.lora and trainer it was trained with, or start a new run "
+                                      "with the model, model.lora, model.finetune and trainer it was trained with, or start a new run "
                                       "(drop ckpt_path, or use another hydra.run.dir)")
 
 

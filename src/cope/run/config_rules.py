@@ -44,6 +44,12 @@ def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: lis
     if isinstance(cfg.get("trainer"), DictConfig):
         check_launch(cfg.trainer, fail)
     check_sharding(cfg, fail)  # trainer=fsdp: what cannot be sharded (quantized weights, a server engine, ...)
+    if isinstance(model, DictConfig):
+        full_finetuning_fits(model, data, fail)
+        export = ((cfg.get("callbacks") or {}).get("adapter_export") or {})
+        if model.get("finetune") == "full" and export.get("merged"):
+            fail("callbacks.adapter_export.merged", " = true with model.finetune=full: there is no adapter to merge; the "
+                 "export (<run>/csv/model) is already the whole trained model. Set it to false")
     optimizer = (cfg.get("module") or {}).get("optimizer") or {}
     if optimizer.get("lr") == 0:
         warnings.append("module.optimizer.lr=0: the adapter never changes (rollouts and validation run, "
@@ -51,6 +57,27 @@ def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: lis
     objectives = [o for o in ((cfg.get("algo") or {}).get("objectives") or {}).values() if o is not None]
     if objectives and all(o.get("weight", 1.0) == 0 and o.get("final_weight", 0.0) == 0 for o in objectives):
         warnings.append("every algo.objectives.*.weight is 0: training changes nothing")
+
+
+def full_finetuning_fits(model: DictConfig, data: DictConfig | None, fail: Callable[[str, str], None]) -> None:
+    """``model.finetune=full`` against what it cannot take: quantized weights, a LoRA adapter to start from
+    (:func:`cope.models.policy.check_finetune`), and a server rollout engine (the vLLM engine serves each policy
+    version as a LoRA adapter; full weights would have to be pushed into the server every epoch, which is not built)."""
+    from cope.models.policy import check_finetune
+
+    finetune = model.get("finetune", "lora")
+    try:
+        check_finetune(finetune, model.get("quantization"), model.get("adapter"))
+    except ValueError as e:
+        key = "model.finetune" if "must be one of" in str(e) else \
+            ("model.quantization" if "quantization" in str(e).split(":")[0] else "model.adapter")
+        fail(key, f": {e}")
+        return
+    engine = str(((data or {}).get("engine") or {}).get("_target_", ""))
+    if finetune == "full" and engine and not engine.endswith(".HFEngine"):
+        fail("data.engine", f" = {engine}: model.finetune=full needs the in-process engine (rollout=hf): the vLLM server "
+             "engine loads each policy version as a LoRA adapter, and pushing full weights into the server every epoch "
+             "is not built. Use rollout=hf, or model.finetune=lora to keep the server")
 
 
 def attention_fits_layout(model: DictConfig, cfg: DictConfig, fail: Callable[[str, str], None]) -> None:

@@ -129,7 +129,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     ckpt = None
     if cfg.get("ckpt_path"):
         ckpt = resolve_ckpt_path(cfg.ckpt_path, Path(cfg.paths.output_dir) / "checkpoints")
-        check_resume_matches(ckpt, base, getattr(model_factory.keywords.get("lora"), "r", None))
+        check_resume_matches(ckpt, base, getattr(model_factory.keywords.get("lora"), "r", None),
+                             finetune=cfg.model.get("finetune", "lora"))
     adapter = cfg.get("adapter")
     if adapter:
         from cope.models.policy import check_adapter
@@ -224,14 +225,16 @@ def _probe(cfg: DictConfig, probes, policy, episodes: list, resumed: bool) -> di
 
 
 def _load_checkpoint_adapter(policy, path: str) -> None:
-    """The LoRA weights of a training checkpoint (the module's ``model.*`` keys) into ``policy.model``."""
+    """The trained weights of a training checkpoint (the module's ``model.*`` keys: the adapter, or every weight under
+    ``model.finetune=full``) into ``policy.model``."""
     import torch
 
     sd = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
     weights = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
     missing = [k for k, p in policy.model.named_parameters() if p.requires_grad and k not in weights]
     if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} adapter tensors of this model, e.g. {missing[:2]}")
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} trainable tensors of this model, e.g. {missing[:2]} "
+                         "(another LoRA config, or another model.finetune?)")
     policy.model.load_state_dict(weights, strict=False)
 
 

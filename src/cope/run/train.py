@@ -114,7 +114,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model_factory = build(cfg.model, "model")  # a partial: nothing is loaded yet
     if ckpt_path is not None:  # the checkpoint's base model and LoRA rank against this config's, before the build
         check_resume_matches(ckpt_path, base_model_of(model_factory, env_factory), _lora_rank(cfg.model),
-                             sharded=uses_fsdp(cfg.trainer))
+                             sharded=uses_fsdp(cfg.trainer), finetune=cfg.model.get("finetune", "lora"))
     if cfg.model.get("adapter"):  # the adapter to start from against this config's base and rank, before the build
         from cope.models.policy import check_adapter
 

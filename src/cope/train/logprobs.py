@@ -4,10 +4,15 @@ Every objective reads ``logprobs[:, t] = log p(ids[t] | ids[<t])`` (0 at t = 0).
 over the vocabulary at every position is the cost that dominates a LoRA step at real vocabularies
 (152k for Qwen2.5: one 8k-token row's fp32 log-softmax alone is about 5 GB). Here the model body
 gives hidden states (N, T, H); the output head runs on chunks of at most ``chunk_elems // V`` tokens;
-each chunk yields ``z[y] - logsumexp(z)`` and is then dropped. Backward needs no second pass over the
-vocabulary: for a frozen linear head, d lp_t / d h_t = (W[y_t] - p_t W) / tau_t, a (K, H) tensor the
-forward computes while the chunk's probabilities are at hand (:class:`_FrozenHeadLogprob`; the same
-identity fused linear-cross-entropy kernels use). Memory is O(K * H) beyond the body's activations.
+each chunk yields ``z[y] - logsumexp(z)`` and is then dropped (:class:`_LinearHeadLogprob`). Backward needs no
+(N, T, V) tensor either: for a frozen head, d lp_t / d h_t = (W[y_t] - p_t W) / tau_t, a (K, H) tensor the forward
+computes while the chunk's probabilities are at hand (the same identity fused linear-cross-entropy kernels use); a
+trained head (full fine-tuning) also needs dW = sum_t (onehot(y_t) - p_t)^T h_t g_t / tau_t, so its backward forms
+each chunk's probabilities again. Memory is O(K * H) beyond the body's activations, plus one (chunk, V) buffer.
+
+The head runs inside the causal LM's own forward (:func:`head_forward`: the head's ``forward`` is replaced for the
+call), so every parameter is read where its module's forward runs: what FSDP needs to gather a sharded head and
+embedding (:mod:`cope.train.sharding`), and what any wrapper that hooks a module's forward expects.
 
 Temperature: rollouts sample from ``softmax(z / T)``, so the policy's log-probs at action tokens
 (the PPO ratio, KL) are taken under that distribution; every other position (observations for ECHO,
@@ -17,13 +22,15 @@ forecast targets for CoPE) keeps the model's own distribution (tau = 1). ``tempe
 Entropy is computed only where asked (``entropy_mask``: the action tokens; EMPG and the entropy
 metric read nothing else), without graph.
 
-Fallback: when the head is not a frozen ``nn.Linear`` (LoRA on ``lm_head``) or the architecture
-post-processes logits (soft-capping, logit scale), the model's own logits are used with the same
-chunked math under autograd (memory not bounded; logged once).
+Fallback: when the head is not an ``nn.Linear`` (LoRA on ``lm_head``) or the architecture post-processes logits
+(soft-capping, logit scale), the model's own logits are used with the same chunked math under autograd (memory not
+bounded; logged once).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,16 +43,17 @@ CHUNK_ELEMS = 2**25  # fp32 logits per chunk (128 MB): tokens per chunk = CHUNK_
 _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-class _FrozenHeadLogprob(torch.autograd.Function):
-    """lp_t = log softmax(h_t W^T + b)[y_t] / tau_t-tempered, with d lp_t / d h_t formed in the forward."""
+class _LinearHeadLogprob(torch.autograd.Function):
+    """lp_t = log softmax(h_t W^T + b)[y_t] / tau_t-tempered, chunk by chunk. A frozen head: d lp_t / d h_t formed in
+    the forward; a trained one (``weight`` needs a gradient): the backward forms each chunk's probabilities again."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, targets, tau, ent_rows, chunk):  # noqa: D401 - autograd signature
-        need_grad = ctx.needs_input_grad[0]
+        need_h, trained = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         K = h.shape[0]
         lp = h.new_empty(K, dtype=torch.float32)
         ent = h.new_zeros(K, dtype=torch.float32)
-        jac = torch.empty_like(h) if need_grad else None
+        jac = torch.empty_like(h) if need_h and not trained else None
         tempered = bool((tau != 1).any())
         for s in range(0, K, chunk):
             e = min(K, s + chunk)
@@ -59,22 +67,42 @@ class _FrozenHeadLogprob(torch.autograd.Function):
             if rows.numel():
                 zr = z[rows]
                 ent[s + rows] = lse[rows] - ((zr - lse[rows, None]).exp() * zr).sum(-1)
-            if need_grad:  # (W[y] - p W) / tau: the whole Jacobian row of lp_t w.r.t. h_t
+            if jac is not None:  # (W[y] - p W) / tau: the whole Jacobian row of lp_t w.r.t. h_t
                 p = z.sub_(lse[:, None]).exp_()  # (c, V) softmax of the tempered logits, in place
                 pw = (p.to(weight.dtype) @ weight).float()  # (c, H)
                 g = weight[y].float() - pw
                 if tempered:
                     g.div_(tau[s:e, None])
                 jac[s:e] = g.to(h.dtype)
-        if need_grad:
+        ctx.chunk, ctx.trained, ctx.has_bias = chunk, trained, bias is not None
+        if trained:
+            ctx.save_for_backward(h, weight, bias, targets, tau)
+        elif jac is not None:
             ctx.save_for_backward(jac)
         ctx.mark_non_differentiable(ent)
         return lp, ent
 
     @staticmethod
     def backward(ctx, grad_lp, grad_ent):
-        (jac,) = ctx.saved_tensors
-        return (grad_lp.to(jac.dtype)[:, None] * jac), None, None, None, None, None, None
+        if not ctx.trained:
+            (jac,) = ctx.saved_tensors
+            return (grad_lp.to(jac.dtype)[:, None] * jac), None, None, None, None, None, None
+        h, weight, bias, targets, tau = ctx.saved_tensors
+        gh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        gb = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if ctx.has_bias else None
+        for s in range(0, h.shape[0], ctx.chunk):
+            e = min(h.shape[0], s + ctx.chunk)
+            z = F.linear(h[s:e], weight, bias).float().div_(tau[s:e, None])  # (c, V)
+            dz = z.softmax(-1).neg_()  # d lp / d z = (onehot(y) - p) / tau, times the incoming gradient
+            dz[torch.arange(e - s, device=dz.device), targets[s:e]] += 1.0
+            dz.mul_((grad_lp[s:e].float() / tau[s:e])[:, None])
+            if gh is not None:
+                gh[s:e] = (dz.to(weight.dtype) @ weight).to(h.dtype)
+            gw += dz.t() @ h[s:e].float()
+            if gb is not None:
+                gb += dz.sum(0)
+        return (gh, gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype), None, None, None, None)
 
 
 def _chunked_from_logits(logits, targets, tau, ent_rows, chunk):
@@ -90,16 +118,50 @@ def _chunked_from_logits(logits, targets, tau, ent_rows, chunk):
     return torch.cat(lps), torch.cat(ents)
 
 
-def frozen_linear_head(model) -> torch.nn.Linear | None:
-    """The output head when the fused path applies to ``model`` (a peft or plain causal LM), else None."""
+def linear_head(model) -> torch.nn.Linear | None:
+    """The output head when the chunked path applies to ``model`` (a peft or plain causal LM): an ``nn.Linear``,
+    frozen or trained, with no logit post-processing; else None (the fallback on the model's own logits)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     cfg = getattr(base, "config", None)
-    if type(head) is not torch.nn.Linear or any(p.requires_grad for p in head.parameters()):
+    if type(head) is not torch.nn.Linear:
         return None
     if cfg is not None and any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING):
         return None
     return head
+
+
+def head_forward(model, kw: dict[str, Any], fn: Callable[[torch.nn.Linear, torch.Tensor], Any]) -> Any:
+    """``fn(head, hidden)`` on the (N, T, H) hidden states before the output head, run *as* the head inside the causal
+    LM's own forward (``base(**kw)``; the head's ``forward`` is replaced for the call), returning its result. The LM's
+    ``logits`` output is what ``fn`` returns as its first element (a tensor: FSDP hooks its backward there).
+    The caller has checked :func:`linear_head`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    result: dict[str, Any] = {}
+
+    def run(hidden: torch.Tensor):
+        result["out"] = fn(head, hidden)
+        first = result["out"][0] if isinstance(result["out"], tuple) else result["out"]
+        return first
+
+    with _replaced_forward(head, run):
+        base(**kw)
+    return result["out"]
+
+
+@contextlib.contextmanager
+def _replaced_forward(module: torch.nn.Module, fn: Callable):
+    had = "forward" in module.__dict__
+    previous = module.__dict__.get("forward")
+    module.forward = fn
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = previous
+        else:
+            del module.forward
 
 
 def causal_lm_logprobs(
@@ -137,38 +199,34 @@ def causal_lm_logprobs(
         tau = tau.masked_fill(tempered[:, 1:], tau_value)
     tau = tau.reshape(-1)
     ent_rows = (entropy_mask[:, 1:] if entropy_mask is not None else torch.zeros_like(input_ids[:, 1:], dtype=torch.bool)).reshape(-1)
-    head, h = _head_input(model, input_ids, attention_mask, position_ids, prefix_tree)
-    if head is not None:
+    kw = _forward_kwargs(input_ids, attention_mask, position_ids, prefix_tree)
+    flat = None if rows_at is None else rows_at[:, 0] * (T - 1) + rows_at[:, 1] - 1  # (P,): the position before each
+
+    def score(head, hidden):  # (K, H) hidden states -> lp, ent (K,) and the (P, V) rows; inside the LM's forward
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t - 1 predicts token t
         chunk = max(1, chunk_elems // head.out_features)
-        lp, ent = _FrozenHeadLogprob.apply(h, head.weight, head.bias, targets, tau, ent_rows, chunk)
+        lp, ent = _LinearHeadLogprob.apply(h, head.weight, head.bias, targets, tau, ent_rows, chunk)
+        return lp, ent, (None if flat is None else F.linear(h[flat], head.weight, head.bias).float())
+
+    if linear_head(model) is not None:
+        lp, ent, rows = head_forward(model, kw, score)
     else:
+        _warn_fallback(model)
+        logits = model(**kw).logits  # (N, T, V)
+        h = logits[:, :-1].reshape(-1, logits.shape[-1])  # (K, V)
         lp, ent = _chunked_from_logits(h, targets, tau, ent_rows, max(1, chunk_elems // h.shape[-1]))
+        rows = None if flat is None else h[flat].float()  # (P, V)
     zero = lp.new_zeros(N, 1)
     out = torch.cat([zero, lp.view(N, T - 1)], 1), torch.cat([zero, ent.view(N, T - 1)], 1)
-    if rows_at is None:
-        return out
-    flat = rows_at[:, 0] * (T - 1) + rows_at[:, 1] - 1  # (P,): the flat index of the position before each token
-    sel = h[flat]  # (P, H) hidden states, or (P, V) logits on the fallback path
-    rows = (F.linear(sel, head.weight, head.bias) if head is not None else sel).float()  # (P, V)
-    return (*out, rows)
+    return out if rows_at is None else (*out, rows)
 
 
-def _head_input(model, input_ids, attention_mask, position_ids,
-                prefix_tree: PrefixTree | None = None) -> tuple[torch.nn.Linear | None, torch.Tensor]:
-    """``(head, h)``: the frozen linear output head and the (K, H) hidden states before it (position t - 1 predicts
-    token t), or ``(None, logits)`` with the model's own (K, V) logits when the head is not a frozen linear layer.
-    A ``prefix_tree`` travels with the forward's keyword arguments down to the attention function."""
-    head = frozen_linear_head(model)
+def _forward_kwargs(input_ids, attention_mask, position_ids, prefix_tree: PrefixTree | None = None) -> dict[str, Any]:
+    """The model's forward keyword arguments; a ``prefix_tree`` travels with them down to the attention function."""
     kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     if prefix_tree is not None:
         kw["prefix_tree"] = prefix_tree
-    if head is not None:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        hidden = base.get_decoder()(**kw).last_hidden_state  # (N, T, H)
-        return head, hidden[:, :-1].reshape(-1, hidden.shape[-1])  # (K, H)
-    _warn_fallback(model)
-    logits = model(**kw).logits  # (N, T, V)
-    return None, logits[:, :-1].reshape(-1, logits.shape[-1])  # (K, V)
+    return kw
 
 
 _warned: set[int] = set()
@@ -207,19 +265,26 @@ def causal_lm_predictions(
     """
     N, T = input_ids.shape
     targets = input_ids[:, 1:].reshape(-1)  # (K,) with K = N * (T - 1)
-    head, h = _head_input(model, input_ids, attention_mask, position_ids)
-    vocab = head.out_features if head is not None else h.shape[-1]
+    K = targets.shape[0]
 
-    def logits(s: int, e: int) -> torch.Tensor:
-        return F.linear(h[s:e], head.weight, head.bias) if head is not None else h[s:e]  # (c, V)
-    K, chunk = targets.shape[0], max(1, chunk_elems // vocab)
-    lp = torch.empty(K, dtype=torch.float32, device=input_ids.device)
-    pred = torch.empty(K, dtype=torch.long, device=input_ids.device)
-    for s in range(0, K, chunk):
-        e = min(K, s + chunk)
-        z = logits(s, e).float()  # (c, V); the only (c, V) buffer kept
-        lp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - z.logsumexp(-1)
-        pred[s:e] = z.argmax(-1)
+    def predict(head, hidden):  # inside the LM's forward (head None: ``hidden`` are the model's own logits)
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        vocab = head.out_features if head is not None else h.shape[-1]
+        lp = torch.empty(K, dtype=torch.float32, device=input_ids.device)
+        pred = torch.empty(K, dtype=torch.long, device=input_ids.device)
+        for s in range(0, K, max(1, chunk_elems // vocab)):
+            e = min(K, s + max(1, chunk_elems // vocab))
+            z = (F.linear(h[s:e], head.weight, head.bias) if head is not None else h[s:e]).float()  # (c, V); the only one
+            lp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - z.logsumexp(-1)
+            pred[s:e] = z.argmax(-1)
+        return lp, pred
+
+    kw = _forward_kwargs(input_ids, attention_mask, position_ids)
+    if linear_head(model) is not None:
+        lp, pred = head_forward(model, kw, predict)
+    else:
+        _warn_fallback(model)
+        lp, pred = predict(None, model(**kw).logits)
     lp = torch.cat([lp.new_zeros(N, 1), lp.view(N, T - 1)], 1)  # (N, T)
     pred = torch.cat([pred.new_full((N, 1), -1), pred.view(N, T - 1)], 1)  # (N, T)
     return lp, pred

@@ -3,7 +3,8 @@
 It holds no rollout logic (the DataModule does) and no loss math (the objectives do). The forward
 pass gives every objective the per-token log-probs and entropy (:mod:`cope.train.logprobs`: chunked over
 the vocabulary, action tokens at the sampling temperature); the objectives are summed in
-:func:`cope.train.objectives.combine`. The KL reference is the same model with its adapter disabled.
+:func:`cope.train.objectives.combine`. The KL reference is :meth:`cope.models.policy.Policy.reference` (the
+adapter-disabled model under LoRA, a frozen copy under full fine-tuning).
 
 One optimizer step per batch, written out here (Lightning's manual optimization): zero the gradients,
 forward + backward over micro-batches of at most ``max_tokens_per_microbatch`` tokens (rows of the
@@ -13,8 +14,8 @@ batches (kind ``forecast``: only the objectives of that kind, the learning rate 
 the schedule not advanced). Every batch runs through one path: the model forwards its packed rows (shared prefixes
 stored once, :mod:`cope.train.tree_batch`; a batch that packs nothing is its own packing) and the log-probs come back
 in the batch rows' shape. Step metrics go straight to the loggers. Checkpoints hold only trainable
-(adapter) weights, plus optimizer, scheduler, counters (in the DataModule's state), the objectives' state
-and the skipped-step count; no RNG state (each epoch's generators are derived from the seed, the rank and
+weights (the adapter; every weight under full fine-tuning), plus optimizer, scheduler, counters (in the DataModule's
+state), the objectives' state and the skipped-step count; no RNG state (each epoch's generators are derived from the seed, the rank and
 the epoch); the frozen base is never written.
 """
 from __future__ import annotations
@@ -112,13 +113,14 @@ class AgentRLModule(pl.LightningModule):
                    for o in self.objectives)
 
     def logprobs(self, batch: dict, rows: torch.Tensor | None = None, length: int | None = None,
-                 entropy: bool = True, te: bool = False) -> tuple[torch.Tensor, ...]:
+                 entropy: bool = True, te: bool = False, model=None) -> tuple[torch.Tensor, ...]:
         """Per-token (log-probs, entropy) of ``batch`` rows ``rows`` (all: None), first ``length`` columns;
         action tokens at the sampling temperature, entropy at action tokens only (see :mod:`cope.train.logprobs`).
         With ``te`` and ``batch["te_position"]``, also (the full predictive rows of the positions that fall in this
         part, their indices into ``te_position``): CoPE's temporal ensemble, from the same forward. The model sees the
         batch's packed rows (:func:`cope.train.tree_batch.packed_view`: its own rows when it packs nothing); the
-        results have the batch rows' shape."""
+        results have the batch rows' shape. ``model``: another model to score with (the KL reference), else the
+        policy's."""
         at = sel = None
         if te and "te_position" in batch:
             te_pos = batch["te_position"].to(batch["input_ids"].device)  # (P, 2) [row, column]
@@ -127,7 +129,8 @@ class AgentRLModule(pl.LightningModule):
                 inside &= te_pos[:, 1] < length
             sel = inside.nonzero().squeeze(-1)  # (P_live,)
             at = te_pos[sel]
-        lp, ent, *te_rows = packed_logprobs(self.model, packed_view(batch), rows, length, at, self.temperature, entropy)
+        model = model if model is not None else self.model
+        lp, ent, *te_rows = packed_logprobs(model, packed_view(batch), rows, length, at, self.temperature, entropy)
         return (lp, ent, te_rows[0], sel) if at is not None else (lp, ent)
 
     def micro_batches(self, batch: dict) -> list[tuple[torch.Tensor | None, int | None]]:
@@ -161,23 +164,31 @@ class AgentRLModule(pl.LightningModule):
                 dev = {k: v.to(self.device) for k, v in mb.items()}
                 N, T = dev["input_ids"].shape
                 lp, ent = torch.zeros(N, T, device=self.device), torch.zeros(N, T, device=self.device)
-                ref = torch.zeros(N, T, device=self.device) if self.needs_ref else None
                 for rows, n in self.micro_batches(dev):
                     r = slice(None) if rows is None else rows
                     c = slice(None) if n is None else slice(0, n)
                     with self.precision_context():
                         lp[r, c], ent[r, c] = self.logprobs(dev, rows, n)
-                        if ref is not None:
-                            with self.model.disable_adapter():
-                                ref[r, c] = self.logprobs(dev, rows, n, entropy=False)[0]
                 mb["old_logprobs"], mb["old_entropy"] = lp.cpu(), ent.cpu()
-                if ref is not None:
-                    mb["ref_logprobs"] = ref.cpu()
+            if self.needs_ref:  # after the policy's pass: under trainer=fsdp one whole model at a time
+                with self.policy.reference() as ref_model:
+                    for mb in minibatches:
+                        dev = {k: v.to(self.device) for k, v in mb.items()}
+                        ref = torch.zeros(dev["input_ids"].shape, device=self.device)
+                        for rows, n in self.micro_batches(dev):
+                            r = slice(None) if rows is None else rows
+                            c = slice(None) if n is None else slice(0, n)
+                            with self.precision_context():
+                                ref[r, c] = self.logprobs(dev, rows, n, entropy=False, model=ref_model)[0]
+                        mb["ref_logprobs"] = ref.cpu()
         finally:
             self.model.train(was)
 
     def configure_model(self) -> None:
-        """``trainer=fsdp``: the policy's layers in FSDP2 groups (:mod:`cope.train.sharding`); nothing otherwise."""
+        """Full fine-tuning with a KL term: the frozen reference copy, taken before any update or checkpoint load.
+        ``trainer=fsdp``: the policy's (and that copy's) layers in FSDP2 groups (:mod:`cope.train.sharding`)."""
+        if self.needs_ref:
+            self.policy.freeze_reference()
         self._whole = configure_sharding(self)
 
     # -- training --------------------------------------------------------------------------------
@@ -345,6 +356,7 @@ class AgentRLModule(pl.LightningModule):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["objectives"] = {o.name: o.state_dict() for o in self.objectives}  # their only copy
         checkpoint["base_model"] = self.policy.source
+        checkpoint["finetune"] = self.policy.finetune
         checkpoint["skipped_steps"] = self.step_guard.skipped
         checkpoint["kl_stopped_steps"] = self.kl_stopped_steps
         checkpoint["world_size"] = self.trainer.world_size
@@ -353,7 +365,8 @@ class AgentRLModule(pl.LightningModule):
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         missing = trainable - set(checkpoint["state_dict"])
         if missing:
-            raise KeyError(f"checkpoint lacks {len(missing)} adapter tensors, e.g. {sorted(missing)[:3]}: different LoRA config?")
+            raise KeyError(f"checkpoint lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}: another LoRA "
+                           "config, or written with another model.finetune?")
         for o in self.objectives:
             o.load_state_dict(checkpoint.get("objectives", {}).get(o.name, {}))
         self.step_guard.skipped = int(checkpoint.get("skipped_steps", 0))

@@ -4,13 +4,11 @@ Each rank holds a 1/world shard of every sharded parameter, its gradient and its
 parameters are all-gathered just before the group's forward (and backward) and freed after it. Groups:
 
 * **each decoder layer** (the classes the HF model names in ``_no_split_modules``), one group per layer;
-* **the decoder body** (embeddings, final norm, and every layer parameter left over), the FSDP root. The root is the
-  decoder, not the causal LM, because the fused log-prob head (:mod:`cope.train.logprobs`) calls the decoder and then
-  reads the output head's weight itself: the head's forward never runs, so a sharded head would never be gathered.
-  The output head therefore stays whole on every rank (``vocab x hidden`` per rank), frozen. With tied embeddings
-  (the tiny model, SmolLM2, Qwen2.5-0.5B) the head keeps the original tensor and the embedding's copy is sharded: the
-  values are the same (both frozen). A trainable head (full fine-tuning, LoRA on ``lm_head``) is refused here, not
-  trained untied.
+* **the causal LM** (embeddings, final norm, output head, and every parameter left over), the FSDP root. Tied
+  embeddings are one parameter in this one group. The fused log-prob head (:mod:`cope.train.logprobs`) runs as the
+  output head inside the LM's forward, so the root's parameters are gathered where they are read; the root keeps
+  them gathered from its forward to the end of its backward (FSDP's default for the root), when its gradients are
+  reduce-scattered. The head may be trained (full fine-tuning).
 
 **LoRA adapters are sharded, inside their layer's group.** They ride the all-gather that gathers the layer's frozen
 weights anyway and their gradients the layer's reduce-scatter, so there is no second collective path (a replicated
@@ -18,8 +16,12 @@ adapter would need its own all-reduce, and the frozen weights around it would st
 are sharded with them. Their share of each collective is the adapter's size, small next to the frozen
 weights', and it is the layout full fine-tuning needs.
 
-The KL reference (``disable_adapter()``) is the same sharded model with the adapter switched off: nothing changes for
-FSDP, the adapter's shards are gathered and not used.
+**Full fine-tuning** (``model.finetune=full``): every parameter, its gradient and both AdamW moments are sharded
+(1/world of each per rank). The KL reference is a frozen copy of the starting weights
+(:meth:`cope.models.policy.Policy.freeze_reference`), sharded in groups of its own; the scoring pass gathers the
+policy for the old log-probs, then shards it and gathers the reference for the reference log-probs
+(:class:`SwappedWeights`), so one whole model is held at a time. Under LoRA the reference is the same sharded model
+with the adapter switched off (``disable_adapter()``): nothing changes for FSDP.
 
 **The optimizer step.** Gradients are DTensors (``Shard(0)``). :func:`total_grad_norm` is the global norm (torch's
 ``get_total_norm`` sums the shards' squares over the mesh); Lightning's ``clip_gradients`` (torch's
@@ -184,13 +186,17 @@ def configure_sharding(module) -> WholeWeights | None:
     if not isinstance(strategy, FSDPStrategy):
         raise TypeError(f"{type(strategy).__name__}: the policy is sharded by cope.train.sharding.FSDPStrategy "
                         "(trainer=fsdp) only")
-    counts = shard_policy(module.model, strategy.device_mesh["data_parallel"], strategy.mp_policy())
+    mesh, policy = strategy.device_mesh["data_parallel"], module.policy
+    counts = shard_policy(module.model, mesh, strategy.mp_policy())
     if counts is not None:  # sharded now (not again for a fit after a validation)
-        log.info("trainer=fsdp: rank %d holds %d of %d parameters (%d whole on every rank: the output head)",
+        log.info("trainer=fsdp: rank %d holds %d of %d parameters (%d whole on every rank)",
                  strategy.global_rank, counts["local"], counts["full"], counts["replicated"])
-    if not isinstance(module.policy.full_weights, WholeWeights):
-        module.policy.full_weights = WholeWeights(module.model)
-    return module.policy.full_weights
+    if not isinstance(policy.full_weights, WholeWeights):
+        policy.full_weights = WholeWeights(module.model)
+    if policy.reference_model is not None and not isinstance(policy.reference_weights, SwappedWeights):
+        shard_policy(policy.reference_model, mesh, strategy.mp_policy())  # full fine-tuning's frozen reference
+        policy.reference_weights = SwappedWeights(policy.full_weights, WholeWeights(policy.reference_model))
+    return policy.full_weights
 
 
 def step_weights(module, batch: dict):
@@ -219,24 +225,19 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_policy(model: torch.nn.Module, mesh, mp_policy=None) -> dict[str, int] | None:
-    """``fully_shard`` on each decoder layer, then on the decoder body (the root); idempotent (a second call, as a
-    validation before fit makes, does nothing and returns None). Returns parameter counts: ``full``, ``local`` (what
-    this rank holds), ``replicated`` (whole on every rank: the output head)."""
+    """``fully_shard`` on each decoder layer, then on the causal LM (the root: embeddings, norm, head); idempotent (a
+    second call, as a validation before fit makes, does nothing and returns None). Returns parameter counts: ``full``,
+    ``local`` (what this rank holds), ``replicated`` (whole on every rank: none once sharded)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder, head = base.get_decoder(), base.get_output_embeddings()
     kw = {"mp_policy": mp_policy} if mp_policy is not None else {}
-    if not isinstance(decoder, FSDPModule):
-        if head is not None and any(p.requires_grad for p in head.parameters()):
-            raise ValueError("trainer=fsdp keeps the output head whole and frozen on every rank (the fused log-prob "
-                             "head reads its weight outside any forward): a trainable lm_head (LoRA on lm_head, full "
-                             "fine-tuning) is not supported; leave lm_head out of model.lora.target_modules")
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh, **kw)
-        fully_shard(decoder, mesh=mesh, **kw)
-        return parameter_counts(model)
-    return None
+    if isinstance(base, FSDPModule):
+        return None
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(base, mesh=mesh, **kw)
+    return parameter_counts(model)
 
 
 def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -278,6 +279,7 @@ class WholeWeights:
         from torch.distributed.fsdp import FSDPModule
 
         self.groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.roots = set(_roots(model))  # gathered from forward to backward's end when sharded (FSDP's root default)
         self.whole = False
 
     def gather(self) -> None:
@@ -294,7 +296,7 @@ class WholeWeights:
             return
         for m in self.groups:
             m.reshard()
-            m.set_reshard_after_forward(True, recurse=False)
+            m.set_reshard_after_forward(m not in self.roots, recurse=False)
             m.set_reshard_after_backward(True, recurse=False)
         self.whole = False
 
@@ -309,6 +311,26 @@ class WholeWeights:
                 self.shard()
 
 
+class SwappedWeights:
+    """Calling it gives a context in which ``other``'s groups are gathered and ``whole``'s sharded (one whole model
+    per rank at a time), both restored on exit: the full fine-tuning reference's
+    :attr:`cope.models.policy.Policy.reference_weights` under this strategy."""
+
+    def __init__(self, whole: WholeWeights, other: WholeWeights):
+        self.whole, self.other = whole, other
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        was = self.whole.whole
+        self.whole.shard()
+        try:
+            with self.other():
+                yield
+        finally:
+            if was:
+                self.whole.gather()
+
+
 def whole_trainable_state(policy) -> dict[str, torch.Tensor] | None:
     """Under ``trainer=fsdp``: the policy model's trainable tensors whole, keyed as in ``policy.model.state_dict()``,
     on rank zero (empty elsewhere; a collective: every rank calls it), for an adapter export. None otherwise (the
@@ -318,7 +340,10 @@ def whole_trainable_state(policy) -> dict[str, torch.Tensor] | None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    return get_model_state_dict(policy.model, options=opts)
+    trainable = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    # (a tied head shares the embedding's parameter and comes back under its own name too: kept once, as
+    # named_parameters and the DDP checkpoint name it; save_pretrained ties it again)
+    return {k: v for k, v in get_model_state_dict(policy.model, options=opts).items() if k in trainable}
 
 
 def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:

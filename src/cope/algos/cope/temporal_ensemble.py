@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from cope.algos.cope.chunks import ForecastChunk
-from cope.train.logprobs import CHUNK_ELEMS, frozen_linear_head
+from cope.train.logprobs import CHUNK_ELEMS, head_forward, linear_head
 from cope.train.objectives import Metrics
 from cope.train.tree_batch import attention_kwargs
 
@@ -112,7 +112,7 @@ def topm_at_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """Top-M of the next-token distribution predicting ``input_ids[rows, positions]`` (the logits at position - 1).
 
     The output head runs only on the selected hidden states, ``chunk_elems // V`` at a time (never (N, T, V));
-    when the head is not a frozen ``nn.Linear`` the model's own logits are used instead (as
+    when the head is not an ``nn.Linear`` the model's own logits are used instead (as
     :func:`cope.train.logprobs.causal_lm_logprobs` falls back). Untempered; no graph; the caller sets eval mode.
 
     Args:
@@ -129,26 +129,27 @@ def topm_at_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     """
     if positions.numel() and int(positions.min()) < 1:
         raise ValueError("topm_at_positions: position 0 has no predicting logits")
-    head = frozen_linear_head(model)
+    head = linear_head(model)
     V = head.out_features if head is not None else None
     if not rows.numel():
         m = min(M, V or M)
         return torch.empty(0, m, dtype=torch.long), torch.empty(0, m, dtype=torch.float32)
     kw = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention_kwargs(model, attention_mask, tree))
     r, p = rows.to(input_ids.device), positions.to(input_ids.device) - 1
-    if head is not None:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        h = base.get_decoder()(**kw).last_hidden_state[r, p]  # (L, H)
-    else:
-        h = model(**kw).logits[r, p]  # (L, V)
-        V = h.shape[-1]
-    m, step = min(M, V), max(1, chunk_elems // V)
-    ids = torch.empty(h.shape[0], m, dtype=torch.long, device=h.device)
-    probs = torch.empty(h.shape[0], m, dtype=torch.float32, device=h.device)
-    for s in range(0, h.shape[0], step):
-        z = (F.linear(h[s: s + step], head.weight, head.bias) if head is not None else h[s: s + step]).float()  # (c, V)
-        lp, top = z.log_softmax(-1).topk(m, dim=-1)  # (c, m)
-        ids[s: s + step], probs[s: s + step] = top, lp.exp()
+
+    def top(head, hidden):  # (L, H) hidden states (or (L, V) logits: head None) -> top-m ids and probabilities
+        h = hidden[r, p]
+        v = head.out_features if head is not None else h.shape[-1]
+        m, step = min(M, v), max(1, chunk_elems // v)
+        ids = torch.empty(h.shape[0], m, dtype=torch.long, device=h.device)
+        probs = torch.empty(h.shape[0], m, dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], step):
+            z = (F.linear(h[s: s + step], head.weight, head.bias) if head is not None else h[s: s + step]).float()  # (c, V)
+            lp, ids[s: s + step] = z.log_softmax(-1).topk(m, dim=-1)  # (c, m)
+            probs[s: s + step] = lp.exp()
+        return ids, probs
+
+    ids, probs = head_forward(model, kw, top) if head is not None else top(None, model(**kw).logits)
     return ids, probs
 
 
