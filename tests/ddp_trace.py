@@ -45,6 +45,7 @@ class DDPTrace(Callback):
             os.kill(os.getpid(), signal.SIGKILL)  # as a preemption without grace would: nothing runs after this
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        params = sorted((n, p) for n, p in pl_module.named_parameters() if p.requires_grad)
+        params = sorted(((n, p) for n, p in pl_module.named_parameters() if p.requires_grad), key=lambda x: x[0])
+        whole = [(n, p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in params]  # FSDP: every rank gathers
         self._write(trainer, {"step": trainer.global_step,
-                              "adapter": _digest(n.encode() + p.detach().cpu().numpy().tobytes() for n, p in params)})
+                              "adapter": _digest(n.encode() + p.detach().cpu().numpy().tobytes() for n, p in whole)})

@@ -6,8 +6,9 @@ and nothing failed). Now every stream is derived from (seed, rank, epoch) (``cop
 the same 2-process job straight through and killed with SIGKILL at the start of epoch 2 (after the epoch-1
 checkpoint), then resumed; per rank and epoch the tasks and sampled tokens must equal the straight run's, the
 two ranks must differ, both ranks hold the same adapter after every step, and the final adapter is the straight
-run's, bit for bit. With GRPO, and with CoPE under micro-batching with shared prefixes (its separate steps and the
-GRPO groups, ``data.share_prefix``)."""
+run's, bit for bit. With GRPO, with CoPE under micro-batching with shared prefixes (its separate steps and the
+GRPO groups, ``data.share_prefix``), and with GRPO under ``trainer=fsdp`` writing sharded (torch distributed)
+checkpoints."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,9 @@ LEARNS = ["model.warm_start_steps=150", "env.sizes=[5]", "env.min_distance=1"]
 CASES = {"grpo": ["algo=grpo", *LEARNS],
          # both shared-prefix paths (the separate forecast steps' rows; data.share_prefix's packed groups) micro-batched
          "cope_microbatched": ["algo=cope", "cope.gate=all", "module.max_tokens_per_microbatch=300", "data.share_prefix=true",
-                               *LEARNS]}
+                               *LEARNS],
+         # sharded training, its checkpoint a torch distributed checkpoint folder (each rank's shards)
+         "fsdp_distributed_checkpoint": ["algo=grpo", "trainer=fsdp", "trainer.strategy.distributed_checkpoint=true", *LEARNS]}
 
 
 def _read(out: Path, rank: int) -> tuple[dict[int, dict], dict[int, str]]:
@@ -53,12 +56,14 @@ def _run(train_script, tmp_path, run_dir: Path, out: Path, extra: list[str], kil
 def test_resumed_ddp_ranks_collect_what_the_straight_run_collected(train_script, tmp_path, case):
     from safetensors.torch import load_file
 
+    from cope.run.checkpoint_io import read_checkpoint
+
     extra = CASES[case]
     straight = _run(train_script, tmp_path, tmp_path / "straight", tmp_path / "trace_straight", extra)
     assert straight.returncode == 0, straight.stderr[-4000:]
     killed = _run(train_script, tmp_path, tmp_path / "cut", tmp_path / "trace_cut", extra, kill=KILL_AT)
-    assert killed.returncode != 0 and (tmp_path / "cut/checkpoints/last.ckpt").is_file(), killed.stderr[-4000:]
-    assert torch.load(tmp_path / "cut/checkpoints/last.ckpt", weights_only=False)["epoch"] == KILL_AT - 1
+    assert killed.returncode != 0 and (tmp_path / "cut/checkpoints/last.ckpt").exists(), killed.stderr[-4000:]
+    assert read_checkpoint(tmp_path / "cut/checkpoints/last.ckpt")["epoch"] == KILL_AT - 1  # a file, or a sharded folder
     resumed = _run(train_script, tmp_path, tmp_path / "cut", tmp_path / "trace_resumed", extra, resume=True)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
 

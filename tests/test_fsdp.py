@@ -54,7 +54,8 @@ class FSDPTrace(Callback):
 
         self._write(trainer, {"epoch": trainer.current_epoch, "tokens": [list(e.tokens) for e in train_record(trainer).episodes]})
         if trainer.current_epoch == self.keep_at and trainer.is_global_zero:  # the previous epoch's checkpoint
-            shutil.copy(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt", self.out / "kept.ckpt")
+            last = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"  # a file, or a sharded folder
+            (shutil.copytree if last.is_dir() else shutil.copy)(last, self.out / "kept.ckpt")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from cope.train.sharding import parameter_counts
@@ -250,6 +251,38 @@ def test_fsdp_resumes_at_another_world_size(lora_pair, train_script, read_metric
     assert len(cols["loss/total"]) >= 1 and min(cols["train/grad_norm"]) > 0
     before = ckpt["RolloutDataModule"]["counters"]["episodes"]  # both ranks' two epochs
     assert cols["counters/episodes"][-1] == before + before / 4, (cols["counters/episodes"], before)  # + one rank's one
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+def test_fsdp_distributed_checkpoint_resumes_exactly_at_any_world_size(lora_pair, train_script, read_metrics, tmp_path):
+    """trainer.strategy.distributed_checkpoint=true: last.ckpt is a torch distributed checkpoint folder (each rank's
+    shards, meta.pt written last, no leftovers). The run equals the single-file run bit for bit; its checkpoint after
+    epoch 2 holds the same tensors as the single-file one; resumed by 2 processes it equals the straight run, and it
+    resumes in one process (resharded on load); eval's reader gets the same tensors in one process, no process group."""
+    from cope.train.sharded_checkpoint import is_sharded_checkpoint, load_trained_tensors
+
+    dcp = [*LORA, "trainer.strategy.distributed_checkpoint=true"]
+    run_dir, rows, adapter, _ = _run(train_script, tmp_path, "dcp", "fsdp", [*dcp, "+callbacks.fsdp_trace.keep_checkpoint_at_epoch=2"])
+    straight_adapter = lora_pair["fsdp"][2]
+    assert adapter.keys() == straight_adapter.keys() and all(torch.equal(adapter[k], straight_adapter[k]) for k in adapter)
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert is_sharded_checkpoint(last) and len(list(last.glob("*.distcp"))) == 2
+    assert sorted(p.name for p in last.parent.iterdir()) == ["last.ckpt"]  # no .tmp-dcp or .old left
+    kept, file_kept = tmp_path / "dcp_trace" / "kept.ckpt", lora_pair["fsdp"][0].parent / "fsdp_trace" / "kept.ckpt"
+    single = torch.load(file_kept, weights_only=True)["state_dict"]
+    read = load_trained_tensors(kept, {k: v for k, v in single.items()})
+    assert read.keys() == single.keys() and all(torch.equal(read[k], single[k]) for k in single)
+    _, resumed_rows, resumed, _ = _run(train_script, tmp_path, "dcp_resumed", "fsdp", [*dcp, f"ckpt_path={kept}"])
+    for r in range(2):
+        assert [x["tokens"] for x in resumed_rows[r] if "tokens" in x] == [x["tokens"] for x in rows[r] if "tokens" in x][2:]
+    assert all(torch.equal(resumed[k], adapter[k]) for k in adapter)
+    one = tmp_path / "one"
+    proc = train_script([*FAST, *dcp, "trainer=fsdp", "trainer.devices=1", f"hydra.run.dir={one}", f"ckpt_path={kept}"],
+                        tmp_path, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "written by 2 processes on 1" in out, out[-4000:]
+    assert len(read_metrics(one / "csv" / "metrics.csv")["loss/total"]) >= 1
 
 
 @pytest.mark.long

@@ -79,8 +79,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
     """Loads a checkpoint file (``weights_only=True``); any damage becomes one :class:`CheckpointReadError`.
-    ``mmap``: tensors stay in the file until read (a look at keys and shapes costs no tensor data)."""
-    path = Path(path)
+    ``mmap``: tensors stay in the file until read (a look at keys and shapes costs no tensor data). A sharded
+    checkpoint folder gives its metadata and the trained tensors' shapes only (:func:`cope.train.sharded_checkpoint.
+    read_meta`)."""
+    from cope.train import sharded_checkpoint
+
+    path = sharded_checkpoint.complete_path(path)
+    if path.is_dir():  # a sharded checkpoint: its metadata and the trained tensors' shapes, no tensor data
+        check_checkpoint_file(path)
+        return sharded_checkpoint.read_meta(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     check_checkpoint_file(path)
@@ -102,8 +109,15 @@ def check_checkpoint_file(path: str | os.PathLike) -> None:
     """A cheap look at a checkpoint before any model is built: present, non-empty, a torch zip archive.
 
     A full read happens when the fit restores it (:func:`read_checkpoint`, same error type)."""
+    from cope.train.sharded_checkpoint import META, is_sharded_checkpoint
+
     path = Path(path)
     hint = "the file is damaged or incomplete; resume from an earlier checkpoint or start a new run"
+    if path.is_dir():
+        if not is_sharded_checkpoint(path):
+            raise CheckpointReadError(f"checkpoint {path} is a folder without .metadata or {META}: not a complete sharded "
+                                      f"checkpoint (a save was cut short?): {hint}")
+        return
     size = path.stat().st_size
     if size == 0:
         raise CheckpointReadError(f"checkpoint {path} is empty (0 bytes): {hint}")
@@ -119,6 +133,8 @@ def lora_ranks(state_dict: dict[str, Any]) -> set[int]:
 def optimizer_keying(ckpt: dict) -> str | None:
     """How a checkpoint keys its optimizer state: ``"parameter name"`` (``trainer=fsdp``), ``"index"`` (Lightning's
     default: DDP, one process), or None (no optimizer state)."""
+    if ckpt.get("sharded"):  # a torch distributed checkpoint (cope.train.sharded_checkpoint): always by name
+        return "parameter name"
     keys = {type(k) for s in ckpt.get("optimizer_states") or [] for k in (s.get("state") or {})}
     return None if not keys else "parameter name" if str in keys else "index"
 

@@ -229,7 +229,13 @@ def _load_checkpoint_adapter(policy, path: str) -> None:
     ``model.finetune=full``) into ``policy.model``."""
     import torch
 
-    sd = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    from cope.train import sharded_checkpoint
+
+    if sharded_checkpoint.complete_path(path).is_dir():  # trainer.strategy.distributed_checkpoint=true: read its shards
+        trained = {f"model.{k}": p.detach() for k, p in policy.model.named_parameters() if p.requires_grad}
+        sd = sharded_checkpoint.load_trained_tensors(path, trained)
+    else:
+        sd = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
     weights = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
     missing = [k for k, p in policy.model.named_parameters() if p.requires_grad and k not in weights]
     if missing:

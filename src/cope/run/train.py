@@ -73,7 +73,9 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> str | None
     The file is checked for damage here, before any model is built."""
     if ckpt_path is None:
         return None
-    last = checkpoint_dir / LAST
+    from cope.train.sharded_checkpoint import complete_path
+
+    last = complete_path(checkpoint_dir / LAST)  # a sharded save killed between its two renames left <last>.old
     if ckpt_path in ("last", "auto"):
         if not last.exists():
             if ckpt_path == "auto":
@@ -84,9 +86,9 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> str | None
                                     "or drop ckpt_path to start a new run)")
         path = last
     else:
-        path = Path(ckpt_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file")
+        path = complete_path(ckpt_path)
+        if not path.exists():
+            raise FileNotFoundError(f"ckpt_path={ckpt_path!r}: no such checkpoint file (or sharded checkpoint folder)")
     check_checkpoint_file(path)
     return str(path)
 

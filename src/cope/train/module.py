@@ -363,7 +363,8 @@ class AgentRLModule(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
-        missing = trainable - set(checkpoint["state_dict"])
+        # (a sharded checkpoint's tensors were loaded by the strategy, which asked for every trained one)
+        missing = trainable - set(checkpoint["state_dict"]) if "state_dict" in checkpoint else set()
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}: another LoRA "
                            "config, or written with another model.finetune?")

@@ -111,15 +111,20 @@ class FSDPStrategy(ModelParallelStrategy):
             ``none``.
         sync_every_microbatch: reduce-scatter gradients after every micro-batch (less memory: no unsharded gradient
             accumulates) instead of once per optimizer step, at the last micro-batch (fewer collectives).
+        distributed_checkpoint: write checkpoints as torch distributed checkpoints, each rank its own shards
+            (:mod:`cope.train.sharded_checkpoint`: nothing gathered; for full fine-tuning of large models) instead of
+            one file gathered on rank zero. Either kind resumes, at any world size.
         **kwargs: the parent's (``timeout``, ``process_group_backend``).
     """
 
-    def __init__(self, mixed_precision: str = "auto", sync_every_microbatch: bool = False, **kwargs: Any):
+    def __init__(self, mixed_precision: str = "auto", sync_every_microbatch: bool = False,
+                 distributed_checkpoint: bool = False, **kwargs: Any):
         if mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"trainer.strategy.mixed_precision must be one of {MIXED_PRECISION}, got {mixed_precision!r}")
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs)
         self.mixed_precision = mixed_precision
         self.sync_every_microbatch = bool(sync_every_microbatch)
+        self.distributed_checkpoint = bool(distributed_checkpoint)
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes  # every rank shards; the mesh's other axis is 1
@@ -145,25 +150,42 @@ class FSDPStrategy(ModelParallelStrategy):
                 m.set_requires_gradient_sync(True)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The trainable tensors, whole, on rank zero (empty elsewhere); the frozen base is never gathered."""
+        """The trainable tensors, whole, on rank zero (empty elsewhere); with ``distributed_checkpoint`` each rank's
+        shards. The frozen base is never gathered."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        whole = not self.distributed_checkpoint
+        opts = StateDictOptions(full_state_dict=whole, cpu_offload=whole, ignore_frozen_params=True)
         return get_model_state_dict(self.model, options=opts)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer state, whole and keyed by parameter name, on rank zero (empty elsewhere)."""
+        """The optimizer state keyed by parameter name: whole on rank zero (empty elsewhere), or with
+        ``distributed_checkpoint`` each rank's shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, optimizer, options=opts)
+        whole = not self.distributed_checkpoint
+        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(full_state_dict=whole, cpu_offload=whole))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        """One file through the trainer's (atomic) ``CheckpointIO``, or with ``distributed_checkpoint`` a sharded folder
+        (:func:`cope.train.sharded_checkpoint.save`: atomic too, every rank writing)."""
+        if not self.distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        from cope.train import sharded_checkpoint
+
+        sharded_checkpoint.save(self, checkpoint, self.broadcast(filepath))
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Reads the checkpoint file on every rank and loads this rank's shards of its trainable tensors and optimizer
-        state. The returned checkpoint keeps its ``state_dict`` (the module's ``on_load_checkpoint`` checks it)."""
+        """Reads the checkpoint on every rank and loads this rank's shards of its trainable tensors and optimizer state:
+        from one file (the returned checkpoint keeps its ``state_dict``: the module's ``on_load_checkpoint`` checks
+        it), or from a sharded folder (:func:`cope.train.sharded_checkpoint.load`), whichever the path holds."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
+        from cope.train import sharded_checkpoint
+
         path = self.broadcast(checkpoint_path)
+        if sharded_checkpoint.complete_path(path).is_dir():
+            return sharded_checkpoint.load(path, self.model, self.optimizers)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         if optimizer_keying(checkpoint) == "index":  # train.py refuses this before the build; a direct Trainer user here
             raise ValueError(f"ckpt_path={path}: written under trainer=ddp (its optimizer state is keyed by index); "
