@@ -258,12 +258,13 @@ def test_fsdp_resumes_at_another_world_size(lora_pair, train_script, read_metric
 def test_fsdp_distributed_checkpoint_resumes_exactly_at_any_world_size(lora_pair, train_script, read_metrics, tmp_path):
     """trainer.strategy.distributed_checkpoint=true: last.ckpt is a torch distributed checkpoint folder (each rank's
     shards, meta.pt written last, no leftovers). The run equals the single-file run bit for bit; its checkpoint after
-    epoch 2 holds the same tensors as the single-file one; resumed by 2 processes it equals the straight run, and it
-    resumes in one process (resharded on load); eval's reader gets the same tensors in one process, no process group."""
+    epoch 2 holds the same tensors as the single-file one (eval's reader: one process, no process group); it resumes in
+    one process (resharded on load). A 2-process resume equal to the straight run, after a SIGKILL:
+    tests/test_ddp_resume.py."""
     from cope.train.sharded_checkpoint import is_sharded_checkpoint, load_trained_tensors
 
     dcp = [*LORA, "trainer.strategy.distributed_checkpoint=true"]
-    run_dir, rows, adapter, _ = _run(train_script, tmp_path, "dcp", "fsdp", [*dcp, "+callbacks.fsdp_trace.keep_checkpoint_at_epoch=2"])
+    run_dir, _, adapter, _ = _run(train_script, tmp_path, "dcp", "fsdp", [*dcp, "+callbacks.fsdp_trace.keep_checkpoint_at_epoch=2"])
     straight_adapter = lora_pair["fsdp"][2]
     assert adapter.keys() == straight_adapter.keys() and all(torch.equal(adapter[k], straight_adapter[k]) for k in adapter)
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -273,10 +274,6 @@ def test_fsdp_distributed_checkpoint_resumes_exactly_at_any_world_size(lora_pair
     single = torch.load(file_kept, weights_only=True)["state_dict"]
     read = load_trained_tensors(kept, {k: v for k, v in single.items()})
     assert read.keys() == single.keys() and all(torch.equal(read[k], single[k]) for k in single)
-    _, resumed_rows, resumed, _ = _run(train_script, tmp_path, "dcp_resumed", "fsdp", [*dcp, f"ckpt_path={kept}"])
-    for r in range(2):
-        assert [x["tokens"] for x in resumed_rows[r] if "tokens" in x] == [x["tokens"] for x in rows[r] if "tokens" in x][2:]
-    assert all(torch.equal(resumed[k], adapter[k]) for k in adapter)
     one = tmp_path / "one"
     proc = train_script([*FAST, *dcp, "trainer=fsdp", "trainer.devices=1", f"hydra.run.dir={one}", f"ckpt_path={kept}"],
                         tmp_path, timeout=300)
