@@ -148,7 +148,7 @@ def load_pretrained(
         raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"model.quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    check_finetune(finetune, quantization, adapter)
+    check_finetune(finetune, quantization, adapter, dtype)
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -194,12 +194,19 @@ def load_pretrained(
     return Policy(model=model, tokenizer=tokenizer, chat=chat, source=str(path), finetune=finetune)
 
 
-def check_finetune(finetune: str, quantization: str | None = None, adapter: str | None = None) -> None:
+def check_finetune(finetune: str, quantization: str | None = None, adapter: str | None = None,
+                   dtype: str = "fp32") -> None:
     """``model.finetune`` with what it cannot take, one message naming the key (also run by the config check)."""
     if finetune not in FINETUNES:
         raise ValueError(f"model.finetune must be one of {FINETUNES}, got {finetune!r}")
     if finetune != "full":
         return
+    if dtype != "fp32":  # AdamW would update the bf16/fp16 weights in place: small updates round away, every step
+        raise ValueError(f"model.finetune=full with model.dtype={dtype}: AdamW would update {dtype} weights in place, "
+                         "and an update under half a rounding step (about 0.4% of a weight in bf16) is lost: at lr 1e-6 "
+                         "most weights never move. Set model.dtype=fp32 (fp32 master weights): under trainer=fsdp the "
+                         "forward still runs in bf16 on GPUs (trainer.strategy.mixed_precision=auto); under DDP set "
+                         "trainer.precision=bf16-mixed")
     if quantization is not None:
         raise ValueError(f"model.finetune=full with model.quantization={quantization}: quantized weights cannot be "
                          "trained; set model.quantization=null (full fine-tuning trains the bf16 weights) or "

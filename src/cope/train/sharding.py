@@ -16,8 +16,10 @@ adapter would need its own all-reduce, and the frozen weights around it would st
 are sharded with them. Their share of each collective is the adapter's size, small next to the frozen
 weights', and it is the layout full fine-tuning needs.
 
-**Full fine-tuning** (``model.finetune=full``): every parameter, its gradient and both AdamW moments are sharded
-(1/world of each per rank). The KL reference is a frozen copy of the starting weights
+**Full fine-tuning** (``model.finetune=full``, fp32 master weights: the config check refuses bf16 weights, whose small
+updates round away): every parameter, its gradient and both AdamW moments are sharded (1/world of each per rank),
+and under bf16 mixed precision the forward gathers bf16 copies. The KL reference is a frozen copy of the starting
+weights (stored in bf16 under bf16 mixed precision: it only ever computes in bf16)
 (:meth:`cope.models.policy.Policy.freeze_reference`), sharded in groups of its own; the scoring pass gathers the
 policy for the old log-probs, then shards it and gathers the reference for the reference log-probs
 (:class:`SwappedWeights`), so one whole model is held at a time. Under LoRA the reference is the same sharded model
@@ -216,7 +218,10 @@ def configure_sharding(module) -> WholeWeights | None:
     if not isinstance(policy.full_weights, WholeWeights):
         policy.full_weights = WholeWeights(module.model)
     if policy.reference_model is not None and not isinstance(policy.reference_weights, SwappedWeights):
-        shard_policy(policy.reference_model, mesh, strategy.mp_policy())  # full fine-tuning's frozen reference
+        mp = strategy.mp_policy()
+        if mp is not None:  # it only ever computes in bf16 (never trained): its shards are stored so, 2 B per weight
+            policy.reference_model.to(mp.param_dtype)
+        shard_policy(policy.reference_model, mesh, mp)  # full fine-tuning's frozen reference
         policy.reference_weights = SwappedWeights(policy.full_weights, WholeWeights(policy.reference_model))
     return policy.full_weights
 
