@@ -1,45 +1,49 @@
-"""GPU check of sharded training (``trainer=fsdp``): full fine-tuning at Qwen2.5-7B's shape, LoRA at 14B's and 32B's.
+"""GPU check of sharded training (``trainer=fsdp``): full fine-tuning at Qwen2.5-7B's width, LoRA at 14B's and 32B's.
 
 Each phase builds a randomly initialised Qwen2ForCausalLM of a real shape (no weights or tokenizer, no download) with
-the 7B preset's dtype (bf16), gradient checkpointing and sdpa (``conf/model/qwen2.5-7b.yaml``), shards it as
-``trainer=fsdp`` does (:func:`cope.train.sharding.shard_policy`, ``FSDPStrategy(mixed_precision="bf16").mp_policy()``:
-bf16 compute, fp32 gradient reduction) on a one-process group (nccl; gloo on CPU) with a 1-device mesh (world ``W`` =
-1), and runs what the trainer runs per batch on a synthetic one: the scoring pass on the gathered weights
-(:attr:`Policy.full_weights`: old log-probs, then :meth:`Policy.reference`'s), then a sharded AdamW step through
-``cope.train.logprobs.causal_lm_logprobs``: an advantage-weighted log-likelihood plus ``cope.algos.grpo.kl_k3`` to the
-reference's log-probs (weight 0.001, the authors'), backward, the config's gradient clip, ``AdamW.step``. One warm-up
-step, then ``--steps`` timed ones.
+gradient checkpointing and sdpa (``conf/model/qwen2.5-7b.yaml``) and shards it with the trainer's own code:
+:func:`cope.train.sharding.configure_sharding` on a stand-in for the LightningModule (:func:`shard`), under
+``FSDPStrategy(mixed_precision="bf16")`` (bf16 compute, fp32 gradient reduction: what ``auto`` gives on CUDA; forced
+here so that the CPU smoke runs it too) on a one-process group (nccl; gloo on CPU) with the 1 x 1 ("data_parallel",
+"tensor_parallel") mesh Lightning's ``ModelParallelStrategy`` makes at world ``W`` = 1. Then what the trainer runs per
+batch on a synthetic one: the scoring pass on the gathered weights (:attr:`Policy.full_weights`: old log-probs, then
+:meth:`Policy.reference`'s), then a sharded AdamW step through ``cope.train.logprobs.causal_lm_logprobs``: an
+advantage-weighted log-likelihood plus ``cope.algos.grpo.kl_k3`` to the reference's log-probs (weight 0.001, the
+authors'), backward, the config's gradient clip, ``AdamW.step``. One warm-up step, then ``--steps`` timed ones.
 
-* ``full7b``: ``model.finetune=full`` at Qwen2.5-7B's shape (:data:`bench.gpu_check.QWEN25_7B`), built on the GPU;
-  the KL reference is :meth:`Policy.freeze_reference`'s frozen copy, sharded in its own groups and swapped in by
-  :class:`cope.train.sharding.SwappedWeights`; lr 1e-6 (``conf/experiment/cope_authors_alfworld.yaml``). **bf16
-  parameters**, as ``load_pretrained`` gives them with ``model.dtype=bf16`` (full fine-tuning trains those tensors), so
-  gradients and AdamW moments are bf16 too: 10 B per parameter (weights 2, reference 2, gradients 2, moments 4), 76 GB
-  at 7.6B: it fits one 139 GiB H200 with room for a step. fp32 master weights (bf16 compute through the
-  mixed-precision policy; ``freeze_reference`` deep-copies, so an fp32 reference) would need 20 B per parameter, 152
-  GB (18 B, 137 GB, with a bf16 reference): more than one H200 before any activation, so ``W`` >= 2. bf16 weights
-  also round small updates away (at lr 1e-6 an AdamW step is below half a bf16 ulp of any weight above ~5e-4):
-  ``updated_fraction`` is the share of the weights the steps changed.
-* ``lora14b``, ``lora32b``: LoRA (``conf/model/qwen2.5-7b.yaml``'s: r=32, alpha 64, the seven projections) at
-  Qwen2.5-14B's and -32B's shapes (:data:`QWEN25_14B`, :data:`QWEN25_32B`), lr from ``conf/config.yaml``; built on the
-  meta device, sharded, then materialized on the GPU (``to_empty``) at random (weights N(0, 0.02), norms 1, biases
-  and ``lora_B`` 0, rotary tables recomputed). peft keeps the adapter fp32 over the bf16 base; the reference is the
-  adapter switched off.
+* ``full7b``: ``model.finetune=full`` as ``experiment=cope_authors_alfworld`` sets it: fp32 master weights (its
+  ``model.dtype``, which :func:`cope.models.policy.check_finetune` accepts), lr 1e-6, at Qwen2.5-7B's width (hidden,
+  intermediate, heads, vocab: :data:`bench.gpu_check.QWEN25_7B`) with 14 of its 28 decoder layers (:data:`PHASES`).
+  Built in bf16 on the GPU, then cast to fp32: the hub's Qwen2.5 weights are bf16, so ``load_pretrained``'s fp32
+  masters start bf16-exact too, and the bf16 reference equals them bit for bit (``updated_fraction`` counts the
+  masters that differ from it). ``configure_sharding`` casts the frozen reference (:meth:`Policy.freeze_reference`'s
+  copy) to the policy's bf16 compute dtype and shards it in groups of its own; :class:`SwappedWeights` swaps it in for
+  scoring. Why 14 layers: the step state is 18 B per parameter (fp32 weights 4, bf16 reference 2, fp32 gradients 4,
+  AdamW moments 8; docs/sharding.md), 127.7 GiB for the whole 7.6B model at ``W`` = 1, and a step adds AdamW's
+  temporary (torch's multi-tensor AdamW holds sqrt(v) for every trained tensor at once: 4 B per parameter) and the
+  activations: more than one 139 GiB H200. At 14 layers (4.35B parameters) :func:`predicted` gives 101 GiB for a
+  step. The whole 28-layer model's arithmetic per GPU at ``W`` = 1, 2, 4, 8 is printed beside it.
+* ``lora14b``, ``lora32b``: LoRA (``conf/model/qwen2.5-7b.yaml``'s: r=32, alpha 64, the seven projections, bf16 base)
+  at Qwen2.5-14B's and -32B's shapes (:data:`QWEN25_14B`, :data:`QWEN25_32B`), lr from ``conf/config.yaml``; built on
+  the meta device, sharded, then materialized on the GPU (``to_empty``) at random (weights N(0, 0.02), norms 1,
+  biases and ``lora_B`` 0, rotary tables recomputed). peft keeps the adapter fp32; the reference is the adapter off.
 
-Reported per phase: ``P`` and trained ``T``; the bytes the rank holds after a step, counted as bench/fsdp_memory.py
-counts them (local shards of the policy's and the reference's parameters, gradients, AdamW moments), against
-docs/sharding.md's formula at ``W`` = 1 (:func:`formula`); peak ``torch.cuda.max_memory_allocated`` over each step
-(sharded) and each scoring pass (a whole gathered model on top of the shards, as rollouts hold it); step and scoring
-seconds, tokens/s; the KL of the policy's scored log-probs to the reference's before the first update (0) and after
-each; ``updated_fraction``; and the formula per GPU at ``W`` = 1, 2, 4, 8 (arithmetic). A table, then one JSON line,
-written to ``$OUT/gpu_fsdp_check.json`` (or ``--json``) after every phase. A failed phase is recorded with its error,
-the others still run, the exit status is 1. ``--max-seconds`` stops timing more steps past it (one timed step at
-least) and starts no phase after it.
+Reported per phase: ``P`` and trained ``T``; the layers built of the shape's; the bytes the rank holds after a step,
+counted as bench/fsdp_memory.py counts them (local shards of the policy's and the reference's parameters, gradients,
+AdamW moments), against docs/sharding.md's formula at ``W`` = 1 (:func:`formula`), and each kind's dtypes; the dtype
+the scoring pass computes in (a gathered parameter's); peak ``torch.cuda.max_memory_allocated`` over each step
+(sharded) and each scoring pass (a whole gathered model on top of the shards, as rollouts hold it) beside
+:func:`predicted`'s; step and scoring seconds, tokens/s; the KL of the policy's scored log-probs to the reference's
+before the first update (0) and after each; ``updated_fraction`` (also without the input embeddings); and per GPU
+at ``W`` = 1, 2, 4, 8 the formula for the whole model the phase stands for, plus one whole bf16 model for rollouts
+(arithmetic). A table, then one JSON line, written to ``$OUT/gpu_fsdp_check.json`` (or ``--json``) after every phase.
+A failed phase is recorded with its error, the others still run, the exit status is 1. ``--max-seconds`` stops timing
+more steps past it (one timed step at least) and starts no phase after it.
 
-``--smoke``: the same code on CPU at tiny shapes (2 layers, hidden 64, the same dtypes; lr 1e-3, so that bf16 weights
-move in two steps) in seconds, what tests/test_gpu_fsdp_check.py runs. Runs from a bare checkout (bench/gpu_check.py's
-import finder) without hydra-core or omegaconf, as the GPU image has it. On the device tool (carry nothing), one
-command per phase (docs/sharding.md, "GPU check", has all three; not run on a GPU yet)::
+``--smoke``: the same code and lrs on CPU at tiny shapes (hidden 64; 2 layers, ``full7b`` 1 of 2) in seconds, what
+tests/test_gpu_fsdp_check.py runs. Runs from a bare checkout (bench/gpu_check.py's import finder) without hydra-core
+or omegaconf, as the GPU image has it. On the device tool (carry nothing), one command per phase (docs/sharding.md,
+"GPU check", has all three; not run on a GPU yet)::
 
     run(command="set -o pipefail; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1 python3 "
                 "bench/gpu_fsdp_check.py --phase full7b --max-seconds 240 2>&1 | tee $OUT/gpu_fsdp_check.log", timeout_s=330)
@@ -56,6 +60,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python3 bench/gpu_fsdp_check.py` from a bare checkout: bench.* importable
@@ -69,9 +74,12 @@ QWEN25_14B = {**QWEN25_7B, "hidden_size": 5120, "intermediate_size": 13824, "num
 # Qwen/Qwen2.5-32B's config.json, likewise
 QWEN25_32B = {**QWEN25_14B, "intermediate_size": 27648, "num_hidden_layers": 64, "max_window_layers": 64}
 KL_WEIGHT = 0.001  # the authors' KL coefficient (conf/experiment/cope_authors_alfworld.yaml)
-SMOKE_LR = 1e-3
 TINY = {"vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_window_layers": 2, "bos_token_id": 1002, "eos_token_id": 1001}
+# beyond the counted state, estimates for 16k tokens at 7B's width: a step's activations under gradient checkpointing
+# (one checkpoint per layer, one layer's recompute), the root group's gathered bf16 weights and its gradients (bf16,
+# then fp32 for the reduce: 8 B x 1.09B); a scoring pass's (no gradients; the head in chunks)
+STEP_MARGIN_GIB, SCORE_MARGIN_GIB = 12.0, 2.0
 
 
 @dataclass(frozen=True)
@@ -81,9 +89,11 @@ class Phase:
     meta: bool  # built on the meta device, materialized after sharding
     rows: int = 4
     tokens: int = 4096
+    layers: int | None = None  # decoder layers built, of the shape's num_hidden_layers (None: all)
 
 
-PHASES = {"full7b": Phase(QWEN25_7B, "full", meta=False), "lora14b": Phase(QWEN25_14B, "lora", meta=True),
+PHASES = {"full7b": Phase(QWEN25_7B, "full", meta=False, layers=14),  # 18 B a weight: 28 layers do not fit at W = 1
+          "lora14b": Phase(QWEN25_14B, "lora", meta=True),
           "lora32b": Phase(QWEN25_32B, "lora", meta=True, rows=2)}  # 2 rows: its scoring pass holds ~127 GiB
 
 
@@ -94,21 +104,49 @@ def log(msg: str) -> None:
 _T0 = time.perf_counter()
 
 
-def formula(P: int, T: int, W: int, weight_bytes: int, trained_bytes: int, reference: bool) -> dict[str, float]:
+def shapes(phase: Phase, smoke: bool) -> tuple[dict, dict]:
+    """(the model the phase stands for, the one it builds): the built one has ``phase.layers`` of its decoder layers
+    (the smoke's, the same share of the tiny shape's, at least 1)."""
+    whole = {**phase.shape, **TINY} if smoke else dict(phase.shape)
+    n = whole["num_hidden_layers"]
+    if phase.layers is not None:
+        n = max(1, whole["num_hidden_layers"] * phase.layers // phase.shape["num_hidden_layers"])
+    return whole, {**whole, "num_hidden_layers": n, "max_window_layers": n}
+
+
+def count_params(shape: dict) -> int:
+    """Parameters of a Qwen2ForCausalLM of ``shape``, built on the meta device (no memory)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**shape)).parameters())
+
+
+def formula(P: int, T: int, W: int, frozen_bytes: int, trained_bytes: int, reference_bytes: int) -> dict[str, float]:
     """docs/sharding.md's step state per rank, bytes: the policy's parameters (frozen ones in the model's dtype, trained
-    ones in theirs) / W, the frozen reference / W (full fine-tuning with a KL term), T / W gradients and 2T / W AdamW
-    moments in the trained tensors' dtype."""
-    out = {"params": ((P - T) * weight_bytes + T * trained_bytes) / W, "reference": P * weight_bytes / W if reference else 0,
+    ones in theirs: fp32) / W, the frozen reference / W (full fine-tuning with a KL term: stored in the compute dtype,
+    bf16), T / W gradients and 2T / W AdamW moments in the trained tensors' dtype."""
+    out = {"params": ((P - T) * frozen_bytes + T * trained_bytes) / W, "reference": P * reference_bytes / W,
            "grads": T * trained_bytes / W, "optimizer": 2 * T * trained_bytes / W}
     out["total"] = sum(out.values())
     return out
 
 
+def predicted(state: float, P: int, T: int) -> dict[str, float]:
+    """Peak GiB at W = 1 beyond the counted ``state`` (bytes): a scoring pass holds one whole bf16 model on top of the
+    shards; a step holds AdamW's temporary (sqrt of the second moments, every trained tensor at once: ``T`` x 4 B) and
+    the activations. The margins are estimates (:data:`STEP_MARGIN_GIB`)."""
+    return {"score": round((state + 2 * P) / 2**30 + SCORE_MARGIN_GIB, 1),
+            "step": round((state + 4 * T) / 2**30 + STEP_MARGIN_GIB, 1)}
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _local_bytes(t) -> int:
-    if t is None:
-        return 0
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
+    return 0 if t is None else _local(t).numel() * _local(t).element_size()
 
 
 def held_bytes(policy, opt) -> dict[str, int]:
@@ -122,13 +160,24 @@ def held_bytes(policy, opt) -> dict[str, int]:
     return out
 
 
+def held_dtypes(policy, opt) -> dict[str, list[str]]:
+    """The dtypes of what :func:`held_bytes` counts, each kind's stored shards."""
+    def names(ts) -> list[str]:
+        return sorted({str(_local(t).dtype).removeprefix("torch.") for t in ts if t is not None})
+
+    ref = policy.reference_model
+    return {"params": names(policy.model.parameters()), "reference": names(ref.parameters()) if ref is not None else [],
+            "grads": names(p.grad for p in policy.trainable_parameters()),
+            "optimizer": names(v for s in opt.state.values() for k, v in s.items() if k != "step")}
+
+
 def init_random(model, std: float) -> None:
     """Random weights for a model materialized by ``to_empty`` (each local shard on its own), rotary tables rebuilt."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            t = p.to_local() if hasattr(p, "to_local") else p
+            t = _local(p)
             if "lora_B" in name or name.endswith("bias"):
                 t.zero_()
             elif "norm" in name:
@@ -141,18 +190,31 @@ def init_random(model, std: float) -> None:
                     getattr(m, n).copy_(b)
 
 
-def build(phase: Phase, shape: dict, settings: dict, device, mesh):
-    """The policy of ``phase``, sharded as ``cope.train.sharding.configure_sharding`` shards it."""
+def shard(policy, strategy) -> None:
+    """:func:`cope.train.sharding.configure_sharding` itself, on a stand-in for the LightningModule (the attributes it
+    reads): the policy sharded, its ``full_weights`` set; full fine-tuning's reference cast to the mixed-precision
+    policy's param dtype, sharded in its own groups and swapped in by its ``reference_weights``."""
+    from cope.train.sharding import configure_sharding
+
+    module = SimpleNamespace(trainer=SimpleNamespace(strategy=strategy), policy=policy, model=policy.model)
+    if configure_sharding(module) is None:
+        raise RuntimeError("configure_sharding did not shard: the strategy is not cope's FSDPStrategy")
+
+
+def build(phase: Phase, shape: dict, settings: dict, device, strategy):
+    """The policy of ``phase``, sharded by :func:`shard`."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from cope.models.policy import DTYPES, Policy
-    from cope.train.sharding import FSDPStrategy, SwappedWeights, WholeWeights, shard_policy
+    from cope.models.policy import DTYPES, Policy, check_finetune
 
     config = Qwen2Config(**shape)
-    with torch.device("meta" if phase.meta else device):
+    with torch.device("meta" if phase.meta else device):  # bf16, as the hub's weights are; full: cast to fp32 below
         model = Qwen2ForCausalLM._from_config(config, dtype=DTYPES[settings["dtype"]], attn_implementation=settings["attn_implementation"])
+    if phase.finetune == "full":
+        check_finetune("full", dtype=settings["full_dtype"])  # the config check's rule: fp32 master weights
+        model.to(DTYPES[settings["full_dtype"]])  # bf16-exact fp32 masters, as load_pretrained(dtype=fp32) upcasts them
     model.requires_grad_(phase.finetune == "full")
     if settings["gradient_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -161,45 +223,51 @@ def build(phase: Phase, shape: dict, settings: dict, device, mesh):
         model = get_peft_model(model, LoraConfig(**settings["lora"]))
     policy = Policy(model=model, tokenizer=None, chat=None, source="random init", finetune=phase.finetune)
     policy.freeze_reference()  # full fine-tuning: the frozen copy of the starting weights; LoRA: nothing
-    mp = FSDPStrategy(mixed_precision="bf16").mp_policy()
-    counts = shard_policy(policy.model, mesh, mp)
-    policy.full_weights = WholeWeights(policy.model)
-    if policy.reference_model is not None:
-        shard_policy(policy.reference_model, mesh, mp)
-        policy.reference_weights = SwappedWeights(policy.full_weights, WholeWeights(policy.reference_model))
+    shard(policy, strategy)
     if phase.meta:
         policy.model.to_empty(device=device)
         init_random(policy.model, shape.get("initializer_range", 0.02))
-    return policy, counts
+    return policy
 
 
-def updated_fraction(policy) -> float:
-    """Share of the trained elements the steps changed: against the frozen reference (full), from lora_B's zeros (LoRA)."""
+def updated_fraction(policy) -> tuple[float, float]:
+    """Share of the trained elements the steps changed, of all and of all but the input embeddings (whose rows for
+    tokens absent from the batch get no gradient): the fp32 masters against the bf16 reference, which equals the
+    starting masters (bf16-exact; compared in fp32) (full); lora_B against its starting zeros (LoRA)."""
     import torch
 
-    changed = total = 0
+    embed = policy.model.get_input_embeddings().weight
     if policy.reference_model is not None:
         pairs = zip(policy.model.parameters(), policy.reference_model.parameters())
     else:
         pairs = ((p, None) for n, p in policy.model.named_parameters() if "lora_B" in n)
+    changed, total = [0, 0], [0, 0]  # [the input embeddings, the rest]
     for p, r in pairs:
-        a = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
-        b = torch.zeros_like(a) if r is None else (r.to_local() if hasattr(r, "to_local") else r)
-        changed += int((a != b).sum())
-        total += a.numel()
-    return changed / total
+        a = _local(p.detach())
+        b = torch.zeros_like(a) if r is None else _local(r)
+        changed[p is not embed] += int((a != b).sum())
+        total[p is not embed] += a.numel()
+    return sum(changed) / sum(total), changed[1] / total[1]
 
 
-def scored(policy, batch: dict) -> tuple:
+def _dtypes(model) -> list[str]:
+    return sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+
+
+def scored(policy, batch: dict, seen: dict | None = None) -> tuple:
     """The module's scoring pass on the gathered weights: the old log-probs, then the reference's (full fine-tuning:
-    the policy sharded and the frozen copy gathered, :class:`SwappedWeights`; LoRA: the adapter off). (N, T) each."""
+    the policy sharded and the frozen copy gathered, :class:`SwappedWeights`; LoRA: the adapter off). (N, T) each.
+    ``seen`` gets the dtypes of the gathered parameters each forward computes with."""
     import torch
 
     from cope.train.logprobs import causal_lm_logprobs
 
+    seen = {} if seen is None else seen
     with torch.no_grad(), policy.full_weights():
+        seen["policy"] = _dtypes(policy.model)
         old = causal_lm_logprobs(policy.model, batch["ids"], batch["mask"], batch["pos"])[0]
         with policy.reference() as ref:
+            seen["reference"] = _dtypes(ref)
             return old, causal_lm_logprobs(ref, batch["ids"], batch["mask"], batch["pos"])[0]
 
 
@@ -221,40 +289,42 @@ def train_step(policy, opt, batch: dict, ref_lp, clip: float | None) -> float:
     return float(loss.detach())
 
 
-def run_phase(name: str, phase: Phase, args, settings: dict, device, mesh, deadline: float) -> dict:
+def run_phase(name: str, phase: Phase, args, settings: dict, device, strategy, deadline: float) -> dict:
     import torch
 
     from cope.algos.grpo import kl_k3
-    from cope.models.policy import DTYPES
     from cope.train.sharding import parameter_counts
 
-    shape = {**phase.shape, **TINY} if args.smoke else phase.shape
+    whole, shape = shapes(phase, args.smoke)
     rows, tokens = (2, 32) if args.smoke else (phase.rows, phase.tokens)
-    lr = args.lr or (SMOKE_LR if args.smoke else settings["full_lr"] if phase.finetune == "full" else settings["lr"])
+    full = phase.finetune == "full"
+    lr = args.lr or (settings["full_lr"] if full else settings["lr"])
     t0 = time.perf_counter()
-    policy, counts = build(phase, shape, settings, device, mesh)
+    policy = build(phase, shape, settings, device, strategy)
     _sync(device)
-    P, T, ref = counts["full"], sum(p.numel() for p in policy.trainable_parameters()), policy.reference_model
+    counts, ref = parameter_counts(policy.model), policy.reference_model
+    P, T = counts["full"], sum(p.numel() for p in policy.trainable_parameters())
     res: dict = {"finetune": phase.finetune, "shape": {k: v for k, v in shape.items() if k != "rope_parameters"}, "world": 1,
+                 "layers": f"{shape['num_hidden_layers']} of {whole['num_hidden_layers']}",
                  "params": P, "trained": T, "replicated": counts["replicated"], "rows": rows, "tokens_per_row": tokens, "lr": lr,
                  "reference_replicated": parameter_counts(ref)["replicated"] if ref is not None else None,
                  "build_s": round(time.perf_counter() - t0, 2), "build_peak_gib": _gib(device)}
-    if phase.finetune == "lora":
+    if not full:
         res["trained_expected"] = gpu_check.expected_lora_params(shape, int(settings["lora"]["r"]))
-    log(f"{name}: {P / 1e9:.3f}B params, {T / 1e6:.1f}M trained, built in {res['build_s']}s")
+    log(f"{name}: {P / 1e9:.3f}B params ({res['layers']} layers), {T / 1e6:.1f}M trained, built in {res['build_s']}s")
     ids = torch.randint(0, shape["vocab_size"], (rows, tokens), generator=torch.Generator().manual_seed(0)).to(device)  # (N, T)
     act = torch.arange(tokens, device=device).expand(rows, -1) >= tokens // 4  # (N, T): the scored ("action") tokens
     batch = {"ids": ids, "mask": torch.ones_like(ids), "pos": torch.arange(tokens, device=device).expand(rows, -1), "act": act,
              "adv": (torch.arange(rows, device=device) % 2 * 2 - 1).float()}  # adv (N,): +-1
     opt = torch.optim.AdamW(policy.trainable_parameters(), lr=lr, weight_decay=settings["weight_decay"])
-    times, score_times, step_peaks, score_peaks, kls, losses = [], [], [], [], [], []
+    times, score_times, step_peaks, score_peaks, kls, losses, compute = [], [], [], [], [], [], {}
     for i in range(1 + args.steps):
         if i > 1 and time.perf_counter() + times[-1] + score_times[-1] > deadline:
             log(f"{name}: stopping after {len(times)} timed step(s) (--max-seconds)")
             break
         _reset(device)
         t0 = time.perf_counter()
-        old, ref_lp = scored(policy, batch)
+        old, ref_lp = scored(policy, batch, compute)
         _sync(device)
         score_s, score_peak = time.perf_counter() - t0, _gib(device)
         kls.append(float(kl_k3(old, ref_lp, act)[0]))  # the policy's scored log-probs against the reference's
@@ -271,19 +341,24 @@ def run_phase(name: str, phase: Phase, args, settings: dict, device, mesh, deadl
             step_peaks.append(_gib(device))
             score_peaks.append(score_peak)
     kls.append(float(kl_k3(*scored(policy, batch), act)[0]))  # after the last update
-    wbytes = DTYPES[settings["dtype"]].itemsize  # the preset's dtype (bf16: 2), declared, not read off the tensors
-    tbytes = wbytes if phase.finetune == "full" else 4  # full: the bf16 weights themselves; LoRA: peft's fp32 adapter
-    held = held_bytes(policy, opt)
-    want = formula(P, T, 1, wbytes, tbytes, reference=ref is not None)
+    # bytes a weight, declared (the presets' dtypes), not read off the tensors: frozen base bf16; trained fp32 (full
+    # fine-tuning's masters, peft's adapter); the full reference in the bf16 compute dtype
+    frozen_b, trained_b, ref_b = 2, 4, 2 if full else 0
+    held, want = held_bytes(policy, opt), formula(P, T, 1, frozen_b, trained_b, ref_b)
+    P_whole = P if whole == shape else count_params(whole)  # the model the phase stands for (full7b: all 28 layers)
+    T_whole = P_whole if full else T
     step_s = sum(times) / len(times)
+    res["updated_fraction"], res["updated_fraction_except_embeddings"] = updated_fraction(policy)
     res.update(step_s_all=[round(t, 3) for t in times], step_s=round(step_s, 3), score_s=round(sum(score_times) / len(score_times), 3),
                tokens_per_s=round(rows * tokens / step_s, 1), loss=losses, finite=all(abs(x) < float("inf") for x in losses),
-               kl_scored=kls, updated_fraction=updated_fraction(policy), held=held, formula={k: int(v) for k, v in want.items()},
-               held_equals_formula=all(held[k] == want[k] for k in held),
-               whole_model_bytes=P * wbytes,  # one gathered copy (rollouts, scoring): bf16 compute
+               kl_scored=kls, held=held, dtypes=held_dtypes(policy, opt),
+               compute_dtypes=compute, formula={k: int(v) for k, v in want.items()},
+               held_equals_formula=all(held[k] == want[k] for k in held), predicted_gib=predicted(want["total"], P, T),
                peak_step_gib=max(step_peaks) if device.type == "cuda" else None,
                peak_score_gib=max(score_peaks) if device.type == "cuda" else None,
-               per_gpu_arithmetic={w: int(formula(P, T, w, wbytes, tbytes, ref is not None)["total"]) for w in (1, 2, 4, 8)})
+               per_gpu_arithmetic={"params": P_whole, "layers": whole["num_hidden_layers"], "whole_bf16_model": 2 * P_whole,
+                                   "step_state": {w: int(formula(P_whole, T_whole, w, frozen_b, trained_b, ref_b)["total"])
+                                                  for w in (1, 2, 4, 8)}})
     if device.type == "cuda":  # what the step and the scoring pass hold beyond the counted state
         res["step_over_state_gib"] = round(res["peak_step_gib"] - held["total"] / 2**30, 2)
         res["score_over_state_gib"] = round(res["peak_score_gib"] - held["total"] / 2**30, 2)
@@ -315,25 +390,30 @@ def table(summary: dict) -> str:
     def f(x, spec="{:.2f}"):
         return "-" if x is None else spec.format(x)
 
-    lines = ["| phase | P (B) | trained (M) | step s | tokens/s | score s | state GiB | formula GiB | peak step GiB | "
-             "peak score GiB | KL before / after | updated |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| phase | layers | P (B) | trained (M) | step s | tokens/s | score s | state GiB | formula GiB | peak step GiB "
+             "(predicted) | peak score GiB (predicted) | KL before / after | updated (except embeddings) |",
+             "|---" * 13 + "|"]
     arith = []
     for name in PHASES:
         r = summary.get(name)
         if r is None:
             continue
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1][:120]} |" + " |" * 10)
+            lines.append(f"| {name} | failed: {r['error'].splitlines()[-1][:120]} |" + " |" * 11)
             continue
-        lines.append(f"| {name} | {r['params'] / 1e9:.3f} | {r['trained'] / 1e6:.1f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['score_s']:.3f} | {r['held']['total'] / 2**30:.3f} | {r['formula']['total'] / 2**30:.3f} | "
-                     f"{f(r['peak_step_gib'])} | {f(r['peak_score_gib'])} | {r['kl_scored'][0]:.2g} / {r['kl_scored'][-1]:.2g} | "
-                     f"{r['updated_fraction']:.3g} |")
-        arith.append(f"| {name} | " + " | ".join(f"{b / 2**30:.1f}" for b in r["per_gpu_arithmetic"].values())
-                     + f" | {r['whole_model_bytes'] / 2**30:.1f} |")
-    return "\n".join(lines + ["", "Per GPU by docs/sharding.md's formula: arithmetic, not measured (step state GiB at W ranks; "
-                              "plus activations and one gathered layer; rollouts and scoring add one whole bf16 model and the KV cache):",
-                              "| phase | W=1 | W=2 | W=4 | W=8 | whole model |", "|---|---|---|---|---|---|"] + arith)
+        pred = r["predicted_gib"]
+        lines.append(f"| {name} | {r['layers']} | {r['params'] / 1e9:.3f} | {r['trained'] / 1e6:.1f} | {r['step_s']:.3f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['score_s']:.3f} | {r['held']['total'] / 2**30:.3f} | "
+                     f"{r['formula']['total'] / 2**30:.3f} | {f(r['peak_step_gib'])} ({pred['step']}) | "
+                     f"{f(r['peak_score_gib'])} ({pred['score']}) | {r['kl_scored'][0]:.2g} / {r['kl_scored'][-1]:.2g} | "
+                     f"{r['updated_fraction']:.3g} ({r['updated_fraction_except_embeddings']:.3g}) |")
+        a = r["per_gpu_arithmetic"]
+        arith.append(f"| {name} | {a['layers']} | {a['params'] / 1e9:.3f} | " + " | ".join(
+            f"{s / 2**30:.1f} ({(s + a['whole_bf16_model']) / 2**30:.1f})" for s in a["step_state"].values()) + " |")
+    return "\n".join(lines + ["", "Per GPU for the whole model each phase stands for, by docs/sharding.md's formula: arithmetic, "
+                              "not measured. Step state GiB at W ranks (with one whole bf16 model gathered for rollouts and "
+                              "scoring); activations, AdamW's temporary and the KV cache come on top:",
+                              "| phase | layers | P (B) | W=1 | W=2 | W=4 | W=8 |", "|---" * 7 + "|"] + arith)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -341,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phase", nargs="+", choices=sorted(PHASES), required=True, help="one or more phases, in order")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, seconds (the test's run)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per phase, after one warm-up")
-    ap.add_argument("--lr", type=float, help="AdamW lr for every phase (default: the configs'; smoke 1e-3)")
+    ap.add_argument("--lr", type=float, help="AdamW lr for every phase (default: the configs': full 1e-6, LoRA 1e-3)")
     ap.add_argument("--max-seconds", type=float, default=420.0, help="stop timing more steps past this (after one timed step)")
     ap.add_argument("--json", type=Path, help="write the JSON here (default $OUT/gpu_fsdp_check.json when OUT is set)")
     args = ap.parse_args(argv)
@@ -370,29 +450,33 @@ def main(argv: list[str] | None = None) -> int:
     settings = gpu_check.project_settings()
     authors = yaml.safe_load((REPO / "conf/experiment/cope_authors_alfworld.yaml").read_text())
     settings["full_lr"] = float(authors["module"]["optimizer"]["lr"])
+    settings["full_dtype"] = authors["model"]["dtype"]
     import peft
     import transformers
 
     import cope
+    from cope.train.sharding import FSDPStrategy
 
     cuda = device.type == "cuda"
     summary: dict = {"smoke": args.smoke, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
                      "device_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1) if cuda else None,
                      "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
                      "cope_path": str(Path(cope.__file__).resolve().parent), "phases": args.phase, "kl_weight": KL_WEIGHT,
-                     "settings": settings}
+                     "mixed_precision": "bf16", "settings": settings}
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
                                 **({"device_id": device} if cuda else {}))
         try:
-            mesh = init_device_mesh(device.type, (1,))
+            strategy = FSDPStrategy(mixed_precision="bf16")  # = "auto" on CUDA; forced so that the CPU smoke runs it too
+            # the mesh ModelParallelStrategy.setup_environment makes (lightning's _setup_device_mesh) at W = 1
+            strategy._device_mesh = init_device_mesh(device.type, (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
             for name in args.phase:
                 log(f"{name}: start")
                 try:
                     if time.perf_counter() > deadline:
                         raise TimeoutError("not started: --max-seconds had passed")
-                    summary[name] = run_phase(name, PHASES[name], args, settings, device, mesh, deadline)
+                    summary[name] = run_phase(name, PHASES[name], args, settings, device, strategy, deadline)
                 except Exception as e:  # noqa: BLE001 - a failed phase is reported, the others still run
                     failed = True
                     summary[name] = {"error": "".join(traceback.format_exception_only(type(e), e)).strip()}
