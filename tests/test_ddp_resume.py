@@ -7,8 +7,8 @@ the same 2-process job straight through and killed with SIGKILL at the start of 
 checkpoint), then resumed; per rank and epoch the tasks and sampled tokens must equal the straight run's, the
 two ranks must differ, both ranks hold the same adapter after every step, and the final adapter is the straight
 run's, bit for bit. With GRPO, with CoPE under micro-batching with shared prefixes (its separate steps and the
-GRPO groups, ``data.share_prefix``), and with GRPO under ``trainer=fsdp`` writing sharded (torch distributed)
-checkpoints."""
+GRPO groups, ``data.share_prefix``), and with full fine-tuning (KL to the frozen reference) under ``trainer=fsdp``
+writing sharded (torch distributed) checkpoints."""
 from __future__ import annotations
 
 import json
@@ -26,8 +26,11 @@ CASES = {"grpo": ["algo=grpo", *LEARNS],
          # both shared-prefix paths (the separate forecast steps' rows; data.share_prefix's packed groups) micro-batched
          "cope_microbatched": ["algo=cope", "cope.gate=all", "module.max_tokens_per_microbatch=300", "data.share_prefix=true",
                                *LEARNS],
-         # sharded training, its checkpoint a torch distributed checkpoint folder (each rank's shards)
-         "fsdp_distributed_checkpoint": ["algo=grpo", "trainer=fsdp", "trainer.strategy.distributed_checkpoint=true", *LEARNS]}
+         # sharded full fine-tuning (every weight, the KL to the frozen reference copy), its checkpoint a torch
+         # distributed checkpoint folder (each rank's shards)
+         "fsdp_full_distributed_checkpoint": ["algo=grpo", "model.finetune=full", "algo.objectives.kl.weight=0.05",
+                                              "module.optimizer.lr=1e-4", "trainer=fsdp",
+                                              "trainer.strategy.distributed_checkpoint=true", *LEARNS]}
 
 
 def _read(out: Path, rank: int) -> tuple[dict[int, dict], dict[int, str]]:
@@ -86,6 +89,7 @@ def test_resumed_ddp_ranks_collect_what_the_straight_run_collected(train_script,
         assert len(steps) > EPOCHS, steps
     assert steps == _read(tmp_path / "trace_straight", 1)[1]  # ranks in sync
     assert _read(tmp_path / "trace_resumed", 0)[1] == _read(tmp_path / "trace_resumed", 1)[1]
-    a = load_file(tmp_path / "straight/csv/adapter/adapter_model.safetensors")
-    b = load_file(tmp_path / "cut/csv/adapter/adapter_model.safetensors")
+    export = "model/model.safetensors" if "model.finetune=full" in extra else "adapter/adapter_model.safetensors"
+    a = load_file(tmp_path / "straight/csv" / export)
+    b = load_file(tmp_path / "cut/csv" / export)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
