@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     import cope
-    from cope.train.sharding import FSDPStrategy
+    from cope.train.fsdp_strategy import FSDPStrategy
 
     cuda = device.type == "cuda"
     summary: dict = {"smoke": args.smoke, "device": torch.cuda.get_device_name(device) if cuda else "cpu",

@@ -6,7 +6,7 @@
 * a GPU trainer needs a GPU (``trainer=gpu`` on a machine without CUDA names ``trainer=cpu``);
 * ``trainer.num_nodes`` x ``trainer.devices`` against the launcher's world, and a multi-node run needs a launcher
   (:func:`cope.run.launch.check_launch`);
-* ``trainer=fsdp`` refuses what cannot be sharded (:func:`cope.train.sharding.check_sharding`);
+* ``trainer=fsdp`` refuses what cannot be sharded (:func:`cope.train.fsdp_strategy.check_sharding`);
 * flash attention cannot take CoPE's packed forecast rows (a 4D mask); shared prefixes need SDPA;
 * settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0,
   ``module.optimizer.lr=0``).
@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 from cope.run.config_keys import ConfigError
 from cope.run.launch import check_launch
-from cope.train.sharding import check_sharding
+from cope.train.fsdp_strategy import check_sharding
 
 
 def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: list[str]) -> None:

@@ -19,7 +19,7 @@ from cope.run.config_check import check_config
 from cope.run.config_keys import Reads, name_sources
 from cope.run.config_rules import check_context_floor
 from cope.run.preemption import SigtermGuard
-from cope.train.sharding import uses_fsdp
+from cope.train.fsdp_strategy import uses_fsdp
 
 log = logging.getLogger(__name__)
 
