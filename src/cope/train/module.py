@@ -161,28 +161,28 @@ class AgentRLModule(pl.LightningModule):
         self.model.eval()
         try:
             for mb in minibatches:
-                dev = {k: v.to(self.device) for k, v in mb.items()}
-                N, T = dev["input_ids"].shape
-                lp, ent = torch.zeros(N, T, device=self.device), torch.zeros(N, T, device=self.device)
-                for rows, n in self.micro_batches(dev):
-                    r = slice(None) if rows is None else rows
-                    c = slice(None) if n is None else slice(0, n)
-                    with self.precision_context():
-                        lp[r, c], ent[r, c] = self.logprobs(dev, rows, n)
-                mb["old_logprobs"], mb["old_entropy"] = lp.cpu(), ent.cpu()
+                mb["old_logprobs"], mb["old_entropy"] = self._score(mb)
             if self.needs_ref:  # after the policy's pass: under trainer=fsdp one whole model at a time
                 with self.policy.reference() as ref_model:
                     for mb in minibatches:
-                        dev = {k: v.to(self.device) for k, v in mb.items()}
-                        ref = torch.zeros(dev["input_ids"].shape, device=self.device)
-                        for rows, n in self.micro_batches(dev):
-                            r = slice(None) if rows is None else rows
-                            c = slice(None) if n is None else slice(0, n)
-                            with self.precision_context():
-                                ref[r, c] = self.logprobs(dev, rows, n, entropy=False, model=ref_model)[0]
-                        mb["ref_logprobs"] = ref.cpu()
+                        mb["ref_logprobs"] = self._score(mb, ref_model)[0]
         finally:
             self.model.train(was)
+
+    def _score(self, mb: dict, model=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropy) of every row of ``mb`` on CPU, micro-batch by micro-batch, under the training forward's
+        precision context; ``model``: the KL reference (no entropy), else the policy."""
+        dev = {k: v.to(self.device) for k, v in mb.items()}
+        lp, ent = torch.zeros(dev["input_ids"].shape, device=self.device), torch.zeros(dev["input_ids"].shape, device=self.device)
+        for rows, n in self.micro_batches(dev):
+            r = slice(None) if rows is None else rows
+            c = slice(None) if n is None else slice(0, n)
+            with self.precision_context():
+                if model is None:
+                    lp[r, c], ent[r, c] = self.logprobs(dev, rows, n)
+                else:
+                    lp[r, c] = self.logprobs(dev, rows, n, entropy=False, model=model)[0]
+        return lp.cpu(), ent.cpu()
 
     def configure_model(self) -> None:
         """Full fine-tuning with a KL term: the frozen reference copy, taken before any update or checkpoint load.
