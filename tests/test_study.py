@@ -58,7 +58,8 @@ def test_study_smoke(tmp_path):
 def test_study_smoke_smollm2(tmp_path):
     """The SmolLM2 regime (study4) in miniature with the real model: one setting per arm (no tuning run), one
     seed, one epoch; the CoPE arms get cope.mask_projected=false, the report has the answer forms and the
-    launcher prints each CoPE run's early forecast samples."""
+    launcher prints each CoPE run's early forecast samples; each test run's last checkpoint is evaluated by
+    eval.py (on 1 task in the smoke) and the evaluation is recorded and reported."""
     from smollm2_fixtures import smollm2_folder
 
     smollm2_folder()  # converted once in this session's COPE_CACHE, which the train.py runs inherit
@@ -69,7 +70,15 @@ def test_study_smoke_smollm2(tmp_path):
     assert report["meta"]["regimes"]["smollm2"]["arm_overrides"]["cope_turns"] == ["cope.mask_projected=false"]
     assert not (out / "smollm2/tune").exists()  # a 1-setting search runs no tuning job
     test = report["test"]["smollm2"]
-    assert set(test) == {"grpo", "cope_authors", "cope_turns"} and all(row["seeds"] == [0] for row in test.values())
+    assert set(test) == {"grpo", "cope_authors", "cope_turns", "echo"} and all(row["seeds"] == [0] for row in test.values())
+    final = report["final"]["smollm2"]
+    assert set(final) == set(test) and all(row["seeds"] == [0] and row["tasks"] == [1] for row in final.values())
+    for arm, row in test.items():
+        run = Path("smollm2/test") / arm / row["setting"] / "seed0"
+        summary = json.loads((out / run / "eval1/summary.json").read_text())
+        assert summary["complete"] and summary["tasks"] == 1 and 0.0 <= summary["success"] <= 1.0, arm
+        kept = json.loads((out / "records" / run / "record.json").read_text())["files"]
+        assert {"eval1/summary.json", "eval1/episodes.csv"} <= set(kept), arm
     for arm in ("cope_authors", "cope_turns"):
         run = out / "smollm2/test" / arm / test[arm]["setting"] / "seed0"
         cfg = (run / ".hydra/config.yaml").read_text()
@@ -78,3 +87,4 @@ def test_study_smoke_smollm2(tmp_path):
     text = (out / "study.md").read_text()
     assert test["grpo"]["val/projected_actions"] is not None and "projected answers" in text
     assert "| CoPE (authors', turns) | CoPE (authors') |" in text  # the two layouts against each other
+    assert "| ECHO | CoPE (authors') |" in text and "Final evaluation" in text and "Smallest effect" not in text  # 1 seed

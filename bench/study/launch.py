@@ -18,7 +18,9 @@ default: too slow for this machine's budget (bench/README.md). ``cope``, ``cope_
 ``smollm2`` (SmolLM2-135M-Instruct) compare GRPO with CoPE's variants and run on their own, each with
 its own --out/--records/--results; a :class:`Regime` carries its own budget, panels, seeds and search. A
 text-env regime (the plan's (c)) is not run. Every run logs the gradient diagnostics (``grad/*``) on the first
-optimizer step of each epoch and every held-out task's outcome (``csv/val_episodes``).
+optimizer step of each epoch and every held-out task's outcome (``csv/val_episodes``). A regime with ``final_eval``
+(``smollm2``: 256) also evaluates each test run's last checkpoint greedily on that many test tasks
+(:mod:`bench.study.final_eval`). ``--arms`` runs a subset of each regime's arms (and GRPO's tuning, which they need).
 
 Outputs: run folders ``<out>/<regime>/<phase>/<arm>/<setting>/seed<s>`` (``--out``, default ``outputs/study``;
 ``done`` marks a finished one; finished runs are reused, an unfinished one continues from its last epoch
@@ -40,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.study import final_eval as study_eval
 from bench.study import records as study_records
 from bench.study.report import EARLY_EPOCHS, _rows, early_forecast_samples, report, run_curve
 from bench.study.runs import STOPPED, finished, run_state, stop_on_sigterm, stopping, train_one
@@ -57,6 +60,7 @@ MAZE_SIZES = (6, 7, 8)  # conf/env/maze.yaml: each task draws one
 SMOKE = ("trainer.max_epochs=2", "trainer.check_val_every_n_epoch=1", "data.tasks_per_epoch=2", "data.group_size=4",
          "data.minibatch_size=8", "model.warm_start_steps=5", "env.max_steps=6", "callbacks.probes.max_episodes=2")
 SMOKE_PANEL = ("data.val_tasks=4",)
+SMOKE_EVAL = 1  # --smoke: tasks of each test run's final evaluation (a regime's final_eval > 0); eval.py's startup is most of it
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class Regime:
     arm_overrides: tuple[tuple[str, tuple[str, ...]], ...] = ()  # per arm: overrides of every run of that arm here
     smoke: tuple[str, ...] = SMOKE  # --smoke: the miniature budget
     smoke_size: tuple[int, int] = (2, 2)  # --smoke: settings per arm searched (1: the first, no tuning run), test seeds
+    final_eval: int = 0  # > 0: each test run's final adapter is evaluated greedily on this many test tasks (eval.py)
 
     def search(self, arm: str) -> dict[str, tuple[str, ...]]:
         """The arm's settings in this regime (label -> overrides)."""
@@ -115,22 +120,24 @@ SPEC["cope_recheck"] = Regime("(b'') prior warm start, after the fix of the demo
 # --regimes smollm2 --out outputs/study4 --records bench/results/study4/runs --results bench/results/study4.
 SMOLLM2_MAZE = ("model=smollm2-135m", "experiment=smollm2_maze", "env.sizes=[6]", "env.min_distance=2", "env.max_steps=8")
 SPEC["smollm2"] = Regime(
-    "SmolLM2-135M-Instruct, 6x6 mazes, goal 2-8 moves away: GRPO vs CoPE (authors', list) vs CoPE (authors', turns)",
+    "SmolLM2-135M-Instruct, 6x6 mazes, goal 2-8 moves away: GRPO vs CoPE (authors', list) vs CoPE (authors', turns) vs ECHO",
     (*SMOLLM2_MAZE, "callbacks.run_health.invalid_epochs=null"),  # a collapsing run trains to its end (what it measures)
-    0.4, ("grpo", "cope_authors", "cope_turns"), by_size=None,
+    0.4, ("grpo", "cope_authors", "cope_turns", "echo"), by_size=None,
     budget=("trainer.max_epochs=12", "trainer.check_val_every_n_epoch=3", "data.val_batch_size=32"),
     panels=(("data.val_offset=500", "data.val_tasks=32"), ("data.val_offset=0", "data.val_tasks=64")),
     seeds=((100,), (0, 1, 2, 3, 4)),
     grid=(("grpo", (("lr5e-4", ("module.optimizer.lr=5e-4",)), ("lr1e-3", ("module.optimizer.lr=1e-3",)))),
           ("cope_authors", (("lrs0.3", ("cope.lr_scale=0.3",)), ("lrs1.0", ("cope.lr_scale=1.0",)))),
           ("cope_turns", (("lrs0.3", ("cope.lr_scale=0.3", "cope.layout=turns")),
-                          ("lrs1.0", ("cope.lr_scale=1.0", "cope.layout=turns"))))),
+                          ("lrs1.0", ("cope.lr_scale=1.0", "cope.layout=turns")))),
+          # ECHO's lambda: the paper's 0.05 and the conf's advice for a larger model, 0.005
+          ("echo", (("lam0.005", ("algo.objectives.echo.weight=0.005",)), ("lam0.05", ("algo.objectives.echo.weight=0.05",))))),
     # SmolLM2's maze answers are read by the projection: counted as invalid, they would leave no forecast sample
     arm_overrides=(("cope_authors", ("cope.mask_projected=false",)), ("cope_turns", ("cope.mask_projected=false",))),
     smoke=("trainer.max_epochs=1", "trainer.check_val_every_n_epoch=1", "data.tasks_per_epoch=1", "data.group_size=2",
            "data.minibatch_size=2", "env.max_steps=3", "data.sampling.max_action_tokens=8", "data.val_batch_size=4",
            "callbacks.probes.max_episodes=2"),
-    smoke_size=(1, 1))
+    smoke_size=(1, 1), final_eval=256)
 DEFAULT_REGIMES = ("prior", "random")  # tuning (in prior) first, then prior's test runs, then random's
 # The algo config an arm runs: "cope" is the reading of the explainer the first runs measured (algo=cope_continuation;
 # its records are committed), "cope_authors" CoPE as its authors built it (algo=cope since 2026-12-02).
@@ -158,6 +165,7 @@ class Job:
     setting: str
     seed: int
     overrides: tuple[str, ...] = field(default=())
+    final_eval: int = 0  # > 0: after training, the last checkpoint is evaluated on this many test tasks
 
     def dir(self, out: Path) -> Path:
         return out / self.regime / self.phase / self.arm / self.setting / f"seed{self.seed}"
@@ -173,6 +181,11 @@ def _overrides(regime: Regime, phase: str, arm: str, setting: tuple[str, ...], s
 def _grid(regime: Regime, arm: str, smoke: bool) -> dict[str, tuple[str, ...]]:
     grid = regime.search(arm)
     return dict(list(grid.items())[: regime.smoke_size[0]]) if smoke else grid
+
+
+def _final_eval(regime: Regime, smoke: bool) -> int:
+    """How many test tasks each test run's last checkpoint is evaluated on (0: none)."""
+    return min(regime.final_eval, SMOKE_EVAL) if smoke else regime.final_eval
 
 
 def _seeds(regime: Regime, phase: str, smoke: bool) -> tuple[int, ...]:
@@ -193,6 +206,10 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int, record
         if r["rc"] == 0 and not _complete(d, job.overrides):  # exit 0 without the last epoch (a SIGTERM'd run)
             (d / "done").unlink(missing_ok=True)
             r = {**r, "rc": -15}
+        # a record's copy (restored now or by an earlier launch) has no checkpoint to evaluate: the report names it
+        if r["rc"] == 0 and job.final_eval and not (d / "restored_from").exists():
+            r = {**r, "rc": study_eval.evaluate(d, ARM_ALGO.get(job.arm, job.arm), job.seed, job.overrides, job.final_eval,
+                                                threads, REPO)}
         if r["rc"] == 0 and not restored:  # also a reused run recorded before records existed
             study_records.save(d, rec, job.overrides)
         done.append(1)
@@ -257,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="where study.md/.json and the plots go (default: bench/results/study, or --out with --smoke)")
     p.add_argument("--jobs", type=int, default=2, help="training subprocesses in parallel")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each subprocess")
+    p.add_argument("--arms", nargs="+", default=None, help="only these arms of each regime (default: all)")
     p.add_argument("--report", action="store_true", help="only rebuild the tables and plots from finished runs")
     p.add_argument("--smoke", action="store_true", help="a miniature of the whole study (seconds per run; CI)")
     args = p.parse_args(argv)
@@ -266,13 +284,15 @@ def main(argv: list[str] | None = None) -> int:
     regimes = [r for r in args.regimes if SPEC[r].tuned_in is None or SPEC[r].tuned_in in args.regimes]
     for r in set(args.regimes) - set(regimes):
         p.error(f"regime {r} reuses the tuning of {SPEC[r].tuned_in}: add it to --regimes")
-    grids = {r: {a: _grid(SPEC[r], a, args.smoke) for a in SPEC[r].arms} for r in regimes}  # each regime's search per arm
+    arms = {r: [a for a in SPEC[r].arms if not args.arms or a in args.arms] for r in regimes}  # --arms: their runs only
+    # each regime's search per arm (GRPO's also with --arms without it: the other arms are tuned at its chosen lr)
+    grids = {r: {a: _grid(SPEC[r], a, args.smoke) for a in SPEC[r].arms if a in arms[r] or a == "grpo"} for r in regimes}
     tuned = [r for r in regimes if SPEC[r].tuned_in is None and not SPEC[r].fixed]
     results: list[dict] = []
     choice: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
 
-    def tune(arms: list[str], base: dict[str, tuple[str, ...]]) -> None:
-        searched = [(r, a) for r in tuned for a in arms if a in SPEC[r].arms]
+    def tune(names: list[str], base: dict[str, tuple[str, ...]]) -> None:
+        searched = [(r, a) for r in tuned for a in names if a in grids[r]]
         for r, a in searched:  # a single setting has nothing to choose between: no tuning run
             if len(grids[r][a]) == 1:
                 label, ov = next(iter(grids[r][a].items()))
@@ -296,14 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     tune(["cope", "cope_authors", "cope_turns", "echo"], {r: choice[(r, "grpo")][1] for r in tuned})  # the aux arms at GRPO's chosen lr
     # seed by seed (every arm of a seed before the next seed): a study stopped half way has paired seeds
     tests = [Job(r, "test", a, choice[(SPEC[r].tuned_in or r, a)][0], s,
-                 _overrides(SPEC[r], "test", a, choice[(SPEC[r].tuned_in or r, a)][1], args.smoke))
-             for r in regimes for s in _seeds(SPEC[r], "test", args.smoke) for a in SPEC[r].arms]
+                 _overrides(SPEC[r], "test", a, choice[(SPEC[r].tuned_in or r, a)][1], args.smoke), _final_eval(SPEC[r], args.smoke))
+             for r in regimes for s in _seeds(SPEC[r], "test", args.smoke) for a in arms[r]]
     done = [] if args.report else run_jobs(tests, out, args.jobs, args.threads, records)
     results.extend(done or _existing(tests, out, records))
     failed = [r for r in results if r["rc"] != 0]
     meta = {"regimes": {r: {"title": SPEC[r].title, "threshold": SPEC[r].threshold, "overrides": list(SPEC[r].overrides),
                             "arm_overrides": {a: list(ov) for a, ov in SPEC[r].arm_overrides},
-                            "tuned_in": SPEC[r].tuned_in,
+                            "tuned_in": SPEC[r].tuned_in, "final_eval": _final_eval(SPEC[r], args.smoke),
                             "by_size": list(SPEC[r].by_size) if SPEC[r].by_size else None,
                             "budget": list(SPEC[r].smoke if args.smoke else SPEC[r].budget),
                             "panels": {"tune": list(SPEC[r].panels[0]), "test": list(SPEC[r].panels[1])},

@@ -1,10 +1,12 @@
 """The study's tables (``study.md``), from :func:`bench.study.report.summarize`'s summary and the launcher's meta: per
-regime, its budget, panels and seeds, the outcome table, the mechanism table, the per-size table and the tuning."""
+regime, its budget, panels and seeds, the outcome table, the final evaluation's table, the smallest effect each
+paired comparison could detect, the mechanism table, the per-size table and the tuning."""
 
 from __future__ import annotations
 
 import math
 
+from bench.study.final_eval import REFERENCES, half_width
 from bench.study.stats import fmt_interval, separates
 
 STABILITY = (("rollout/invalid_rate", "max"), ("rollout/multi_action", "max"), ("stop/prob_val", "min"),
@@ -115,6 +117,9 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
                   "| arm | vs | Δ AUC | Δ final |", "|---|---|---|---|"]
         lines += [f"| {NAMES.get(p['arm'], p['arm'])} | {NAMES.get(p['base'], p['base'])} | {delta_cell(p, 'delta_auc')} "
                   f"| {delta_cell(p, 'delta_final')} |" for p in between]
+    final = summary.get("final", {}).get(regime, {})
+    lines += _final(final, info)
+    lines += _detectable(arms, between, final)
     lines += [
         "",
         "Mechanism (gradients: means over the steps where both are non-zero, then over seeds; probes and answer "
@@ -161,6 +166,51 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
         lines += ["", f"Wall time of the finished runs: {len(tune_walls)} tuning + {len(test_walls)} test runs, "
                       f"{sum(walls) / 3600:.1f} run-hours in all."]
     return [*lines, ""]
+
+
+def _final(final: dict, info: dict) -> list[str]:
+    """The final evaluation's table (:mod:`bench.study.final_eval`), and the seeds without one, named with the reason."""
+    if not final:
+        return []
+    count = info.get("final_eval") or max((t for row in final.values() for t in row["tasks"]), default=0)
+    refs = [r for r in REFERENCES if r in final]
+    lines = ["", f"Final evaluation (each test run's last checkpoint, greedy, on test tasks 0..{count - 1} by eval.py; "
+             "mean over the evaluated seeds, bootstrap 95%; Δ paired by seed over the seeds both arms evaluated, both checks "
+             "as above):", "",
+             "| arm | setting | tasks | seeds evaluated | greedy success | " + " | ".join(f"Δ vs {NAMES.get(r, r)}" for r in refs) + " |",
+             "|---|---|---:|---|---|" + "---|" * len(refs)]
+    for arm, row in final.items():
+        lines.append(f"| {NAMES.get(arm, arm)} | `{row['setting']}` | {'/'.join(map(str, row['tasks'])) or '–'} | "
+                     f"{', '.join(map(str, row['seeds'])) or 'none'} | "
+                     f"{fmt_interval(*row['success']) if row['seeds'] else '–'} | "
+                     + " | ".join(delta_cell(row, f"delta_{r}") for r in refs) + " |")
+    reasons: dict[str, list[str]] = {}
+    for arm, row in final.items():
+        for seed, why in sorted(row["missing"].items()):
+            reasons.setdefault(why, []).append(f"{NAMES.get(arm, arm)} seed {seed}")
+    for why, runs in reasons.items():
+        lines += ["", f"Not evaluated ({why}): {', '.join(runs)}; these runs are reported from their curve only (the "
+                      "first table)."]
+    return lines
+
+
+def _detectable(arms: dict, between: list[dict], final: dict) -> list[str]:
+    """The smallest effect each paired comparison could detect: the paired t 95% interval's half-width of Δ final
+    (an observed mean difference below it does not separate), per comparison, on the curve's last validation and on
+    the final evaluation."""
+    curve = [(a, "grpo", row.get("delta_final_t")) for a, row in arms.items() if a != "grpo"]
+    curve += [(p["arm"], p["base"], p.get("delta_final_t")) for p in between]
+    evaluated = [(a, r, row.get(f"delta_{r}_t")) for a, row in final.items() for r in REFERENCES]
+    parts = []
+    for label, comps in (("last validation", curve), ("final evaluation", evaluated)):
+        cells = [f"{NAMES.get(a, a)} − {NAMES.get(b, b)} ±{half_width(t):.3f} ({t[3]} pairs)"
+                 for a, b, t in comps if half_width(t) is not None]
+        if cells:
+            parts.append(f"{label}: " + ", ".join(cells))
+    if not parts:
+        return []
+    return ["", "Smallest effect these seeds could detect (the paired t 95% half-width of Δ final success: an observed "
+                "mean difference smaller than it does not separate): " + "; ".join(parts) + "."]
 
 
 def _seeds_line(ran: list[int], info: dict) -> str:

@@ -2,9 +2,10 @@
 
 A run folder (``outputs/study/...``) holds checkpoints and logs and is not committed, so a new checkout
 starts without it: a study longer than one sitting would restart from zero. :func:`save` copies what the
-report reads from a finished run (its curves, metrics, per-task held-out outcomes, its ``done`` marker and
-the resolved config: tens of kB) into ``bench/results/study/runs/<same path>``, and :func:`restore` puts
-such a record back into an empty run folder, where the launcher then reuses it as finished.
+report reads from a finished run (its curves, metrics, per-task held-out outcomes, its ``done`` marker,
+the resolved config and its final evaluation's summary and per-task outcomes, :mod:`bench.study.final_eval`:
+tens of kB) into ``bench/results/study/runs/<same path>``, and :func:`restore` puts such a record back into an
+empty run folder, where the launcher then reuses it as finished.
 
 A record is only reused for the same job: it stores the job's overrides, and a job whose overrides differ
 (the study's design changed) ignores it and runs again, overwriting it when it finishes.
@@ -16,7 +17,7 @@ import shutil
 from pathlib import Path
 
 KEPT = ("done", "csv/learning_curve.csv", "csv/learning_curve_train.csv", "csv/metrics.csv",
-        "csv/val_episodes/*.csv", ".hydra/config.yaml", ".hydra/overrides.yaml")
+        "csv/val_episodes/*.csv", ".hydra/config.yaml", ".hydra/overrides.yaml", "eval*/summary.json", "eval*/episodes.csv")
 MANIFEST = "record.json"
 
 

@@ -11,6 +11,9 @@ Per maze size (``by_size``, a regime's list of maze sizes): the same final succe
 differences to GRPO, on the panel's tasks of each size alone, read from each run's per-task validation files
 (``csv/val_episodes/episodes<N>.csv``, :mod:`cope.callbacks.val_episodes`); a task's size is what the maze env
 builds for it. A run without those files is left out of this table (its ``n`` says so).
+
+The final evaluation (a regime's ``final_eval``: each test run's last checkpoint on a larger panel) is read and
+compared by :mod:`bench.study.final_eval`.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import json
 import math
 from pathlib import Path
 
+from bench.study import final_eval
 from bench.study.markdown import AUX, NAMES, STABILITY, markdown, mean_of
 from bench.study.stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t
 
@@ -258,7 +262,7 @@ def summarize(results: list[dict], meta: dict) -> dict:
     for arms in table.values():
         for row in arms.values():
             row.pop("size_runs", None)  # summarized in by_size
-    return {"test": table, "tuning": tuning, "by_size": by_size, "between": between}
+    return {"test": table, "tuning": tuning, "by_size": by_size, "between": between, "final": final_eval.summarize(results)}
 
 
 def _between(arms: dict) -> list[dict]:
