@@ -131,19 +131,22 @@ def linear_head(model) -> torch.nn.Linear | None:
     return head
 
 
-def head_forward(model, kw: dict[str, Any], fn: Callable[[torch.nn.Linear, torch.Tensor], Any]) -> Any:
+def head_forward(model, kw: dict[str, Any], fn: Callable[[torch.nn.Linear | None, torch.Tensor], Any]) -> Any:
     """``fn(head, hidden)`` on the (N, T, H) hidden states before the output head, run *as* the head inside the causal
     LM's own forward (``base(**kw)``; the head's ``forward`` is replaced for the call), returning its result. The LM's
-    ``logits`` output is what ``fn`` returns as its first element (a tensor: FSDP hooks its backward there).
-    The caller has checked :func:`linear_head`."""
+    ``logits`` output is what ``fn`` returns as its first element (a tensor: FSDP hooks its backward there). Where
+    :func:`linear_head` finds no such head (the fallback, logged once): ``fn(None, logits)`` on the model's own (N, T, V)
+    logits."""
+    head = linear_head(model)
+    if head is None:
+        _warn_fallback(model)
+        return fn(None, model(**kw).logits)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings()
     result: dict[str, Any] = {}
 
     def run(hidden: torch.Tensor):
         result["out"] = fn(head, hidden)
-        first = result["out"][0] if isinstance(result["out"], tuple) else result["out"]
-        return first
+        return result["out"][0] if isinstance(result["out"], tuple) else result["out"]
 
     with _replaced_forward(head, run):
         base(**kw)
@@ -203,19 +206,15 @@ def causal_lm_logprobs(
     flat = None if rows_at is None else rows_at[:, 0] * (T - 1) + rows_at[:, 1] - 1  # (P,): the position before each
 
     def score(head, hidden):  # (K, H) hidden states -> lp, ent (K,) and the (P, V) rows; inside the LM's forward
-        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t - 1 predicts token t
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t - 1 predicts token t ((K, V) logits: no head)
+        if head is None:
+            lp, ent = _chunked_from_logits(h, targets, tau, ent_rows, max(1, chunk_elems // h.shape[-1]))
+            return lp, ent, (None if flat is None else h[flat].float())
         chunk = max(1, chunk_elems // head.out_features)
         lp, ent = _LinearHeadLogprob.apply(h, head.weight, head.bias, targets, tau, ent_rows, chunk)
         return lp, ent, (None if flat is None else F.linear(h[flat], head.weight, head.bias).float())
 
-    if linear_head(model) is not None:
-        lp, ent, rows = head_forward(model, kw, score)
-    else:
-        _warn_fallback(model)
-        logits = model(**kw).logits  # (N, T, V)
-        h = logits[:, :-1].reshape(-1, logits.shape[-1])  # (K, V)
-        lp, ent = _chunked_from_logits(h, targets, tau, ent_rows, max(1, chunk_elems // h.shape[-1]))
-        rows = None if flat is None else h[flat].float()  # (P, V)
+    lp, ent, rows = head_forward(model, kw, score)
     zero = lp.new_zeros(N, 1)
     out = torch.cat([zero, lp.view(N, T - 1)], 1), torch.cat([zero, ent.view(N, T - 1)], 1)
     return out if rows_at is None else (*out, rows)
@@ -272,19 +271,15 @@ def causal_lm_predictions(
         vocab = head.out_features if head is not None else h.shape[-1]
         lp = torch.empty(K, dtype=torch.float32, device=input_ids.device)
         pred = torch.empty(K, dtype=torch.long, device=input_ids.device)
-        for s in range(0, K, max(1, chunk_elems // vocab)):
-            e = min(K, s + max(1, chunk_elems // vocab))
+        chunk = max(1, chunk_elems // vocab)
+        for s in range(0, K, chunk):
+            e = min(K, s + chunk)
             z = (F.linear(h[s:e], head.weight, head.bias) if head is not None else h[s:e]).float()  # (c, V); the only one
             lp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1) - z.logsumexp(-1)
             pred[s:e] = z.argmax(-1)
         return lp, pred
 
-    kw = _forward_kwargs(input_ids, attention_mask, position_ids)
-    if linear_head(model) is not None:
-        lp, pred = head_forward(model, kw, predict)
-    else:
-        _warn_fallback(model)
-        lp, pred = predict(None, model(**kw).logits)
+    lp, pred = head_forward(model, _forward_kwargs(input_ids, attention_mask, position_ids), predict)
     lp = torch.cat([lp.new_zeros(N, 1), lp.view(N, T - 1)], 1)  # (N, T)
     pred = torch.cat([pred.new_full((N, 1), -1), pred.view(N, T - 1)], 1)  # (N, T)
     return lp, pred

@@ -149,8 +149,7 @@ def topm_at_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tens
             probs[s: s + step] = lp.exp()
         return ids, probs
 
-    ids, probs = head_forward(model, kw, top) if head is not None else top(None, model(**kw).logits)
-    return ids, probs
+    return head_forward(model, kw, top)
 
 
 def action_spans(episodes: Sequence, indices: Sequence[int] | None = None) -> dict[tuple[int, int], tuple[int, int]]:
