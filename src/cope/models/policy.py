@@ -194,27 +194,37 @@ def load_pretrained(
     return Policy(model=model, tokenizer=tokenizer, chat=chat, source=str(path), finetune=finetune)
 
 
+def finetune_problem(finetune: str, quantization: str | None = None, adapter: str | None = None,
+                     dtype: str = "fp32") -> tuple[str, str] | None:
+    """What ``model.finetune`` cannot take, as (the key to change, the message), or None."""
+    if finetune not in FINETUNES:
+        return "model.finetune", f"model.finetune must be one of {FINETUNES}, got {finetune!r}"
+    if finetune != "full":
+        return None
+    if dtype != "fp32":  # AdamW would update the bf16/fp16 weights in place: small updates round away, every step
+        return "model.dtype", (
+            f"model.finetune=full with model.dtype={dtype}: AdamW would update {dtype} weights in place, and an update "
+            "under half a rounding step (about 0.4% of a weight in bf16) is lost: at lr 1e-6 most weights never move. "
+            "Set model.dtype=fp32 (fp32 master weights): under trainer=fsdp the forward still runs in bf16 on GPUs "
+            "(trainer.strategy.mixed_precision=auto); under DDP set trainer.precision=bf16-mixed")
+    if quantization is not None:
+        return "model.quantization", (
+            f"model.finetune=full with model.quantization={quantization}: quantized weights cannot be trained; set "
+            "model.quantization=null (full fine-tuning trains fp32 master weights) or model.finetune=lora (QLoRA)")
+    if adapter is not None:
+        return "model.adapter", (
+            f"model.finetune=full with model.adapter={adapter!r}: a LoRA adapter is not a starting point for full "
+            "fine-tuning; merge it into the base first (peft's merge_and_unload, saved as a model folder for "
+            "model.path), or keep model.finetune=lora")
+    return None
+
+
 def check_finetune(finetune: str, quantization: str | None = None, adapter: str | None = None,
                    dtype: str = "fp32") -> None:
-    """``model.finetune`` with what it cannot take, one message naming the key (also run by the config check)."""
-    if finetune not in FINETUNES:
-        raise ValueError(f"model.finetune must be one of {FINETUNES}, got {finetune!r}")
-    if finetune != "full":
-        return
-    if dtype != "fp32":  # AdamW would update the bf16/fp16 weights in place: small updates round away, every step
-        raise ValueError(f"model.finetune=full with model.dtype={dtype}: AdamW would update {dtype} weights in place, "
-                         "and an update under half a rounding step (about 0.4% of a weight in bf16) is lost: at lr 1e-6 "
-                         "most weights never move. Set model.dtype=fp32 (fp32 master weights): under trainer=fsdp the "
-                         "forward still runs in bf16 on GPUs (trainer.strategy.mixed_precision=auto); under DDP set "
-                         "trainer.precision=bf16-mixed")
-    if quantization is not None:
-        raise ValueError(f"model.finetune=full with model.quantization={quantization}: quantized weights cannot be "
-                         "trained; set model.quantization=null (full fine-tuning trains the bf16 weights) or "
-                         "model.finetune=lora (QLoRA)")
-    if adapter is not None:
-        raise ValueError(f"model.finetune=full with model.adapter={adapter!r}: a LoRA adapter is not a starting point for "
-                         "full fine-tuning; merge it into the base first (peft's merge_and_unload, saved as a model "
-                         "folder for model.path), or keep model.finetune=lora")
+    """Raises ValueError with :func:`finetune_problem`'s message (the config check reports it under its key)."""
+    problem = finetune_problem(finetune, quantization, adapter, dtype)
+    if problem is not None:
+        raise ValueError(problem[1])
 
 
 def adapter_base(folder: Path) -> str | None:

@@ -61,18 +61,14 @@ def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: lis
 
 def full_finetuning_fits(model: DictConfig, data: DictConfig | None, fail: Callable[[str, str], None]) -> None:
     """``model.finetune=full`` against what it cannot take: quantized or half-precision weights, a LoRA adapter to start
-    from (:func:`cope.models.policy.check_finetune`), and a server rollout engine (the vLLM engine serves each policy
+    from (:func:`cope.models.policy.finetune_problem`), and a server rollout engine (the vLLM engine serves each policy
     version as a LoRA adapter; full weights would have to be pushed into the server every epoch, which is not built)."""
-    from cope.models.policy import check_finetune
+    from cope.models.policy import finetune_problem
 
     finetune = model.get("finetune", "lora")
-    try:
-        check_finetune(finetune, model.get("quantization"), model.get("adapter"), model.get("dtype", "fp32"))
-    except ValueError as e:
-        head = str(e).split(":")[0]
-        key = "model.finetune" if "must be one of" in str(e) else next(
-            (k for k in ("model.quantization", "model.adapter", "model.dtype") if k in head), "model.finetune")
-        fail(key, f": {e}")
+    problem = finetune_problem(finetune, model.get("quantization"), model.get("adapter"), model.get("dtype", "fp32"))
+    if problem is not None:
+        fail(problem[0], f": {problem[1]}")
         return
     engine = str(((data or {}).get("engine") or {}).get("_target_", ""))
     if finetune == "full" and engine and not engine.endswith(".HFEngine"):
