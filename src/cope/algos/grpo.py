@@ -23,6 +23,33 @@ Deliberate choices:
       can neither overflow nor leak NaN into the gradient.
     * An empty mask gives a loss of exactly 0 that is still attached to the graph.
 
+Stale episodes (``data.max_lag`` >= 1: decoupled PPO, Hilton et al. 2021, "Batch size-invariance for policy
+optimization", arXiv 2110.00641, as AReaL runs it, Fu et al. 2025, arXiv 2505.24298). An epoch may train on episodes
+sampled by an older *behaviour* policy pi_b (the sampler's own log-probs, ``batch["behaviour_logprobs"]``). The
+"old" policy of PPO then plays two roles that are kept apart: the clip is taken around the *proximal* policy
+pi_prox, the policy at the start of this epoch (``old_logprobs`` of the scoring pass), and each token is weighted by
+the behaviour importance weight ``w = min(pi_prox / pi_b, behaviour_cap)``:
+``per_tok = -w * min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, ``r = pi_theta / pi_prox``.
+
+* Why the proximal policy anchors the clip: the clip limits how far one epoch moves the policy (a trust region
+  around a recent policy), which has nothing to do with who sampled the data. Anchored on pi_b, a lagged token's
+  ratio starts the epoch away from 1 by however much the policy moved since sampling, so the clip is already active
+  (no gradient at all from that token) or the step it allows shrinks with the lag. Anchored on pi_prox, r = 1 at the
+  epoch's first step, as at lag 0, and the update size no longer depends on the lag (Hilton et al.).
+* Why w is detached: it corrects the sampling distribution, a fixed coefficient per sample from two frozen
+  policies (pi_prox, pi_b); the parameters enter only through r. A weight built on the live policy (pi_theta / pi_b)
+  would double the gradient's dependence on pi_theta and escape the clip.
+* The cap truncates, ``min(w, cap)``; it does not mask. Default 5.0, AReaL's setting: its
+  ``behav_imp_weight_cap`` defaults to none (no cap), must be > 1 (kept here) and is 5.0 in its example configs
+  (inclusionAI/AReaL ``examples/math/gsm8k_grpo.yaml``). AReaL *drops* the tokens above the cap (weight 0;
+  ``areal/utils/functional.py``, ``ppo_actor_loss_fn``; its config help: tokens whose weight exceeds the cap are
+  filtered out of the loss). We truncate instead, as IMPALA's V-trace (Espeholt et al. 2018) and verl's truncated
+  importance sampling do: the tokens above the cap are those the proximal policy now prefers far more than the
+  sampler did, i.e. what the updates since sampling reinforced; masking silences exactly them, truncation keeps
+  their direction at a bounded size, and the weight stays continuous in w (no jump from the cap to 0). The weight
+  also absorbs the sampler's numerics (``rollout/logprob_gap``: bf16 serving vs the trainer's fp32), as verl's does.
+* Without ``behaviour_logprobs`` (lag 0) the code path is the plain PPO one above, unchanged.
+
 The KL penalty is the k3 estimator (Schulman, "Approximating KL divergence", 2020) of
 KL(pi || pi_ref): ``exp(ref - lp) - (ref - lp) - 1``, token mean over the mask.
 """
@@ -66,6 +93,29 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum() / n.clamp(min=1)
 
 
+BEHAVIOUR_CAP = 5.0  # AReaL's example configs' behav_imp_weight_cap (module docstring); truncated here, not masked
+
+
+def behaviour_weight(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
+                     cap: float = BEHAVIOUR_CAP) -> tuple[torch.Tensor, Metrics]:
+    """The detached behaviour importance weight ``min(exp(old - behaviour), cap)`` (N, T) on mask tokens (1 off
+    the mask, where the loss is 0 anyway) and its metrics over mask tokens: ``policy/behaviour_weight_mean`` (the
+    applied, truncated weight), ``policy/behaviour_weight_max`` (the largest weight before the cap: how stale the
+    stalest token is) and ``policy/behaviour_capped_frac`` (tokens whose weight the cap truncated)."""
+    with torch.no_grad():
+        old = old_logprobs.detach()
+        log_w = torch.where(mask, old - behaviour_logprobs.detach().to(old.dtype), torch.zeros_like(old))  # (N, T)
+        raw = log_w.exp()  # (N, T), 1 off-mask
+        capped = (raw > cap) & mask  # (N, T)
+        weight = raw.clamp(max=cap)  # (N, T)
+        metrics: Metrics = {
+            "policy/behaviour_weight_mean": masked_mean(weight, mask),
+            "policy/behaviour_weight_max": torch.where(mask, raw, torch.zeros_like(raw)).max(),
+            "policy/behaviour_capped_frac": masked_mean(capped.float(), mask),
+        }
+    return weight, metrics
+
+
 def clipped_pg_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -75,20 +125,27 @@ def clipped_pg_loss(
     clip_high: float = 0.2,
     agg: str = "seq-mean-token-mean",
     norm_len: int = 1024,
+    behaviour_logprobs: torch.Tensor | None = None,
+    behaviour_cap: float = BEHAVIOUR_CAP,
 ) -> tuple[torch.Tensor, Metrics]:
-    """PPO clipped surrogate ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` over mask tokens.
+    """PPO clipped surrogate ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` over mask tokens; with
+    ``behaviour_logprobs``, decoupled PPO: each token times ``w = min(pi_old / pi_behaviour, behaviour_cap)``
+    (detached; module docstring).
 
     Args:
         logprobs: (N, T) current log-probs (with grad).
-        old_logprobs: (N, T) log-probs of the scoring pass (no grad).
+        old_logprobs: (N, T) log-probs of the scoring pass (no grad): the proximal policy, the clip's anchor.
         advantages: (N, T) per-token advantages.
         mask: (N, T) bool, the policy-gradient targets.
         clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
         agg: a key of :data:`AGGREGATIONS`.
         norm_len: the constant length of ``seq-mean-token-sum-norm``.
+        behaviour_logprobs: (N, T) log-probs of the policy that sampled the tokens (no grad), or None: plain PPO.
+        behaviour_cap: the behaviour weight is truncated to at most this.
 
     Returns:
-        (loss, metrics) with detached ``policy/clip_frac``, ``policy/ratio_mean``, ``policy/approx_kl``.
+        (loss, metrics) with detached ``policy/clip_frac``, ``policy/ratio_mean``, ``policy/approx_kl``, and with
+        ``behaviour_logprobs`` those of :func:`behaviour_weight`.
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"clipped_pg_loss: unknown agg {agg!r}; allowed: {sorted(AGGREGATIONS)}")
@@ -108,6 +165,10 @@ def clipped_pg_loss(
             "policy/ratio_mean": masked_mean(ratio, mask),
             "policy/approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),
         }
+    if behaviour_logprobs is not None:
+        weight, behaviour_metrics = behaviour_weight(old, behaviour_logprobs, mask, behaviour_cap)
+        per_tok = per_tok * weight.to(per_tok.dtype)  # (N, T), 0 off-mask
+        metrics.update(behaviour_metrics)
     if not bool(mask.any()):
         return (logprobs * 0).sum(), metrics
     return AGGREGATIONS[agg](per_tok, mask, norm_len), metrics
@@ -137,8 +198,9 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
 class PolicyGradient(Objective):
     """The clipped policy-gradient term on action tokens (``loss/pg``).
 
-    Reads ``batch["old_logprobs"]``, ``batch["advantages"]``, ``batch["action_mask"]`` and
-    ``out.logprobs``; also logs ``policy/entropy``, the mean entropy over action tokens.
+    Reads ``batch["old_logprobs"]``, ``batch["advantages"]``, ``batch["action_mask"]``, ``out.logprobs`` and, when
+    the batch has it (``data.max_lag`` >= 1), ``batch["behaviour_logprobs"]`` (decoupled PPO, module docstring);
+    also logs ``policy/entropy``, the mean entropy over action tokens.
 
     Args:
         weight: multiplier in the total loss.
@@ -146,6 +208,8 @@ class PolicyGradient(Objective):
         clip_high: upper clip, ratio <= 1 + clip_high; >= 0.
         agg: loss aggregation, a key of :data:`AGGREGATIONS`.
         norm_len: constant length for ``seq-mean-token-sum-norm``; > 0.
+        behaviour_cap: the behaviour importance weight of stale tokens is truncated to at most this; > 1
+            (AReaL's rule: a cap <= 1 would shrink tokens the sampler and the proximal policy agree on).
         schedule, final_weight, schedule_steps: see :class:`cope.train.objectives.Objective`.
     """
 
@@ -158,6 +222,7 @@ class PolicyGradient(Objective):
         clip_high: float = 0.2,
         agg: str = "seq-mean-token-mean",
         norm_len: int = 1024,
+        behaviour_cap: float = BEHAVIOUR_CAP,
         schedule: str = "constant",
         final_weight: float = 0.0,
         schedule_steps: int = 0,
@@ -171,10 +236,13 @@ class PolicyGradient(Objective):
             raise ValueError(f"PolicyGradient.agg must be one of {sorted(AGGREGATIONS)}, got {agg!r}")
         if norm_len <= 0:
             raise ValueError(f"PolicyGradient.norm_len must be > 0, got {norm_len}")
+        if not behaviour_cap > 1.0:
+            raise ValueError(f"algo.objectives.pg.behaviour_cap (PolicyGradient.behaviour_cap) must be > 1, got {behaviour_cap}")
         self.clip_low = float(clip_low)
         self.clip_high = float(clip_high)
         self.agg = agg
         self.norm_len = int(norm_len)
+        self.behaviour_cap = float(behaviour_cap)
 
     def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         mask = batch["action_mask"].bool()  # (N, T)
@@ -187,6 +255,8 @@ class PolicyGradient(Objective):
             clip_high=self.clip_high,
             agg=self.agg,
             norm_len=self.norm_len,
+            behaviour_logprobs=batch.get("behaviour_logprobs"),
+            behaviour_cap=self.behaviour_cap,
         )
         metrics["policy/entropy"] = masked_mean(out.entropy.detach(), mask)
         return loss, metrics

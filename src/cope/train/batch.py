@@ -27,6 +27,12 @@ class RolloutBatch(TypedDict, total=False):
         episode_index (N,) long: index into the epoch's episode list (-1: a row a transform appended).
         aux_row (N,) bool: rows that are not episode transcripts (all False here; CoPE's plain forecast
             layout appends such rows): transcript-level objectives (ECHO, EMPG) skip them.
+        behaviour_logprobs (N, T) float32, only with ``collate(..., behaviour=True)`` (``data.max_lag`` >= 1): the
+            sampler's own log-prob of each ACTION token of a non-aborted episode (``Step.sampler_logprobs``, the
+            behaviour policy that sampled it), 0 elsewhere. The policy gradient weights each token by
+            pi_old / pi_behaviour (:func:`cope.algos.grpo.clipped_pg_loss`). A transform that moves or adds tokens
+            keeps it aligned with ``action_mask`` (the forecast layouts pad every (N, T) key with 0, where
+            ``action_mask`` is False).
 
     Added by CoPE (:mod:`cope.algos.cope.packing`): ``forecast_mask`` (N, T) bool, ``forecast_chunk`` (N, T)
     long, ``forecast_actions`` (C,) long, ``forecast_weight`` (C,) float. CoPE's separate update trains batches of its
@@ -58,6 +64,7 @@ class RolloutBatch(TypedDict, total=False):
     aborted: torch.Tensor
     episode_index: torch.Tensor
     aux_row: torch.Tensor
+    behaviour_logprobs: torch.Tensor
     forecast_mask: torch.Tensor
     forecast_chunk: torch.Tensor
     forecast_actions: torch.Tensor
@@ -71,7 +78,10 @@ class RolloutBatch(TypedDict, total=False):
     ref_logprobs: torch.Tensor
 
 
-def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = None) -> RolloutBatch:
+def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = None,
+            behaviour: bool = False) -> RolloutBatch:
+    """The padded batch of ``episodes`` (row i: ``episodes[i]``, ``episode_index`` from ``indices``, default
+    0..N-1); with ``behaviour`` also ``behaviour_logprobs`` (:func:`behaviour_logprobs`)."""
     n = len(episodes)
     T = max(len(e.tokens) for e in episodes)
     input_ids = torch.full((n, T), pad_id, dtype=torch.long)
@@ -90,6 +100,7 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
     action_mask = (roles == int(Role.ACTION)) & ~aborted[:, None]
     advantages = advantages * action_mask
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    extra = {"behaviour_logprobs": behaviour_logprobs(episodes, action_mask)} if behaviour else {}
     return RolloutBatch(**{
         "input_ids": input_ids,
         "attention_mask": attention,
@@ -101,7 +112,34 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
         "aborted": aborted,
         "episode_index": torch.tensor(indices if indices is not None else list(range(n)), dtype=torch.long),
         "aux_row": torch.zeros(n, dtype=torch.bool),
+        **extra,
     })
+
+
+def behaviour_logprobs(episodes: list[Episode], action_mask: torch.Tensor) -> torch.Tensor:
+    """(N, T) float32: at every position of ``action_mask`` (the ACTION tokens of non-aborted episodes, row i =
+    ``episodes[i]``) the sampler's log-prob of that token, ``step.sampler_logprobs[j]`` at ``step.action_start + j``;
+    0 elsewhere. Raises ValueError when an action token has none (an engine that does not report them)."""
+    out = torch.zeros(action_mask.shape, dtype=torch.float32)  # (N, T)
+    have = torch.zeros(action_mask.shape, dtype=torch.bool)  # (N, T)
+    for i, e in enumerate(episodes):
+        if e.aborted:
+            continue
+        for s in e.steps:
+            lps = s.sampler_logprobs
+            if lps is not None and len(lps) == s.action_end - s.action_start:
+                out[i, s.action_start: s.action_end] = torch.tensor(lps, dtype=torch.float32)
+                have[i, s.action_start: s.action_end] = True
+    missing = action_mask & ~have  # (N, T)
+    if bool(missing.any()):
+        i, t = (int(x) for x in missing.nonzero()[0])
+        e = episodes[i]
+        raise ValueError(
+            f"collate(behaviour=True): action token {t} of episode {e.task.id!r} (row {i}) has no sampler log-prob: "
+            f"the rollout engine did not report its log-probs (Step.sampler_logprobs is None or not one per action "
+            f"token). data.max_lag >= 1 weights each token by the behaviour policy's log-prob and needs an engine "
+            f"that reports them (rollout=vllm)")
+    return out
 
 
 def row_lengths(batch: RolloutBatch) -> torch.Tensor:

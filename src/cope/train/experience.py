@@ -69,15 +69,16 @@ def epoch_tally(episodes: list[Episode], groups: Sequence[int], metrics: dict[st
 
 
 def cut_minibatches(episodes: list[Episode], minibatch_size: int, pad_id: int, rng: random.Random,
-                    transforms: Sequence[CollateTransform] = ()) -> list[RolloutBatch]:
+                    transforms: Sequence[CollateTransform] = (), behaviour: bool = False) -> list[RolloutBatch]:
     """The episodes in an order drawn from ``rng`` (one shuffle), cut into collated minibatches of at most
-    ``minibatch_size`` episodes; every minibatch passes through ``transforms`` in order."""
+    ``minibatch_size`` episodes; every minibatch passes through ``transforms`` in order. ``behaviour``: each
+    minibatch carries the sampler's log-probs (``behaviour_logprobs``, :func:`cope.train.batch.collate`)."""
     order = list(range(len(episodes)))
     rng.shuffle(order)
     minibatches = []
     for s in range(0, len(order), minibatch_size):
         idx = order[s: s + minibatch_size]
-        mb = collate([episodes[i] for i in idx], pad_id, indices=idx)
+        mb = collate([episodes[i] for i in idx], pad_id, indices=idx, behaviour=behaviour)
         for fn in transforms:
             mb = fn(mb, episodes)
         minibatches.append(mb)
