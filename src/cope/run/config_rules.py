@@ -7,6 +7,8 @@
 * ``trainer.num_nodes`` x ``trainer.devices`` against the launcher's world, and a multi-node run needs a launcher
   (:func:`cope.run.launch.check_launch`);
 * ``trainer=fsdp`` refuses what cannot be sharded (:func:`cope.train.fsdp_strategy.check_sharding`);
+* ``data.max_lag >= 1`` needs an engine that overlaps and reports its log-probs, and no top-p
+  (:func:`lag_fits_engine`);
 * flash attention cannot take CoPE's packed forecast rows (a 4D mask); shared prefixes need SDPA;
 * settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0,
   ``module.optimizer.lr=0``).
@@ -44,6 +46,8 @@ def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: lis
     if isinstance(cfg.get("trainer"), DictConfig):
         check_launch(cfg.trainer, fail)
     check_sharding(cfg, fail)  # trainer=fsdp: what cannot be sharded (quantized weights, a server engine, ...)
+    if isinstance(data, DictConfig):
+        lag_fits_engine(data, fail)
     if isinstance(model, DictConfig):
         full_finetuning_fits(model, data, fail)
         export = ((cfg.get("callbacks") or {}).get("adapter_export") or {})
@@ -75,6 +79,23 @@ def full_finetuning_fits(model: DictConfig, data: DictConfig | None, fail: Calla
         fail("data.engine", f" = {engine}: model.finetune=full needs the in-process engine (rollout=hf): the vLLM server "
              "engine loads each policy version as a LoRA adapter, and pushing full weights into the server every epoch "
              "is not built. Use rollout=hf, or model.finetune=lora to keep the server")
+
+
+def lag_fits_engine(data: DictConfig, fail: Callable[[str, str], None]) -> None:
+    """``data.max_lag``: >= 0; >= 1 needs an engine that overlaps and reports its log-probs, and no top-p
+    (:func:`cope.train.lagged_rollouts.lag_problem`, read from the engine class's attributes: nothing is built)."""
+    lag = data.get("max_lag", 0)
+    if not isinstance(lag, int) or lag == 0:
+        return
+    if lag < 0:
+        fail("data.max_lag", f" = {lag}: must be >= 0 (0: collect, then train)")
+        return
+    from cope.train.lagged_rollouts import lag_problem
+
+    target = str((data.get("engine") or {}).get("_target_", "cope.rollout.engine.HFEngine"))
+    problem = lag_problem(lag, get_object(target), float((data.get("sampling") or {}).get("top_p", 1.0)))
+    if problem is not None:
+        fail(problem[0], f" = {lag if problem[0] == 'data.max_lag' else data.sampling.top_p}: {problem[1]}")
 
 
 def attention_fits_layout(model: DictConfig, cfg: DictConfig, fail: Callable[[str, str], None]) -> None:

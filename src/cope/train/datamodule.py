@@ -40,6 +40,7 @@ from cope.rollout.metrics import episode_metrics
 from cope.train.advantages import group_advantages
 from cope.train.experience import BatchSource, CollateTransform, assign_advantages, cut_minibatches, epoch_tally, train_tokens
 from cope.train.group_prefix import pack_groups
+from cope.train.lagged_rollouts import LaggedRollouts, check_lag
 from cope.train.seeding import derive_seed, stream
 from cope.train.tree_batch import use_tree_attention
 
@@ -75,6 +76,11 @@ class RolloutDataModule(pl.LightningDataModule):
         val_batch_size: held-out episodes run together.
         seed: the run seed; each epoch's task stream is derived from it, the rank and the epoch.
         progress: show a progress bar while collecting rollouts.
+        max_lag: L, rollouts that overlap training (:mod:`cope.train.lagged_rollouts`): epoch e trains on episodes
+            sampled by the policy as it was at the start of epoch max(0, e - L), collected in a background thread
+            while the epochs before it train; the minibatches carry the sampler's log-probs (``behaviour_logprobs``)
+            for the policy gradient's behaviour correction. Needs an engine that can serve an older version while
+            training goes on (``overlaps``: rollout=vllm) and sampling without top-p. 0: collect, then train (today).
 
     Handed to the rollout engine (typed records, each read by the class that uses it):
         sampling: :class:`cope.rollout.engine.Sampling` of training rollouts (``data.sampling.*``: temperature,
@@ -107,8 +113,11 @@ class RolloutDataModule(pl.LightningDataModule):
         max_context: int = 2048,
         instructions: str | None = None,
         engine: Callable[..., RolloutEngine] | None = None,
+        max_lag: int = 0,
     ):
         super().__init__()
+        if max_lag < 0:
+            raise ValueError(f"data.max_lag must be >= 0 (0: collect, then train), got {max_lag}")
         for name, v in dict(tasks_per_epoch=tasks_per_epoch, group_size=group_size, minibatch_size=minibatch_size,
                             ppo_epochs=ppo_epochs, max_context=max_context, val_batch_size=val_batch_size).items():
             if v < 1:
@@ -140,6 +149,12 @@ class RolloutDataModule(pl.LightningDataModule):
                              f"{self.num_test_tasks} test tasks of env {self.env_name!r}")
         self.engine: RolloutEngine = (engine or HFEngine)(env=env, runtime=runtime, max_context=max_context,
                                                            instructions=instructions)
+        self.max_lag = int(max_lag)
+        if self.max_lag:
+            check_lag(self.max_lag, self.engine, self.sampling)
+        self._lagged = LaggedRollouts(self.engine, self.max_lag, self.sampling, self._task_stream,
+                                      lambda: bool(getattr(self.trainer, "received_sigterm", False))) if self.max_lag else None
+        self.discarded_episodes = 0  # max_lag: episodes of collections dropped unused (a resume; summed over ranks)
         self.counters = {k: 0 for k in COUNTERS}
         self.train_record: EpochRecord | None = None  # the newest training epoch's experience
         self.val_record: ValidationRecord | None = None  # the newest validation's held-out episodes
@@ -181,6 +196,11 @@ class RolloutDataModule(pl.LightningDataModule):
             self.max_row_tokens = self.trainer.lightning_module.max_tokens_per_microbatch
 
     def teardown(self, stage: str) -> None:
+        if self._lagged is not None:
+            dropped = self._lagged.cancel()
+            if dropped:
+                log.info("data.max_lag: %d queued collection(s) (epochs %s) dropped at teardown", len(dropped),
+                         [c.epoch for c in dropped])
         self.engine.close()
 
     # -- rollouts -------------------------------------------------------------------------------
@@ -241,23 +261,46 @@ class RolloutDataModule(pl.LightningDataModule):
         key = (id(self.trainer), epoch)
         if self._served is not None and self._served[0] == key:
             return self._served[1]
-        self.train_record = self.collect_epoch(epoch)
+        self.train_record = self._lagged_epoch(epoch) if self.max_lag else self.collect_epoch(epoch)
         served = [mb for _ in range(self.ppo_epochs) for mb in self.train_record.minibatches] + self.train_record.extra_batches
         loader = DataLoader(served, batch_size=None, shuffle=False, collate_fn=_identity)
         self._served = (key, loader)
         return loader
 
     def collect_epoch(self, epoch: int = 0) -> EpochRecord:
-        """Rollouts, advantages and minibatches of one epoch (not yet scored); updates the counters."""
+        """Rollouts, advantages and minibatches of one epoch (not yet scored), sampled now; updates the counters."""
         t0 = time.perf_counter()
-        self.epoch = epoch
         tasks, groups = self.sample_tasks(epoch)
         eps, stats = self._rollout(tasks, groups, self.sampling, self._rng.randrange(2**31), "rollouts")
-        t_roll = time.perf_counter() - t0
+        for e in eps:
+            e.policy_version = epoch
+        return self._record(epoch, eps, groups, stats, self._rng, time.perf_counter() - t0)
+
+    def _lagged_epoch(self, epoch: int) -> EpochRecord:
+        """``max_lag``: the epoch's collection, queued ``max_lag`` epochs ago (:mod:`cope.train.lagged_rollouts`),
+        made a record with the lag metrics."""
+        t0 = time.perf_counter()
+        max_epochs = getattr(self.trainer, "max_epochs", None)
+        job, synced = self._lagged.take(epoch, self.trainer.global_step if self.trainer is not None else 0, max_epochs)
+        waited = time.perf_counter() - t0 - synced  # training waited for the rollouts this long (0: fully overlapped)
+        job.stats.sync_seconds += synced
+        record = self._record(epoch, job.episodes, job.groups, job.stats, job.rng, job.seconds)
+        record.metrics.update({**self._lagged.metrics(epoch, job), "rollout/discarded_episodes": float(self.discarded_episodes),
+                               "perf/rollout_wait_seconds": waited})
+        return record
+
+    def _task_stream(self, epoch: int):
+        tasks, groups = self.sample_tasks(epoch)
+        return tasks, groups, self._rng
+
+    def _record(self, epoch: int, eps: list[Episode], groups: list[int], stats, rng, t_roll: float) -> EpochRecord:
+        """Advantages, minibatches (ordered by ``rng``, the epoch's task stream), extra batches, counters and metrics
+        of one epoch's episodes, in the main thread (the counters' reductions are collectives)."""
+        self.epoch = epoch
         adv_metrics = assign_advantages(eps, groups, self.advantage_mode)
         pack = functools.partial(pack_groups, max_row_tokens=self.max_row_tokens)
         transforms = [*self._collate_transforms, pack] if self.share_prefix else self._collate_transforms
-        minibatches = cut_minibatches(eps, self.minibatch_size, self.pad_id, self._rng, transforms)
+        minibatches = cut_minibatches(eps, self.minibatch_size, self.pad_id, rng, transforms, behaviour=self.max_lag > 0)
         extra = self._extra_batches(eps)
         tokens = train_tokens(minibatches, self.pad_id, self.ppo_epochs) + train_tokens(extra, self.pad_id)
         inc = self._reduce([len(eps), stats.env_steps, stats.generated_tokens, tokens])
@@ -326,8 +369,21 @@ class RolloutDataModule(pl.LightningDataModule):
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The counters (summed over ranks: the same on every rank). No RNG state: the task streams are derived
-        per (seed, rank, epoch); a checkpoint's, written by rank 0, would give every rank rank 0's stream."""
-        return {"counters": dict(self.counters)}
+        per (seed, rank, epoch); a checkpoint's, written by rank 0, would give every rank rank 0's stream. With
+        ``max_lag``: the discarded-episode count and the episodes of the collections queued now, on all ranks (the
+        same count on each), which a resume from this checkpoint discards and collects again."""
+        state = {"counters": dict(self.counters)}
+        if self._lagged is not None:
+            world = self.trainer.world_size if self.trainer is not None else 1
+            state["discarded_episodes"] = self.discarded_episodes
+            state["in_flight_episodes"] = sum(len(c.tasks) for c in self._lagged.pending) * world
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.counters.update(state["counters"])  # an older checkpoint's "rng" (rank 0's stream) is ignored
+        in_flight = int(state.get("in_flight_episodes", 0))
+        self.discarded_episodes = int(state.get("discarded_episodes", 0)) + in_flight
+        if in_flight:
+            log.warning("data.max_lag: the checkpoint had %d episodes in flight (collected, not yet trained); they are "
+                        "discarded (rollout/discarded_episodes) and their epochs collected again with the resumed weights",
+                        in_flight)

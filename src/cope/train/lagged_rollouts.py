@@ -1,0 +1,215 @@
+"""Rollouts that overlap training (``data.max_lag = L >= 1``): a background thread collects later epochs' episodes.
+
+The schedule is fixed: **epoch e trains on episodes sampled by the policy as it was at the start of epoch
+max(0, e - L)** (its *version*: the epoch whose starting weights sampled it). At the start of epoch e the DataModule
+syncs the engine to the current weights, queues the collection of epoch e + L under that version, and takes epoch e's
+collection (queued at the start of epoch e - L), waiting for it if it is still running. So:
+
+* **the lag is bounded by construction**: a collection is only ever queued under the newest weights, and only L
+  epochs ahead; nothing is sampled by a policy more than L versions old;
+* **admission is paced, never dropped**: collection runs ahead of training by at most L epochs and then waits (the
+  queue is full); a slow, long episode is waited for, never discarded, so the batch is not biased toward short ones;
+* **GRPO groups stay within one version**: a collection is one engine call under one version, and every group lives
+  inside one collection;
+* **the first L epochs** of a fresh run are sampled by version 0 (lag e < L), as is every collection queued before
+  the first update.
+
+Only the engine call runs in the thread (``RolloutEngine.rollout(..., version=v)`` on its own env slots): task
+sampling happens when a collection is queued, advantages, minibatches, the counters' all-reduces and the
+:class:`~cope.records.EpochRecord` in the main thread when it is taken, so no collective ever runs off the main
+thread. The engine keeps every queued collection's version served (``hold``/``release``); one that cannot sample an
+older version while training changes the weights (``overlaps = False``: the in-process engine) is refused.
+
+Resume: collections are not checkpointed. A checkpoint written at the end of epoch e has the collections of epochs
+e+1 .. e+L queued or running; a resumed run discards them, counts them (``rollout/discarded_episodes``, cumulative,
+summed over ranks) and collects those epochs again under its first version, then goes on with the schedule. No
+episode is trained twice and none is trained without being counted; a resumed lagged run is not bit-identical to
+the uninterrupted one (its first L epochs after the resume have a smaller lag). Lag 0 never starts the thread.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from cope.envs.base import Task
+
+log = logging.getLogger(__name__)
+THREAD = "cope-lagged-rollouts"  # the collector thread's name
+
+
+def lag_problem(max_lag: int, engine: Any, top_p: float) -> tuple[str, str] | None:
+    """What ``data.max_lag >= 1`` needs, as (key, message) when it is missing (None: it fits): an engine (instance or
+    class) that overlaps, i.e. serves an older version while the weights change, and reports full-vocabulary sampler
+    log-probs; and no top-p (the sampler's log-probs would be renormalized over the nucleus, biased against the
+    trainer's)."""
+    name = getattr(engine, "__name__", type(engine).__name__)
+    if not getattr(engine, "overlaps", False):
+        return "data.max_lag", (f"needs a rollout engine that samples from an older policy version while training "
+                                f"changes the weights; {name} cannot (the in-process engine generates with the training "
+                                "model itself, and a second copy on the same device would compete with training for it). "
+                                "Use rollout=vllm (the server serves each version as its own adapter), or data.max_lag=0")
+    if not getattr(engine, "reports_logprobs", False):
+        return "data.max_lag", (f"needs the sampler's own log-probs for the behaviour correction; {name} does not "
+                                "report them. Use rollout=vllm, or data.max_lag=0")
+    if top_p < 1:
+        return "data.sampling.top_p", (f"with data.max_lag={max_lag}: the sampler's log-probs are renormalized over "
+                                       "the nucleus, so the behaviour weight pi_prox/pi_behav would be biased; sample with "
+                                       "top_p=1 (temperature is exact), or data.max_lag=0")
+    return None
+
+
+def check_lag(max_lag: int, engine: Any, sampling: Any) -> None:
+    """:func:`lag_problem` of a built engine and sampling, raised as ValueError naming the key."""
+    problem = lag_problem(max_lag, engine, sampling.top_p)
+    if problem is not None:
+        raise ValueError(f"{problem[0]}={max_lag if problem[0] == 'data.max_lag' else sampling.top_p}: {problem[1]}")
+
+
+class Cancelled(Exception):
+    """A queued or running collection was cancelled (teardown, SIGTERM, an error elsewhere)."""
+
+
+@dataclass
+class Collection:
+    """One epoch's rollouts, queued under one policy version.
+
+    epoch: the epoch that trains on it; version: the epoch whose starting weights sample it; step: the engine's
+    version of those weights (the optimizer step count at the sync); tasks, groups, rng, seed: the epoch's task
+    stream (:meth:`cope.train.datamodule.RolloutDataModule.sample_tasks`), whose ``rng`` goes on to order the
+    minibatches; episodes, stats, seconds: set when it finished (``error`` when it failed)."""
+
+    epoch: int
+    version: int
+    step: int
+    tasks: list[Task]
+    groups: list[int]
+    rng: random.Random
+    seed: int
+    episodes: list | None = None
+    stats: Any = None
+    seconds: float = 0.0
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class LaggedRollouts:
+    """The schedule and its background thread: a FIFO of :class:`Collection` run one after another.
+
+    Args:
+        engine: the rollout engine (``overlaps``: ``sync``, ``hold``, ``release``, ``rollout(..., version=)``).
+        max_lag: L >= 1.
+        sampling: the training rollouts' :class:`cope.rollout.engine.Sampling` (each collection gets its own seed).
+        task_stream: ``task_stream(epoch)`` -> (tasks, groups, rng): the epoch's task stream, whose ``rng`` draws the
+            rollout seed next and then orders the minibatches (the DataModule's, derived from seed, rank, epoch).
+        stopping: True once the run received SIGTERM: a running collection stops after its current turn.
+    """
+
+    def __init__(self, engine: Any, max_lag: int, sampling: Any,
+                 task_stream: Callable[[int], tuple[list[Task], list[int], random.Random]], stopping: Callable[[], bool]):
+        self.engine, self.max_lag, self.sampling = engine, int(max_lag), sampling
+        self._task_stream, self._stopping = task_stream, stopping
+        self._queue: queue.Queue[Collection | None] = queue.Queue()
+        self._jobs: dict[int, Collection] = {}  # by epoch: queued, running or finished, not yet taken
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pending(self) -> list[Collection]:
+        """Collections not yet taken (queued, running or finished), by epoch."""
+        return [self._jobs[e] for e in sorted(self._jobs)]
+
+    def take(self, epoch: int, step: int, max_epochs: int | None = None) -> tuple[Collection, float]:
+        """Epoch ``epoch``'s collection and the seconds spent syncing: the engine synced to the weights as they are now
+        (optimizer step ``step``), the collections of epochs ``epoch .. epoch + max_lag`` (none past ``max_epochs``)
+        queued under them where not queued yet (all of them on a process's first epoch), then this epoch's waited for.
+        Its episodes carry their ``policy_version``; a failed collection's error is raised here (SIGTERM as
+        Lightning's ``SIGTERMException``)."""
+        t0 = time.perf_counter()
+        self.engine.sync(step)
+        synced = time.perf_counter() - t0
+        last = epoch + self.max_lag
+        if max_epochs is not None and max_epochs >= 0:  # nothing is collected for epochs the fit will not run
+            last = min(last, max_epochs - 1)
+        for k in range(epoch, last + 1):
+            if k not in self._jobs:
+                tasks, groups, rng = self._task_stream(k)
+                self.engine.hold(step)
+                self._submit(Collection(epoch=k, version=epoch, step=step, tasks=tasks, groups=groups, rng=rng,
+                                        seed=rng.randrange(2**31)))
+        job = self._jobs.pop(epoch)
+        try:
+            while not job.done.wait(timeout=1.0):
+                if self._thread is None or not self._thread.is_alive():
+                    raise RuntimeError(f"the rollout thread ended before epoch {epoch}'s collection finished")
+            if isinstance(job.error, Cancelled) and self._stopping():
+                from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+                raise SIGTERMException
+            if job.error is not None:
+                raise job.error
+        finally:
+            self.engine.release(job.step)
+        for e in job.episodes:
+            e.policy_version = job.version
+        return job, synced
+
+    @staticmethod
+    def metrics(epoch: int, job: Collection) -> dict[str, float]:
+        """``rollout/lag_mean`` and ``rollout/lag_max`` (epochs between the sampling weights and the training epoch)."""
+        lags = [epoch - e.policy_version for e in job.episodes]
+        return {"rollout/lag_mean": sum(lags) / max(len(lags), 1), "rollout/lag_max": float(max(lags, default=0))}
+
+    def _submit(self, job: Collection) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._cancel.clear()
+            self._thread = threading.Thread(target=self._loop, name=THREAD, daemon=True)
+            self._thread.start()
+        self._jobs[job.epoch] = job
+        self._queue.put(job)
+
+    def _run(self, job: Collection):
+        """The engine call of a queued collection (in the thread, on the engine's env slots of that thread): the
+        version it was queued under; after every turn, the stop on a cancel or a SIGTERM."""
+        def turn_done(finished: int) -> None:
+            if self._cancel.is_set() or self._stopping():
+                raise Cancelled
+
+        turn_done(0)
+        return self.engine.rollout(job.tasks, job.groups, dataclasses.replace(self.sampling, seed=job.seed),
+                                   progress=turn_done, version=job.step)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                job.episodes, job.stats = self._run(job)
+            except BaseException as e:  # noqa: B036 - handed to the main thread by take()
+                job.error = e
+                if not isinstance(e, Cancelled):
+                    log.error("lagged collection of epoch %d (version %d) failed: %r", job.epoch, job.version, e)
+            job.seconds = time.perf_counter() - t0
+            job.done.set()
+
+    def cancel(self) -> list[Collection]:
+        """Stop the thread (a running collection ends after its current turn), release every pending collection's
+        version and return the collections that were dropped."""
+        dropped = self.pending
+        self._cancel.set()
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join()
+        self._thread = None
+        self._queue = queue.Queue()
+        for job in dropped:
+            self.engine.release(job.step)
+        self._jobs.clear()
+        return dropped

@@ -1,0 +1,132 @@
+"""``data.max_lag``: rollouts collected in a background thread while earlier epochs train (cope.train.lagged_rollouts).
+
+Against :class:`lag_fixtures.CopyEngine` (a server engine's contract with the in-process sampler): epoch e trains on
+episodes of the policy at the start of epoch max(0, e - L), collected off the main thread; the minibatches carry the
+sampler's log-probs and the loss reports the behaviour weights; a resume discards and counts what was in flight and
+trains no epoch twice; bad settings fail before any work, naming the key."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lag_fixtures import CopyEngine
+
+from cope.train.lagged_rollouts import THREAD
+
+ENGINE = ["data.engine._target_=lag_fixtures.CopyEngine"]
+EPISODES = 2 * 4  # debug=fast: 2 tasks x 4 episodes per epoch
+STEPS = 1  # one minibatch of 8 episodes per epoch
+
+
+def _run(run_train, tmp_path, lag: int, epochs: int, extra=()):
+    return run_train([*ENGINE, f"data.max_lag={lag}", f"trainer.max_epochs={epochs}",
+                             "data.sampling.temperature=0.7", *extra], tmp_path)
+
+
+@pytest.fixture(scope="module")
+def lag2(run_train, tmp_path_factory, read_metrics):
+    out = tmp_path_factory.mktemp("lag2")
+    # algo=echo: the observation loss moves the weights every epoch, also when no group has a reward signal
+    result = run_train([*ENGINE, "algo=echo", "data.max_lag=2", "trainer.max_epochs=4", "data.sampling.temperature=0.7"], out)
+    return out, result, CopyEngine.last, read_metrics(out / "csv" / "metrics.csv")
+
+
+def test_each_epoch_trains_on_the_policy_lag_epochs_old(lag2):
+    out, result, engine, m = lag2
+    assert m["rollout/lag_mean"] == [0.0, 1.0, 2.0, 2.0] and m["rollout/lag_max"] == [0.0, 1.0, 2.0, 2.0]
+    train = [(thread, v) for thread, v in engine.calls if thread == THREAD]
+    # epochs 0, 1, 2 queued at the start of epoch 0 (version 0, step 0); epoch 3 at the start of epoch 1 (step 1)
+    assert train == [(THREAD, 0)] * 3 + [(THREAD, STEPS)]
+    main = {v for thread, v in engine.calls if thread != THREAD}  # the validations: the newest weights
+    assert main == {0, STEPS, 2 * STEPS, 3 * STEPS, 4 * STEPS}
+    assert result["counters/episodes"] == 4 * EPISODES and m["rollout/discarded_episodes"] == [0.0] * 4
+    assert not engine.holds or set(engine.holds.values()) == {0}  # every queued version released
+    assert set(engine.versions) == {engine.newest}  # and unloaded
+
+
+def test_lagged_batches_carry_the_behaviour_correction(lag2):
+    _, _, _, m = lag2
+    w, top = m["policy/behaviour_weight_mean"], m["policy/behaviour_weight_max"]
+    assert len(w) == 4 * STEPS and all(x > 0 for x in w)
+    assert abs(w[0] - 1.0) < 1e-5 and top[0] < 1 + 1e-5  # epoch 0: its sampler is the policy that scored it
+    assert all(x > 1.01 for x in top[1:])  # later epochs: sampled 1-2 versions ago, the weights moved since
+
+
+def test_resume_discards_and_counts_the_collections_in_flight(run_train, tmp_path, read_metrics):
+    """A fit that ends after epoch 1 with epochs 2 and 3 queued (max_steps: the checkpoint a kill right after it would
+    leave): the resume discards them, counts them and collects them again; every epoch is trained once."""
+    _run(run_train, tmp_path, 2, 4, ["+trainer.max_steps=2"])
+    result = _run(run_train, tmp_path, 2, 4, ["ckpt_path=last"])
+    m = read_metrics(tmp_path / "csv" / "metrics.csv")
+    assert m["rollout/discarded_episodes"] == [0.0, 0.0, 2 * EPISODES, 2 * EPISODES]
+    assert m["rollout/lag_mean"] == [0.0, 1.0, 0.0, 1.0]  # after the resume: both sampled at its first version
+    assert result["counters/episodes"] == 4 * EPISODES and m["epoch"][-1] == 3.0
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["data.max_lag=-1"], "data.max_lag"),
+    (["data.max_lag=1"], "data.max_lag"),  # the in-process engine (rollout=hf) cannot overlap
+    ([*ENGINE, "data.max_lag=1", "data.sampling.top_p=0.9"], "data.sampling.top_p"),
+])
+def test_bad_lag_settings_fail_before_any_work(compose, tmp_path, overrides, key):
+    from cope.run.config_check import check_config
+    from cope.run.config_keys import ConfigError
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        check_config(compose(overrides, tmp_path))
+
+
+def test_lag_zero_starts_no_thread_and_adds_no_key(run_train, tmp_path, read_metrics):
+    """max_lag=0 with a lag-capable engine: the synchronous loop (no collector thread, no behaviour key or lag metric).
+    That loop is today's bit for bit: a 3-epoch run at T=0.7 gave the commit-before's 74 metric columns and 14 trained
+    tensors exactly (the closing note of this feature)."""
+    run_train([*ENGINE, "data.max_lag=0"], tmp_path)
+    assert CopyEngine.last.calls and all(thread != THREAD for thread, _ in CopyEngine.last.calls)
+    m = read_metrics(tmp_path / "csv" / "metrics.csv")
+    assert not [k for k in m if k.startswith(("rollout/lag", "rollout/discarded", "policy/behaviour", "perf/rollout_wait"))]
+
+
+@pytest.mark.slow
+def test_kill_with_collections_in_flight_then_resume(tmp_path, read_metrics):
+    """``python train.py`` with max_lag=2 SIGKILLed between its epoch-1 checkpoint and the end of epoch 3 (collections
+    queued or running), resumed: the checkpoint's in-flight episodes are counted as discarded, every epoch is trained
+    exactly once, the lag stays within 2, and the episode counter holds only trained epochs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+    from conftest import TRAIN_PY
+
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints" / "last.ckpt"
+    cmd = [sys.executable, str(TRAIN_PY), "debug=fast", *ENGINE, "algo=echo", "data.max_lag=2", "trainer.max_epochs=5",
+           f"hydra.run.dir={run}"]
+    path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])  # lag_fixtures
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ckpt.exists() and torch.load(ckpt, map_location="cpu", weights_only=False)["epoch"] >= 1:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    dm = state["RolloutDataModule"]
+    assert dm["in_flight_episodes"] > 0  # collections were queued when it was written
+    again = subprocess.run([*cmd, "ckpt_path=last"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    m = read_metrics(run / "csv" / "metrics.csv")
+    epochs = int(state["epoch"]) + 1  # trained before the kill
+    assert len(m["rollout/lag_mean"]) == 5 and max(m["rollout/lag_max"]) <= 2
+    assert m["rollout/discarded_episodes"][epochs:] == [float(dm["in_flight_episodes"])] * (5 - epochs)
+    final = torch.load(ckpt, map_location="cpu", weights_only=False)["RolloutDataModule"]
+    assert final["counters"]["episodes"] == 5 * EPISODES and final["discarded_episodes"] == dm["in_flight_episodes"]
