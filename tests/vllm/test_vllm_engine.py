@@ -118,7 +118,7 @@ def test_attach_by_url(vllm_engine, served_policy, monkeypatch, tmp_path):
     att = VLLMEngine(maze6, EnvRuntime(), max_context=1024, url=vllm_engine.server.url, workdir=str(tmp_path))
     att.connect(served_policy, rank=1)  # a second trainer rank: its own adapter name and folder
     assert not att.server.managed and att.lora_name == "cope-rank1-v0" and att.base_name == "base"
-    assert att.adapter_dir.name == "adapter-rank1"
+    assert att.adapter_dir.name == "adapter-rank1-v0"  # one folder per version
     mine, _ = att.rollout(TASKS, GROUPS, GREEDY)
     theirs, _ = vllm_engine.rollout(TASKS, GROUPS, GREEDY)
     assert [e.tokens for e in mine] == [e.tokens for e in theirs]

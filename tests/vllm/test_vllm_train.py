@@ -52,7 +52,7 @@ def test_trains_end_to_end_against_its_own_server(managed_run, read_metrics):
     assert cols["counters/episodes"] == [8.0] and cols.get("loss/pg")
     log = (run_dir / "vllm" / "server.log").read_text()
     assert "load_lora_adapter" in log or "Loaded new LoRA adapter" in log or "LoRA" in log
-    assert (run_dir / "vllm" / "adapter-rank0" / "adapter_model.safetensors").is_file()
+    assert list((run_dir / "vllm").glob("adapter-rank0-v*/adapter_model.safetensors"))  # the newest version's folder
     base = json.loads((run_dir / "csv" / "adapter" / "cope_export.json").read_text())["base_model"]
     assert not servers_of(base), "the managed server outlived train.py"
 

@@ -3,13 +3,22 @@
 The DataModule asks an engine for each epoch's episodes (and for the greedy validation episodes);
 it never touches the model. An engine is bound to the policy once (:meth:`RolloutEngine.connect`,
 after the policy is built) and told when the trained weights changed (:meth:`RolloutEngine.sync`,
-with the policy version = the optimizer step count). Engines:
+with the policy version = the optimizer step count).
+
+Overlapped rollouts (``data.max_lag >= 1``): an engine with ``overlaps = True`` serves several policy versions
+at once, so a background collection can sample an older version while training moves on. The DataModule
+``hold``s a synced version for each queued collection and ``release``s it when that collection is done; a
+``rollout(..., version=v)`` samples from that version (None: the newest). ``rollout`` may run in two threads
+at once (the collection and the main thread's validation): each concurrent call gets its own env slots
+(its own env batch, made on first use and reused by later calls; ``close`` closes them all, ``env_stats``
+sums them). Engines:
 
 * :class:`HFEngine` (here): generation in this process with transformers (``CachedSamplingActor``
-  over the training model itself, so ``sync`` has nothing to do), env steps in this process or in
-  env worker processes, episodes in waves of at most ``max_live_episodes``;
-* a vLLM server engine plugs in behind the same protocol (only generation differs; the env runtime,
-  :func:`cope.rollout.loop.run_episodes` and the records stay).
+  over the training model itself, so ``sync`` has nothing to do and only the current version can be sampled:
+  ``overlaps = False``), env steps in this process or in env worker processes, episodes in waves of at most
+  ``max_live_episodes``;
+* :class:`cope.rollout.vllm.engine.VLLMEngine`, a vLLM server, plugs in behind the same protocol (only
+  generation differs; the env runtime, :func:`cope.rollout.loop.run_episodes` and the records stay).
 
 Settings are small typed records, each given to the class that uses it: :class:`Sampling` (per
 call: training rollouts sample, validation is greedy) and :class:`EnvRuntime` (where env instances
@@ -17,9 +26,11 @@ live and their deadlines).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from cope.envs.base import Env, Task
 from cope.envs.runtime.batch import STATS, EnvBatch, InProcessEnvs
@@ -82,16 +93,30 @@ class RolloutEngine(Protocol):
     """What the DataModule needs from a rollout engine. Optional class attribute ``reports_logprobs``
     (default False): every sampled action carries the sampler's own log-probs (``Step.sampler_logprobs``)."""
 
+    overlaps: bool  # serves older policy versions while the weights train on (data.max_lag >= 1 needs it)
+
+    def check_lag(self, max_lag: int) -> None:
+        """Refuse ``data.max_lag`` (ValueError naming the key to change) when this engine cannot serve that many
+        versions at once; called at config time, before :meth:`connect`."""
+
     def connect(self, policy: Any, rank: int = 0) -> None:
         """Bind the policy (model, tokenizer, chat scaffold) the episodes are sampled from; ``rank`` is the
         trainer's global rank (a server engine names what it keeps on a shared server by it)."""
 
     def sync(self, version: int) -> None:
-        """The trained weights are now at ``version`` (optimizer steps): make the next rollouts use them."""
+        """The trained weights are now at ``version`` (optimizer steps): make it the newest served version. The
+        previous newest stays served while it is held."""
+
+    def hold(self, version: int) -> None:
+        """Keep the loaded ``version`` served for a queued collection (a count; raises if it is not loaded)."""
+
+    def release(self, version: int) -> None:
+        """Drop one hold of ``version``; with none left and a newer version synced, it is no longer served."""
 
     def rollout(self, tasks: list[Task], groups: list[int], sampling: Sampling,
-                progress: Callable[[int], None] | None = None) -> tuple[list[Episode], RolloutStats]:
-        """One episode per task, in input order (``groups[i]``: the group of episode ``i``)."""
+                progress: Callable[[int], None] | None = None, version: int | None = None) -> tuple[list[Episode], RolloutStats]:
+        """One episode per task, in input order (``groups[i]``: the group of episode ``i``), sampled from policy
+        ``version`` (None: the newest; else a loaded one)."""
 
     def env_stats(self) -> dict[str, int]:
         """Cumulative env-runtime events (restarts, timeouts, ...; :data:`cope.envs.runtime.batch.STATS`)."""
@@ -111,34 +136,79 @@ class HFEngine:
         instructions: system prompt replacing the env's own (None keeps it).
     """
 
+    overlaps = False  # generation runs on the training model itself: only its current weights can be sampled
+
     def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None):
         if max_context < 1:
             raise ValueError(f"data.max_context must be >= 1, got {max_context}")
         self.env_factory, self.runtime, self.max_context, self.instructions = env, runtime, max_context, instructions
         self.policy = None
-        self._envs: EnvBatch | None = None
+        self.version: int | None = None  # of the newest sync
+        self._batches: list[EnvBatch] = []  # every env batch made (one per concurrent rollout call)
+        self._free: list[EnvBatch] = []  # those no call uses now
+        self._lock = threading.Lock()
         self._stats_before = dict.fromkeys(STATS, 0)  # of env batches closed earlier
+
+    def check_lag(self, max_lag: int) -> None:
+        if max_lag != 0:
+            raise ValueError(f"data.max_lag={max_lag} needs a rollout engine that serves older policy versions "
+                             "(rollout=vllm): the in-process engine samples the training model itself (data.max_lag=0)")
 
     def connect(self, policy: Any, rank: int = 0) -> None:
         self.policy = policy
 
     def sync(self, version: int) -> None:
-        """Nothing to do: generation runs on the training model itself."""
+        """Nothing to load: generation runs on the training model itself (the version is only recorded)."""
+        self.version = version
 
-    def env_batch(self):
-        """The env instances of the episode slots (in this process or in worker processes), made on first use."""
-        if self._envs is None:
-            rt = self.runtime
-            self._envs = (EnvWorkerPool(self.env_factory, rt.workers, rt.step_timeout_s, rt.reset_timeout_s, rt.python)
-                          if rt.workers > 0 else InProcessEnvs(self.env_factory))
-        return self._envs
+    def _check_version(self, version: int | None) -> None:
+        if version is not None and version != self.version:
+            raise ValueError(f"the in-process engine samples only the current policy version ({self.version}), "
+                             f"not version {version} (overlaps=False)")
+
+    def hold(self, version: int) -> None:
+        """Only the current version can be held (and holding it changes nothing)."""
+        self._check_version(version)
+
+    def release(self, version: int) -> None:
+        self._check_version(version)
+
+    def _new_batch(self) -> EnvBatch:
+        rt = self.runtime
+        return (EnvWorkerPool(self.env_factory, rt.workers, rt.step_timeout_s, rt.reset_timeout_s, rt.python)
+                if rt.workers > 0 else InProcessEnvs(self.env_factory))
+
+    def env_batch(self) -> EnvBatch:
+        """The env instances of the episode slots (in this process or in worker processes), made on first use (the
+        first of them when concurrent rollout calls made several)."""
+        with self._lock:
+            if not self._batches:
+                self._batches.append(self._new_batch())
+                self._free.append(self._batches[0])
+            return self._batches[0]
+
+    @contextlib.contextmanager
+    def slots(self) -> Iterator[EnvBatch]:
+        """An env batch no other rollout call uses now (a free one, else a new one) for the length of one call."""
+        with self._lock:
+            envs = self._free.pop(0) if self._free else None
+        if envs is None:
+            envs = self._new_batch()
+            with self._lock:
+                self._batches.append(envs)
+        try:
+            yield envs
+        finally:
+            with self._lock:
+                self._free.append(envs)
 
     def rollout(self, tasks: list[Task], groups: list[int], sampling: Sampling,
-                progress: Callable[[int], None] | None = None) -> tuple[list[Episode], RolloutStats]:
+                progress: Callable[[int], None] | None = None, version: int | None = None) -> tuple[list[Episode], RolloutStats]:
         from cope.rollout.hf_actor import CachedSamplingActor  # torch-side; the engine module itself stays light
 
         if self.policy is None:
             raise RuntimeError("HFEngine.connect(policy) must be called before rollout")
+        self._check_version(version)
         model, chat = self.policy.model, self.policy.chat
         actor = CachedSamplingActor(model, self.policy.pad_id, chat.stop_ids, sampling.max_action_tokens,
                                     sampling.temperature, sampling.top_p,
@@ -148,22 +218,29 @@ class HFEngine:
         wave = self.runtime.max_live_episodes or len(tasks)
         eps, stats = [], RolloutStats()
         try:
-            for s in range(0, len(tasks), wave):  # each wave reuses env slots 0..wave-1
-                e, st = run_episodes(self.env_batch(), tasks[s: s + wave], groups[s: s + wave], actor,
-                                     self.policy.tokenizer, chat, self.max_context, sampling.max_action_tokens,
-                                     progress=progress, chunks=self.runtime.chunks, instructions=self.instructions)
-                eps += e
-                stats.add(st)
+            with self.slots() as envs:
+                for s in range(0, len(tasks), wave):  # each wave reuses env slots 0..wave-1
+                    e, st = run_episodes(envs, tasks[s: s + wave], groups[s: s + wave], actor,
+                                         self.policy.tokenizer, chat, self.max_context, sampling.max_action_tokens,
+                                         progress=progress, chunks=self.runtime.chunks, instructions=self.instructions)
+                    eps += e
+                    stats.add(st)
         finally:
             model.train(was_training)
         return eps, stats
 
     def env_stats(self) -> dict[str, int]:
-        now = dict(self._envs.stats) if self._envs is not None else dict.fromkeys(STATS, 0)
-        return {k: self._stats_before[k] + now.get(k, 0) for k in STATS}
+        """Summed over every env batch, open or closed."""
+        with self._lock:
+            batches = list(self._batches)
+        return {k: self._stats_before[k] + sum(b.stats.get(k, 0) for b in batches) for k in STATS}
 
     def close(self) -> None:
-        if self._envs is not None:
-            self._stats_before = self.env_stats()
-            self._envs.close()
-            self._envs = None
+        """Close every env batch (call it when no rollout runs)."""
+        with self._lock:
+            batches, self._batches, self._free = self._batches, [], []
+            for b in batches:
+                for k in STATS:
+                    self._stats_before[k] += b.stats.get(k, 0)
+        for b in batches:
+            b.close()

