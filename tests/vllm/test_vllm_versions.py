@@ -62,9 +62,8 @@ def test_check_lag_refuses_one_lora_slot_and_sizes_the_cache(eng):
     with pytest.raises(ValueError, match="data.engine.max_loras"):
         VLLMEngine(maze6, EnvRuntime(), max_context=1024, max_loras=1).check_lag(1)
     VLLMEngine(maze6, EnvRuntime(), max_context=1024, max_loras=1).check_lag(0)  # lag 0: as before
-    with pytest.raises(ValueError, match="data.max_lag"):
-        HFEngine(maze6, EnvRuntime(), max_context=1024).check_lag(1)
-    assert eng.overlaps and not HFEngine.overlaps
+    HFEngine(maze6, EnvRuntime(), max_context=1024).check_lag(1)  # a sampler copy per held version: any lag
+    assert eng.overlaps and HFEngine.overlaps
     i = eng.server.extra_args.index("--max-cpu-loras")
     assert eng.server.extra_args[i + 1] == "4"  # L+2 for max_lag=2
 

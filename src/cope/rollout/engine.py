@@ -14,8 +14,9 @@ at once (the collection and the main thread's validation): each concurrent call 
 sums them). Engines:
 
 * :class:`HFEngine` (here): generation in this process with transformers (``CachedSamplingActor``
-  over the training model itself, so ``sync`` has nothing to do and only the current version can be sampled:
-  ``overlaps = False``), env steps in this process or in env worker processes, episodes in waves of at most
+  over the training model itself, so ``sync`` has nothing to do; a held version is sampled from a snapshot of the
+  adapter taken at its hold, the base weights shared: :mod:`cope.rollout.sampler_copy`, whose rollouts report their
+  log-probs), env steps in this process or in env worker processes, episodes in waves of at most
   ``max_live_episodes``;
 * :class:`cope.rollout.vllm.engine.VLLMEngine`, a vLLM server, plugs in behind the same protocol (only
   generation differs; the env runtime, :func:`cope.rollout.loop.run_episodes` and the records stay).
@@ -136,7 +137,7 @@ class HFEngine:
         instructions: system prompt replacing the env's own (None keeps it).
     """
 
-    overlaps = False  # generation runs on the training model itself: only its current weights can be sampled
+    overlaps = True  # a held version is sampled from its own snapshot (cope.rollout.sampler_copy), the newest from the model
 
     def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None):
         if max_context < 1:
@@ -144,34 +145,46 @@ class HFEngine:
         self.env_factory, self.runtime, self.max_context, self.instructions = env, runtime, max_context, instructions
         self.policy = None
         self.version: int | None = None  # of the newest sync
+        self._copies: dict[int, Any] = {}  # held versions: a sampler copy of the model at each (data.max_lag >= 1)
+        self._holds: dict[int, int] = {}
         self._batches: list[EnvBatch] = []  # every env batch made (one per concurrent rollout call)
         self._free: list[EnvBatch] = []  # those no call uses now
         self._lock = threading.Lock()
         self._stats_before = dict.fromkeys(STATS, 0)  # of env batches closed earlier
 
     def check_lag(self, max_lag: int) -> None:
-        if max_lag != 0:
-            raise ValueError(f"data.max_lag={max_lag} needs a rollout engine that serves older policy versions "
-                             "(rollout=vllm): the in-process engine samples the training model itself (data.max_lag=0)")
+        """Any lag: each held version is a snapshot of the adapter (the base shared), refused with full fine-tuning or
+        sharding at config time (:func:`cope.rollout.sampler_copy.copy_problem`)."""
 
     def connect(self, policy: Any, rank: int = 0) -> None:
         self.policy = policy
 
     def sync(self, version: int) -> None:
-        """Nothing to load: generation runs on the training model itself (the version is only recorded)."""
+        """Nothing to load: the newest version is the training model itself (the version is only recorded)."""
         self.version = version
 
-    def _check_version(self, version: int | None) -> None:
-        if version is not None and version != self.version:
-            raise ValueError(f"the in-process engine samples only the current policy version ({self.version}), "
-                             f"not version {version} (overlaps=False)")
-
     def hold(self, version: int) -> None:
-        """Only the current version can be held (and holding it changes nothing)."""
-        self._check_version(version)
+        """Keep ``version`` for a queued collection: on its first hold (right after its sync, before any update) a
+        sampler copy of the model is taken (:func:`cope.rollout.sampler_copy.snapshot`: the trainable tensors copied,
+        the base shared), from which ``rollout(..., version=version)`` samples while the model trains on."""
+        from cope.rollout.sampler_copy import snapshot
+
+        with self._lock:
+            if version not in self._copies:
+                if version != self.version:
+                    raise ValueError(f"the in-process engine can hold only its current version ({self.version}) or one "
+                                     f"it holds, not version {version}")
+                self._copies[version] = snapshot(self.policy.model)
+            self._holds[version] = self._holds.get(version, 0) + 1
 
     def release(self, version: int) -> None:
-        self._check_version(version)
+        """Drop one hold of ``version``; its sampler copy goes with the last."""
+        with self._lock:
+            if not self._holds.get(version):
+                raise ValueError(f"version {version} is not held")
+            self._holds[version] -= 1
+            if not self._holds[version]:
+                del self._holds[version], self._copies[version]
 
     def _new_batch(self) -> EnvBatch:
         rt = self.runtime
@@ -208,11 +221,15 @@ class HFEngine:
 
         if self.policy is None:
             raise RuntimeError("HFEngine.connect(policy) must be called before rollout")
-        self._check_version(version)
-        model, chat = self.policy.model, self.policy.chat
+        with self._lock:
+            copy = self._copies.get(version) if version is not None else None
+        if version is not None and copy is None and version != self.version:
+            raise ValueError(f"version {version} is neither held nor the current one ({self.version})")
+        model, chat = (copy if copy is not None else self.policy.model), self.policy.chat
         actor = CachedSamplingActor(model, self.policy.pad_id, chat.stop_ids, sampling.max_action_tokens,
                                     sampling.temperature, sampling.top_p,
-                                    seed=sampling.seed if sampling.temperature > 0 else None)
+                                    seed=sampling.seed if sampling.temperature > 0 else None,
+                                    logprobs=copy is not None)  # a held version's rollouts carry their behaviour log-probs
         was_training = model.training
         model.eval()
         wave = self.runtime.max_live_episodes or len(tasks)

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from cope.rollout.loop import Sampled
+
 
 def cache_kwarg(model) -> str:
     """The name under which this model's forward takes and returns its KV cache: ``cache`` (transformers
@@ -50,15 +52,21 @@ class CachedSamplingActor:
         max_new_tokens: per-action token cap.
         temperature: 0 for greedy.
         top_p: nucleus mass.
+        seed: the sampling generator's seed (None: the global generator).
+        logprobs: also return each sampled token's log-prob under the distribution it was drawn from (temperature
+            applied, over the whole vocabulary; :class:`cope.rollout.loop.Sampled`), as a server engine reports them.
     """
 
     def __init__(self, model, pad_id: int, stop_id: int | Sequence[int], max_new_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | None = None):
+                 top_p: float = 1.0, seed: int | None = None, logprobs: bool = False):
         self.stop_ids = (int(stop_id),) if isinstance(stop_id, int) else tuple(int(i) for i in stop_id)
         if not self.stop_ids:
             raise ValueError("CachedSamplingActor needs at least one stop id")
         self.model, self.pad_id, self.stop_id = model, pad_id, self.stop_ids[0]
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.logprobs = bool(logprobs)
+        if self.logprobs and top_p < 1.0:  # the nucleus-renormalized log-probs would not be the trainer's
+            raise ValueError("CachedSamplingActor: logprobs=True needs top_p=1")
         self.device = next(model.parameters()).device
         self._cache_kw = cache_kwarg(model)
         self._stops = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)  # (S,)
@@ -75,7 +83,7 @@ class CachedSamplingActor:
         if self.generator is not None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=self.device).item())
         return CachedSamplingActor(self.model, self.pad_id, self.stop_ids, self.max_new_tokens, self.temperature,
-                                   self.top_p, seed=seed)
+                                   self.top_p, seed=seed, logprobs=self.logprobs)
 
     def reset(self) -> None:
         self.keys: list[int] = []
@@ -117,7 +125,7 @@ class CachedSamplingActor:
         return out.logits[:, -1]  # (B, V)
 
     @torch.no_grad()
-    def __call__(self, contexts: list[list[int]], admissible=None, keys: list[int] | None = None) -> list[list[int]]:
+    def __call__(self, contexts: list[list[int]], admissible=None, keys: list[int] | None = None) -> list:
         keys = list(range(len(contexts))) if keys is None else keys
         self._select(keys)
         suffixes = []
@@ -138,12 +146,18 @@ class CachedSamplingActor:
             raise ValueError("every live context needs at least one new token before its next action")
         logits = self._forward(ids.to(self.device), new_mask.to(self.device))
         out: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
         active = torch.ones(B, dtype=torch.bool, device=self.device)
         for step in range(self.max_new_tokens):
             tok = sample_next(logits, self.temperature, self.top_p, self.generator)  # (B,)
             tl = tok.tolist()
+            if self.logprobs:  # the sampled token's log-prob at the sampling temperature, whole vocabulary
+                tau = self.temperature if self.temperature > 0 else 1.0
+                lp = torch.log_softmax(logits.float() / tau, dim=-1).gather(-1, tok[:, None]).squeeze(-1).tolist()  # (B,)
             for r in active.nonzero().flatten().tolist():
                 out[r].append(tl[r])
+                if self.logprobs:
+                    lps[r].append(lp[r])
             active = active & ~torch.isin(tok, self._stops)  # with one stop id: exactly tok != stop_id
             if step == self.max_new_tokens - 1 or not bool(active.any()):
                 break  # the last sampled tokens are fed with the next turn's block
@@ -151,4 +165,4 @@ class CachedSamplingActor:
             logits = self._forward(feed[:, None], active.long()[:, None])
             for r in active.nonzero().flatten().tolist():
                 self.fed[r] += 1
-        return out
+        return [Sampled(ids, lp) for ids, lp in zip(out, lps)] if self.logprobs else out

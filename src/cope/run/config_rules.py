@@ -47,7 +47,7 @@ def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: lis
         check_launch(cfg.trainer, fail)
     check_sharding(cfg, fail)  # trainer=fsdp: what cannot be sharded (quantized weights, a server engine, ...)
     if isinstance(data, DictConfig):
-        lag_fits_engine(data, fail)
+        lag_fits_engine(data, fail, cfg)
     if isinstance(model, DictConfig):
         full_finetuning_fits(model, data, fail)
         export = ((cfg.get("callbacks") or {}).get("adapter_export") or {})
@@ -81,7 +81,7 @@ def full_finetuning_fits(model: DictConfig, data: DictConfig | None, fail: Calla
              "is not built. Use rollout=hf, or model.finetune=lora to keep the server")
 
 
-def lag_fits_engine(data: DictConfig, fail: Callable[[str, str], None]) -> None:
+def lag_fits_engine(data: DictConfig, fail: Callable[[str, str], None], cfg: DictConfig | None = None) -> None:
     """``data.max_lag``: >= 0; >= 1 needs an engine that overlaps and reports its log-probs, and no top-p
     (:func:`cope.train.lagged_rollouts.lag_problem`, read from the engine class's attributes: nothing is built)."""
     lag = data.get("max_lag", 0)
@@ -96,6 +96,20 @@ def lag_fits_engine(data: DictConfig, fail: Callable[[str, str], None]) -> None:
     problem = lag_problem(lag, get_object(target), float((data.get("sampling") or {}).get("top_p", 1.0)))
     if problem is not None:
         fail(problem[0], f" = {lag if problem[0] == 'data.max_lag' else data.sampling.top_p}: {problem[1]}")
+    elif target.endswith(".HFEngine"):  # a sampler copy per held version: the adapter only
+        from cope.rollout.sampler_copy import copy_problem
+
+        strategy = (cfg.get("trainer") or {}).get("strategy") if cfg is not None else None
+        strategy = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy or "")
+        problem = copy_problem((cfg.get("model") or {}).get("finetune") if cfg is not None else None, strategy)
+        if problem is not None:
+            fail(problem[0], f" {problem[1]}")
+    elif target.endswith(".VLLMEngine"):
+        loras = int(data.engine.get("max_loras", 1))
+        if loras < 2:  # the server batches requests of at most max_loras adapters (cope.rollout.vllm.versions)
+            fail("data.engine.max_loras", f" = {loras}: too small for data.max_lag={lag}: a collection samples an older "
+                 "version while validation samples the newest, and vLLM batches requests of at most max_loras adapters "
+                 "at once; set data.engine.max_loras=2")
 
 
 def attention_fits_layout(model: DictConfig, cfg: DictConfig, fail: Callable[[str, str], None]) -> None:

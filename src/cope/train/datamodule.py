@@ -318,6 +318,9 @@ class RolloutDataModule(pl.LightningDataModule):
             "perf/env_seconds": stats.env_seconds,
             "perf/adapter_sync_seconds": stats.sync_seconds,
         })
+        delivery = getattr(self.engine, "delivery_gap", None)  # a server engine's check of its newest sync
+        if delivery is not None:
+            m["rollout/delivery_gap"] = float(delivery)
         m.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
         if self.share_prefix:  # per pass over the minibatches: what the packed rows forward vs the rows they stand for
             rows = sum(int(mb["attention_mask"].ne(0).sum()) for mb in minibatches)
@@ -325,7 +328,7 @@ class RolloutDataModule(pl.LightningDataModule):
             m.update({"data/tokens_forwarded": float(packed), "data/shared_fraction": 1.0 - packed / max(rows, 1)})
         return EpochRecord(epoch=epoch, episodes=eps, minibatches=minibatches, extra_batches=extra, metrics=m,
                            counters=dict(self.counters), tally=epoch_tally(eps, groups, m),
-                           sampler_logprobs=bool(getattr(self.engine, "reports_logprobs", False)))
+                           sampler_logprobs=bool(getattr(self.engine, "reports_logprobs", False)) or self.max_lag > 0)
 
     def _extra_batches(self, episodes: list[Episode]) -> list:
         """Every batch source's batches, each source's count evened out over ranks (the maximum, padded with empties)."""

@@ -17,8 +17,9 @@ collection (queued at the start of epoch e - L), waiting for it if it is still r
 Only the engine call runs in the thread (``RolloutEngine.rollout(..., version=v)`` on its own env slots): task
 sampling happens when a collection is queued, advantages, minibatches, the counters' all-reduces and the
 :class:`~cope.records.EpochRecord` in the main thread when it is taken, so no collective ever runs off the main
-thread. The engine keeps every queued collection's version served (``hold``/``release``); one that cannot sample an
-older version while training changes the weights (``overlaps = False``: the in-process engine) is refused.
+thread. The engine keeps every queued collection's version served (``hold``/``release``): the vLLM server as an
+adapter per version, the in-process engine as a sampler copy of the adapter per version (the base weights shared,
+:mod:`cope.rollout.sampler_copy`); an engine that cannot (``overlaps`` False) is refused.
 
 Resume: collections are not checkpointed. A checkpoint written at the end of epoch e has the collections of epochs
 e+1 .. e+L queued or running; a resumed run discards them, counts them (``rollout/discarded_episodes``, cumulative,
@@ -45,18 +46,14 @@ THREAD = "cope-lagged-rollouts"  # the collector thread's name
 
 def lag_problem(max_lag: int, engine: Any, top_p: float) -> tuple[str, str] | None:
     """What ``data.max_lag >= 1`` needs, as (key, message) when it is missing (None: it fits): an engine (instance or
-    class) that overlaps, i.e. serves an older version while the weights change, and reports full-vocabulary sampler
-    log-probs; and no top-p (the sampler's log-probs would be renormalized over the nucleus, biased against the
-    trainer's)."""
+    class) that overlaps, i.e. serves an older version while the weights change (its lagged rollouts must report their
+    log-probs: collation refuses an action without them); and no top-p (the sampler's log-probs would be renormalized
+    over the nucleus, biased against the trainer's)."""
     name = getattr(engine, "__name__", type(engine).__name__)
     if not getattr(engine, "overlaps", False):
         return "data.max_lag", (f"needs a rollout engine that samples from an older policy version while training "
-                                f"changes the weights; {name} cannot (the in-process engine generates with the training "
-                                "model itself, and a second copy on the same device would compete with training for it). "
-                                "Use rollout=vllm (the server serves each version as its own adapter), or data.max_lag=0")
-    if not getattr(engine, "reports_logprobs", False):
-        return "data.max_lag", (f"needs the sampler's own log-probs for the behaviour correction; {name} does not "
-                                "report them. Use rollout=vllm, or data.max_lag=0")
+                                f"changes the weights (overlaps = True); {name} cannot. Use rollout=hf (a sampler copy of "
+                                "the adapter per version) or rollout=vllm (an adapter per version), or data.max_lag=0")
     if top_p < 1:
         return "data.sampling.top_p", (f"with data.max_lag={max_lag}: the sampler's log-probs are renormalized over "
                                        "the nucleus, so the behaviour weight pi_prox/pi_behav would be biased; sample with "
@@ -67,6 +64,8 @@ def lag_problem(max_lag: int, engine: Any, top_p: float) -> tuple[str, str] | No
 def check_lag(max_lag: int, engine: Any, sampling: Any) -> None:
     """:func:`lag_problem` of a built engine and sampling, raised as ValueError naming the key."""
     problem = lag_problem(max_lag, engine, sampling.top_p)
+    if problem is None and hasattr(engine, "check_lag"):
+        engine.check_lag(max_lag)  # what the engine itself needs (vLLM: LoRA slots); raises naming its key
     if problem is not None:
         raise ValueError(f"{problem[0]}={max_lag if problem[0] == 'data.max_lag' else sampling.top_p}: {problem[1]}")
 
