@@ -149,10 +149,12 @@ def _check_episode_metrics(cols: dict, train: list[list[dict]], val: list[list[d
 @pytest.mark.long
 @pytest.mark.ddp
 def test_ddp_ranks_drop_the_same_steps_past_the_trust_region(train_script, read_metrics, tmp_path):
-    """module.max_approx_kl under DDP: a run whose trust region trips keeps both ranks' adapters equal after every step
-    (the KL is averaged over ranks before the decision). Here both ranks' own KLs pass this small limit at the same
-    step, so the run would also agree without the average: it checks the collective and the dropped steps under two
-    processes, not ranks whose KLs straddle the limit."""
+    """module.max_approx_kl under DDP, on lagged batches: a run whose trust region trips keeps both ranks' adapters equal
+    after every step (the KL is averaged over ranks before the decision). Here both ranks' own KLs pass this small limit
+    at the same step, so the run would also agree without the average: it checks the collective and the dropped steps
+    under two processes, not ranks whose KLs straddle the limit. ``data.max_lag=1``: each rank collects the next epoch
+    in its own thread (its sampler copy) while the ranks train in step; the records and their all-reduces stay in the
+    main threads."""
     import json
     import os
     from pathlib import Path
@@ -163,7 +165,7 @@ def test_ddp_ranks_drop_the_same_steps_past_the_trust_region(train_script, read_
     # pooled over the ranks (no sync_dist warning below)
     proc = train_script(["debug=fast", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", f"hydra.run.dir={run_dir}",
                          "algo=cope_continuation", "module.max_approx_kl=1e-4", "data.minibatch_size=2", "trainer.max_epochs=3",
-                         "module.optimizer.lr=1e-2",
+                         "module.optimizer.lr=1e-2", "data.max_lag=1",
                          "model.warm_start_steps=150", "env.sizes=[5]", "env.min_distance=1", "validate_before_fit=false",
                          "+callbacks.trace._target_=ddp_trace.DDPTrace", f"+callbacks.trace.out={out}"],
                         tmp_path, timeout=600, env={"PYTHONPATH": pythonpath})
@@ -176,3 +178,4 @@ def test_ddp_ranks_drop_the_same_steps_past_the_trust_region(train_script, read_
     assert len(cols["forecast/targets"]) == 3, cols.get("forecast/targets")  # logged every epoch, pooled
     stopped = cols["train/kl_stopped"]
     assert 1.0 in stopped and 0.0 in stopped[4:], stopped  # the premise: a trip, and an epoch stepping after it
+    assert cols["rollout/lag_mean"] == [0.0, 1.0, 1.0] and "policy/behaviour_weight_mean" in cols
