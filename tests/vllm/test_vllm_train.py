@@ -152,3 +152,23 @@ def test_eval_through_vllm_and_the_merged_folder_match_the_adapter_in_process(ma
     plain = ["model=qwen2.5-7b", f"model.path={merged}", "model.dtype=fp32", "model.gradient_checkpointing=false",
              "model.lora.r=16", "model.lora.target_modules=all-linear"]
     assert _eval(train_script, vllm_python, [*plain, *VLLM], tmp_path / "merged") == hf
+
+
+def test_lagged_run_samples_each_epoch_from_its_own_version(vllm_python, train_script, tmp_path, read_metrics):
+    """``data.max_lag=1`` against the real server: epoch e's episodes come from the adapter of epoch e-1 (the
+    collection runs in its thread while the epoch before trains and validation samples the newest adapter), every
+    sync's delivery check passes at fp32 noise, and the behaviour weight is 1 where the sampler is the scoring policy
+    (epoch 0) and moves once it is not."""
+    run_dir = tmp_path / "run"
+    args = [o for o in OVERRIDES if not o.startswith("trainer.max_epochs")] + [
+        "algo=echo", "data.max_lag=1", "data.engine.max_loras=2", "trainer.max_epochs=3", f"hydra.run.dir={run_dir}"]
+    proc = train_script(args, tmp_path, timeout=1200, env={"COPE_VLLM_PYTHON": vllm_python})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    cols = read_metrics(run_dir / "csv" / "metrics.csv")
+    assert cols["rollout/lag_mean"] == [0.0, 1.0, 1.0] and cols["rollout/lag_max"] == [0.0, 1.0, 1.0]
+    assert cols["rollout/delivery_gap"] and max(cols["rollout/delivery_gap"]) < 1e-4, cols["rollout/delivery_gap"]
+    mean, top = cols["policy/behaviour_weight_mean"], cols["policy/behaviour_weight_max"]
+    assert abs(mean[0] - 1.0) < 1e-4 and top[0] < 1 + 1e-3 and max(top[1:]) > 1 + 1e-3, (mean, top)
+    assert cols["counters/episodes"][-1] == 3 * 8 and cols["env/errors"] == [0.0] * 3
+    log = (run_dir / "vllm" / "server.log").read_text()
+    assert "name 'cope-rank0-v1'" in log and "Removed LoRA adapter: name 'cope-rank0-v1'" in log, log[-3000:]
