@@ -100,3 +100,22 @@ def test_the_in_process_engine_samples_a_held_version_from_its_copy():
     with pytest.raises(ValueError, match="not held"):
         engine.release(0)
     engine.close()
+
+
+def test_a_4bit_base_is_shared_not_copied(tmp_path):
+    """QLoRA: the snapshot of a 4-bit model shares its quantized weights (no second base in memory) and samples the
+    same logits."""
+    import bitsandbytes as bnb
+    from tiny_fixtures import lora_config, save_tiny
+
+    from cope.models.policy import load_pretrained
+
+    policy = load_pretrained(str(save_tiny(tmp_path / "base")), lora=lora_config(), dtype="bf16", quantization="4bit")
+    model = policy.model.eval()
+    twin = snapshot(model)
+    ours = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    theirs = [m for m in twin.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert ours and len(ours) == len(theirs) and all(a.weight is b.weight for a, b in zip(ours, theirs))
+    ids = torch.randint(0, 100, (1, 8))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, twin(input_ids=ids).logits)
