@@ -43,7 +43,6 @@ folder before the next turn.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import tempfile
 import time
@@ -54,49 +53,15 @@ from typing import Any, Callable
 from cope.envs.base import Env, Task
 from cope.episode import Episode
 from cope.rollout.engine import EnvRuntime, HFEngine, Sampling
-from cope.rollout.loop import RolloutStats, Sampled, run_episodes
+from cope.rollout.loop import RolloutStats, run_episodes
+from cope.rollout.vllm.actor import ServerActor, request_seed
 from cope.rollout.vllm.checks import check_delivery, check_server
-from cope.rollout.vllm.client import Client, Completion, ServerError
+from cope.rollout.vllm.client import Client, ServerError
 from cope.rollout.vllm.server import AttachedServer, ManagedServer, VLLMError
 from cope.rollout.vllm.versions import ServedVersions, check_lag, lora_cache_args
 
 log = logging.getLogger(__name__)
 DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
-
-
-def request_seed(*parts: Any) -> int:
-    """A 31-bit seed from the parts (stable across processes and Python versions, unlike ``hash``)."""
-    return int.from_bytes(hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest(), "little") % 2**31
-
-
-class ServerActor:
-    """The :class:`cope.rollout.loop.Actor` of one wave: every context's next action from the server at once."""
-
-    def __init__(self, complete: Callable[[list[dict]], list], model: str, stop_ids: list[int], sampling: Sampling,
-                 seed: int | None):
-        self.complete, self.model, self.stop_ids, self.sampling, self.seed = complete, model, stop_ids, sampling, seed
-        self.turns: dict[int, int] = {}
-
-    def reset(self) -> None:
-        self.turns = {}
-
-    def fork(self) -> "ServerActor":
-        return ServerActor(self.complete, self.model, self.stop_ids, self.sampling, self.seed)  # keys differ per part
-
-    def request(self, context: list[int], key: int) -> dict:
-        s, turn = self.sampling, self.turns.get(key, 0)
-        self.turns[key] = turn + 1
-        body = {"model": self.model, "prompt": list(context), "max_tokens": s.max_action_tokens, "temperature": s.temperature,
-                "top_p": s.top_p, "n": 1, "logprobs": 1, "return_token_ids": True, "stop_token_ids": self.stop_ids,
-                "skip_special_tokens": False}
-        if self.seed is not None and s.temperature > 0:
-            body["seed"] = request_seed(self.seed, key, turn)
-        return body
-
-    def __call__(self, contexts: list[list[int]], admissible=None, keys: list[int] | None = None) -> list:
-        keys = list(range(len(contexts))) if keys is None else keys
-        out = self.complete([self.request(c, k) for c, k in zip(contexts, keys)])
-        return [Sampled(r.ids, r.logprobs) if isinstance(r, Completion) else r for r in out]
 
 
 class VLLMEngine:
