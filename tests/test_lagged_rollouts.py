@@ -116,12 +116,14 @@ def test_kill_with_collections_in_flight_then_resume(tmp_path, read_metrics):
     import subprocess
     import sys
     import time
+    from pathlib import Path
 
     import torch
-    from conftest import TRAIN_PY
+
+    train_py = Path(__file__).resolve().parents[1] / "train.py"  # (not conftest's: tests/vllm has a conftest module too)
 
     run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints" / "last.ckpt"
-    cmd = [sys.executable, str(TRAIN_PY), "debug=fast", "algo=echo", "data.max_lag=2", "trainer.max_epochs=5",
+    cmd = [sys.executable, str(train_py), "debug=fast", "algo=echo", "data.max_lag=2", "trainer.max_epochs=5",
            f"hydra.run.dir={run}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
