@@ -80,7 +80,8 @@ class RolloutDataModule(pl.LightningDataModule):
             sampled by the policy as it was at the start of epoch max(0, e - L), collected in a background thread
             while the epochs before it train; the minibatches carry the sampler's log-probs (``behaviour_logprobs``)
             for the policy gradient's behaviour correction. Needs an engine that can serve an older version while
-            training goes on (``overlaps``: rollout=vllm) and sampling without top-p. 0: collect, then train (today).
+            training goes on (``overlaps``: rollout=hf, a sampler copy of the adapter per version, or rollout=vllm)
+            and sampling without top-p. 0: collect, then train (today).
 
     Handed to the rollout engine (typed records, each read by the class that uses it):
         sampling: :class:`cope.rollout.engine.Sampling` of training rollouts (``data.sampling.*``: temperature,
