@@ -156,3 +156,10 @@ def test_kill_with_collections_in_flight_then_resume(tmp_path, read_metrics):
     assert m["rollout/discarded_episodes"][epochs:] == [float(dm["in_flight_episodes"])] * (5 - epochs)
     final = torch.load(ckpt, map_location="cpu", weights_only=False)["RolloutDataModule"]
     assert final["counters"]["episodes"] == 5 * EPISODES and final["discarded_episodes"] == dm["in_flight_episodes"]
+
+
+def test_an_attached_vllm_server_is_not_held_to_max_loras(compose, tmp_path):
+    """data.engine.max_loras configures a managed server; an attached one was started by its operator (docs/vllm.md)."""
+    from cope.run.config_check import check_config
+
+    check_config(compose(["data.max_lag=1", "rollout=vllm", "data.engine.url=http://127.0.0.1:1"], tmp_path))

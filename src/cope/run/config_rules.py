@@ -105,11 +105,12 @@ def lag_fits_engine(data: DictConfig, fail: Callable[[str, str], None], cfg: Dic
         if problem is not None:
             fail(problem[0], f" {problem[1]}")
     elif target.endswith(".VLLMEngine"):
+        from cope.rollout.vllm.versions import loras_problem
+
         loras = int(data.engine.get("max_loras", 1))
-        if loras < 2:  # the server batches requests of at most max_loras adapters (cope.rollout.vllm.versions)
-            fail("data.engine.max_loras", f" = {loras}: too small for data.max_lag={lag}: a collection samples an older "
-                 "version while validation samples the newest, and vLLM batches requests of at most max_loras adapters "
-                 "at once; set data.engine.max_loras=2")
+        problem = None if data.engine.get("url") else loras_problem(lag, loras)  # an attached server is its operator's
+        if problem is not None:
+            fail("data.engine.max_loras", f" = {loras}: {problem}")
 
 
 def attention_fits_layout(model: DictConfig, cfg: DictConfig, fail: Callable[[str, str], None]) -> None:

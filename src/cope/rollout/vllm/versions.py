@@ -37,14 +37,22 @@ from cope.rollout.vllm.server import VLLMError
 log = logging.getLogger(__name__)
 
 
+def loras_problem(max_lag: int, max_loras: int) -> str | None:
+    """Why ``data.engine.max_loras`` is too small for ``data.max_lag`` (None: it is not; see the module doc)."""
+    if max_lag >= 1 and max_loras < 2:
+        return (f"too small for data.max_lag={max_lag}: a collection samples an older policy version while validation "
+                "uses the newest, and vLLM batches requests of at most max_loras adapters at once; set "
+                "data.engine.max_loras >= 2")
+    return None
+
+
 def check_lag(max_lag: int, max_loras: int) -> None:
-    """Refuse ``data.max_lag`` when ``data.engine.max_loras`` is too small for it (see the module doc)."""
+    """:func:`loras_problem` raised as ValueError naming the key; a negative lag is refused too."""
     if max_lag < 0:
         raise ValueError(f"data.max_lag must be >= 0, got {max_lag}")
-    if max_lag >= 1 and max_loras < 2:
-        raise ValueError(f"data.engine.max_loras={max_loras} is too small for data.max_lag={max_lag}: a collection samples "
-                         "an older policy version while validation uses the newest, and vLLM batches requests of at most "
-                         "max_loras adapters at once; set data.engine.max_loras >= 2")
+    problem = loras_problem(max_lag, max_loras)
+    if problem is not None:
+        raise ValueError(f"data.engine.max_loras={max_loras} is {problem}")
 
 
 def lora_cache_args(max_lag: int, max_loras: int, extra_args: list[str] | None) -> list[str]:
