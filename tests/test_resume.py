@@ -81,12 +81,12 @@ def test_adapter_moves_after_resume(resumed):
 def straight(run_train, tmp_path_factory):
     out = tmp_path_factory.mktemp("straight")
     result = run_train([ALGO, "trainer.max_epochs=3"], out)
-    return result, load_file(str(out / "csv" / "adapter" / "adapter_model.safetensors"))
+    return result, load_file(str(out / "csv" / "adapter" / "adapter_model.safetensors")), out
 
 
 def test_resume_equals_uninterrupted_run(resumed, straight):
     """2 epochs + resume to 3 == 3 epochs in one go: task stream, sampling seeds, weights, optimizer all continue."""
-    result, adapter = straight
+    result, adapter, _ = straight
     counters = [k for k in result if k.startswith("counters/")]
     assert counters and {k: resumed["second"][k] for k in counters} == {k: result[k] for k in counters}
     assert resumed["adapter_3"].keys() == adapter.keys()
@@ -119,3 +119,40 @@ def test_initial_adapter_independent_of_cache(compose, tmp_path, monkeypatch):
     assert inits[0].keys() == inits[1].keys()
     for k in inits[0]:
         assert torch.equal(inits[0][k], inits[1][k]), k
+
+
+class _Killed(Exception):
+    """Stands in for a SIGKILL: nothing after the raising line runs, and Lightning logs nothing more on the way out."""
+
+
+def _rows(path) -> list[dict]:
+    import csv
+
+    with open(path, newline="") as f:  # wall-clock columns aside, every row and value in file order
+        return [{k: v for k, v in r.items() if v not in ("", None) and not k.startswith("perf/")} for r in csv.DictReader(f)]
+
+
+def test_a_kill_right_after_the_epoch_checkpoint_loses_no_metrics_row(run_train, straight, tmp_path):
+    """Lightning writes an epoch's checkpoint (the epoch-end callbacks) before it logs that epoch's metrics row
+    (``update_train_epoch_metrics``). A run that dies between the two resumes after that epoch: the row travels in
+    the checkpoint and the resumed run logs it, so metrics.csv ends equal to the uninterrupted run's, row for row."""
+    from cope.callbacks.checkpoint import EpochCheckpoint
+
+    save = EpochCheckpoint.on_train_epoch_end
+
+    def save_then_die(self, trainer, pl_module):
+        save(self, trainer, pl_module)
+        if trainer.current_epoch == 1:
+            assert self.path.exists()
+            raise _Killed
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EpochCheckpoint, "on_train_epoch_end", save_then_die)
+        with pytest.raises(_Killed):
+            run_train([ALGO, "trainer.max_epochs=3"], tmp_path)
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["epoch"] == 1
+    run_train([ALGO, "trainer.max_epochs=3", "ckpt_path=last"], tmp_path)
+    rows, want = _rows(tmp_path / "csv" / "metrics.csv"), _rows(straight[2] / "csv" / "metrics.csv")
+    assert [r.get("rollout/success") for r in rows if "counters/episodes" in r] == \
+        [r.get("rollout/success") for r in want if "counters/episodes" in r]  # the epoch rows: 3, none lost
+    assert rows == want

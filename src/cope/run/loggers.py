@@ -71,6 +71,14 @@ class _AppendingWriter(ExperimentWriter):
                 os.fsync(f.fileno())
         self.metrics = []
 
+    def contains(self, metrics: dict, step: int) -> bool:
+        """Whether an earlier process logged a row at ``step`` with every key of ``metrics``."""
+        for r in self.inherited_rows:
+            if r.get("step") not in (None, "") and int(float(r["step"])) == step and \
+                    all(r.get(k) not in (None, "") for k in metrics):
+                return True
+        return False
+
     def rewind(self, epoch: int) -> int:
         """Drops inherited rows of ``epoch`` and later; returns how many were dropped."""
         self.save()
@@ -97,6 +105,10 @@ class ResumableCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+    def contains(self, metrics: dict, step: int) -> bool:
+        """Whether the metrics.csv this run resumed into has a row at ``step`` with every key of ``metrics``."""
+        return self.experiment.contains(metrics, step)
 
     @rank_zero_only
     def rewind(self, epoch: int) -> None:
