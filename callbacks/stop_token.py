@@ -9,7 +9,9 @@ the module's: the policy is the one that sampled the epoch), on the epoch's roll
 * ``stop/share_pos``, ``stop/share_neg``: the sampled end-of-turn ids' share of the policy gradient's push on
   the sampled tokens' logits, from episodes with a positive / a negative advantage;
 * ``stop/push``: the signed net push of the update on the end-of-turn logits after complete actions, in the
-  same units (< 0: the update makes stopping less likely). :mod:`cope.train.stop_stats` has the math.
+  same units (< 0: the update makes stopping less likely). :mod:`cope.train.stop_stats` has the math. With
+  ``data.max_lag`` >= 1 each token's weight is the loss's: the aggregation's times the behaviour weight
+  ``min(pi / pi_behaviour, behaviour_cap)`` (:func:`cope.algos.grpo.behaviour_weight`; the policy "now" is the proximal one).
 
 ``stop/positions`` counts the complete actions ``stop/prob`` is over: 0 means no measurement (the logged 0 is no
 probability), e.g. while every answer is prose that the env's projection reads (SmolLM2 on the maze).
@@ -28,7 +30,7 @@ import contextlib
 import torch
 from lightning.pytorch import Callback
 
-from cope.algos.grpo import PolicyGradient
+from cope.algos.grpo import PolicyGradient, behaviour_weight
 from cope.callbacks.pooled import log_global, pool
 from cope.records import train_record, val_record
 from cope.train.batch import collate
@@ -112,6 +114,10 @@ class StopTokenStats(Callback):
                 w = aggregation_weights(pg.agg, mb["action_mask"], pg.norm_len)[[r for r, _ in rows], :T]  # (n, T)
                 pos = complete_positions(eps, T)
                 sampled, p_stop = self._measure(pl_module, plain, pos)
+                if "behaviour_logprobs" in mb:  # data.max_lag: the loss weighs each token by min(pi / pi_behaviour, cap)
+                    bw, _ = behaviour_weight(sampled.cpu().clamp_min(1e-30).log(), mb["behaviour_logprobs"][[r for r, _ in rows], :T],
+                                             plain["action_mask"].bool(), pg.behaviour_cap)
+                    w = w * bw
                 is_stop = torch.isin(plain["input_ids"], stop_ids)
                 one = stop_push(plain["advantages"], w, plain["action_mask"], sampled.cpu(), is_stop, pos, p_stop.cpu())
                 for k in TALLY:

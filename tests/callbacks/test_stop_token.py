@@ -49,24 +49,22 @@ def _episodes():
     return eps
 
 
-@pytest.mark.parametrize("agg, budget, temperature", [("token-mean", None, 1.0), ("seq-mean-token-mean", 40, 0.7)])
-def test_rollout_tally_matches_a_plain_forward(agg, budget, temperature):
-    module = _module(agg, budget, temperature)
-    eps = _episodes()
-    assert any(s.multi_action for e in eps for s in e.steps) and any(not s.multi_action for e in eps for s in e.steps)
-    order = [2, 0, 3, 1]
-    mb = collate([eps[i] for i in order], PAD, indices=order)
-    record = EpochRecord(epoch=0, episodes=eps, minibatches=[mb], metrics={}, counters={})
-    got = StopTokenStats().rollout_tally(module, record)
-
-    # by hand: full logits of the transcripts, in the minibatch's row order
+def _by_hand(module, eps, order, mb, agg: str, temperature: float, behaviour: torch.Tensor | None = None,
+             cap: float = 5.0) -> dict:
+    """The tally's terms from full logits of the transcripts, in the minibatch's row order; ``behaviour`` (N, T): the
+    sampler's log-probs, each token's weight then times min(p / p_behaviour, cap) as in the loss."""
     rows = [eps[i] for i in order]
     plain = collate(rows, PAD)
     with torch.no_grad():
         logits = module.model(input_ids=plain["input_ids"], attention_mask=plain["attention_mask"]).logits  # (N, T, V)
     probs = torch.softmax(logits / temperature, -1)  # (N, T, V): position t predicts token t + 1
     ids, act, adv = plain["input_ids"], plain["action_mask"], plain["advantages"]
-    w = aggregation_weights(agg, mb["action_mask"])
+    w = aggregation_weights(agg, mb["action_mask"])[:, : ids.shape[1]].clone()
+    if behaviour is not None:
+        for r in range(ids.shape[0]):
+            for c in range(1, ids.shape[1]):
+                if act[r, c]:
+                    w[r, c] *= min(float(probs[r, c - 1, ids[r, c]]) / float(behaviour[r, c].exp()), cap)
     total = sp = sn = net = 0.0
     r_pos, c_pos = complete_positions(rows, ids.shape[1])
     p_stop = [float(probs[r, c - 1, STOP]) for r, c in zip(r_pos.tolist(), c_pos.tolist())]
@@ -81,12 +79,27 @@ def test_rollout_tally_matches_a_plain_forward(agg, budget, temperature):
     for (r, c), p in zip(zip(r_pos.tolist(), c_pos.tolist()), p_stop):
         if act[r, c]:
             net += float(adv[r, c] * w[r, c]) * (float(ids[r, c] == STOP) - p)
+    return {"p_stop": p_stop, "total": total, "sp": sp, "sn": sn, "net": net, "aw": (adv * w)[act], "probs": probs,
+            "plain": plain}
+
+
+@pytest.mark.parametrize("agg, budget, temperature", [("token-mean", None, 1.0), ("seq-mean-token-mean", 40, 0.7)])
+def test_rollout_tally_matches_a_plain_forward(agg, budget, temperature):
+    module = _module(agg, budget, temperature)
+    eps = _episodes()
+    assert any(s.multi_action for e in eps for s in e.steps) and any(not s.multi_action for e in eps for s in e.steps)
+    order = [2, 0, 3, 1]
+    mb = collate([eps[i] for i in order], PAD, indices=order)
+    record = EpochRecord(epoch=0, episodes=eps, minibatches=[mb], metrics={}, counters={})
+    got = StopTokenStats().rollout_tally(module, record)
+
+    hand = _by_hand(module, eps, order, mb, agg, temperature)
+    p_stop, total, sp, sn, net, aw = (hand[k] for k in ("p_stop", "total", "sp", "sn", "net", "aw"))
     assert got["positions"] == len(p_stop) == sum(e.num_steps for e in eps)
     assert got["p_stop_sum"] == pytest.approx(sum(p_stop), rel=1e-5)
     assert got["total_push"] == pytest.approx(total, rel=1e-5)
     assert got["stop_push_pos"] == pytest.approx(sp, rel=1e-5) and got["stop_push_neg"] == pytest.approx(sn, rel=1e-5)
     assert got["net_push"] == pytest.approx(net, rel=1e-5, abs=1e-9)
-    aw = (adv * w[:, : ids.shape[1]])[act]
     assert got["adv_net"] == pytest.approx(float(aw.sum()), rel=1e-5, abs=1e-9) and got["adv_abs"] == pytest.approx(float(aw.abs().sum()))
     m = stop_metrics(got)
     assert 0 < m["stop/prob"] < 1 and m["stop/share_neg"] > 0 and m["stop/share_pos"] > 0
@@ -95,6 +108,30 @@ def test_rollout_tally_matches_a_plain_forward(agg, budget, temperature):
     assert none["stop/prob"] == 0.0 and none["stop/positions"] == 0.0
     # the panel's probability is the same measurement on the held-out episodes
     assert StopTokenStats().panel_tally(module, eps)["positions"] == len(p_stop)
+
+
+def test_a_lagged_minibatch_is_measured_with_its_behaviour_weights():
+    """data.max_lag >= 1: the loss weighs each token by min(pi / pi_behaviour, cap) (cope.algos.grpo), so the push the
+    callback reports does too; a minibatch without the sampler's log-probs keeps the plain weights."""
+    module = _module("seq-mean-token-mean", None, 0.7)
+    eps, order = _episodes(), [2, 0, 3, 1]
+    mb = collate([eps[i] for i in order], PAD, indices=order)
+    plain_hand = _by_hand(module, eps, order, mb, "seq-mean-token-mean", 0.7)
+    ids = plain_hand["plain"]["input_ids"]
+    p_cur = plain_hand["probs"][:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)  # (N, T-1): p of token t+1
+    shift = torch.linspace(-1.0, 2.5, ids.shape[1] - 1).expand_as(p_cur)  # some tokens' weights above the cap of 5
+    behaviour = torch.zeros(ids.shape)
+    behaviour[:, 1:] = p_cur.log() - shift
+    mb["behaviour_logprobs"] = torch.zeros(mb["input_ids"].shape)
+    mb["behaviour_logprobs"][:, : ids.shape[1]] = behaviour
+    record = EpochRecord(epoch=0, episodes=eps, minibatches=[mb], metrics={}, counters={})
+    got = StopTokenStats().rollout_tally(module, record)
+    hand = _by_hand(module, eps, order, mb, "seq-mean-token-mean", 0.7, behaviour=behaviour)
+    assert hand["total"] != pytest.approx(plain_hand["total"], rel=1e-3)  # the weights matter here
+    assert got["total_push"] == pytest.approx(hand["total"], rel=1e-4)
+    assert got["net_push"] == pytest.approx(hand["net"], rel=1e-4, abs=1e-9)
+    assert got["stop_push_pos"] == pytest.approx(hand["sp"], rel=1e-4) and got["stop_push_neg"] == pytest.approx(hand["sn"], rel=1e-4)
+    assert got["adv_net"] == pytest.approx(float(hand["aw"].sum()), rel=1e-4, abs=1e-9)
 
 
 def test_token_mean_weighs_the_long_losses_end_of_turn_ids_more():
