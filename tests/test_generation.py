@@ -167,6 +167,20 @@ def test_temperature_zero_is_argmax():
     assert torch.equal(sample_next(logits, 1e-4, 1.0, g), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_logprobs_come_with_the_same_draw(temperature):
+    """``logprobs=True`` draws the same tokens from the same generator state, with each token's log-prob under the
+    tempered whole-vocabulary softmax (the one the trainer scores); nucleus log-probs are refused."""
+    logits = torch.randn(8, 5000, generator=torch.Generator().manual_seed(1)) * 4  # (B, V): some tiny probabilities
+    tok = sample_next(logits, temperature, 1.0, torch.Generator().manual_seed(3))
+    tok2, lp = sample_next(logits, temperature, 1.0, torch.Generator().manual_seed(3), logprobs=True)
+    assert torch.equal(tok, tok2)
+    want = torch.log_softmax(logits.double() / (temperature or 1.0), -1).gather(-1, tok[:, None]).squeeze(-1)
+    assert torch.allclose(lp.double(), want, atol=1e-5) and bool(torch.isfinite(lp).all())
+    with pytest.raises(ValueError, match="top_p = 1"):
+        sample_next(logits, 0.7, 0.9, logprobs=True)
+
+
 def test_sampling_is_reproducible_with_a_seed(model):
     tok, chat = tiny_tokenizer(), tiny_chat()
     ctx = [[1, 290, 201, 30, 31, 2, 201, 1, 295, 201], [1, 290, 201, 40, 2, 201, 1, 295, 201]]

@@ -28,17 +28,28 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick one token per row from logits (B, V): greedy when temperature == 0, else nucleus sampling."""
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None,
+                logprobs: bool = False):
+    """Pick one token per row from logits (B, V): greedy when temperature == 0, else nucleus sampling. ``logprobs``
+    (top_p = 1): also each pick's log-prob under the distribution it was drawn from (temperature applied, whole
+    vocabulary; temperature 1 for greedy), read off the same softmax: ``(tokens, logprobs)``, both (B,)."""
     if temperature <= 0:
-        return logits.argmax(-1)
+        tok = logits.argmax(-1)
+        if logprobs:
+            return tok, torch.log_softmax(logits.float(), dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+        return tok
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
     if top_p < 1.0:
+        if logprobs:
+            raise ValueError("sample_next: logprobs need top_p = 1 (nucleus-renormalized log-probs are not the policy's)")
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest prefix with mass >= top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+    tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+    if logprobs:  # a drawn token has probability > 0: its log is finite
+        return tok, probs.gather(-1, tok[:, None]).squeeze(-1).log()
+    return tok
 
 
 class CachedSamplingActor:
@@ -149,11 +160,12 @@ class CachedSamplingActor:
         lps: list[list[float]] = [[] for _ in range(B)]
         active = torch.ones(B, dtype=torch.bool, device=self.device)
         for step in range(self.max_new_tokens):
-            tok = sample_next(logits, self.temperature, self.top_p, self.generator)  # (B,)
-            tl = tok.tolist()
             if self.logprobs:  # the sampled token's log-prob at the sampling temperature, whole vocabulary
-                tau = self.temperature if self.temperature > 0 else 1.0
-                lp = torch.log_softmax(logits.float() / tau, dim=-1).gather(-1, tok[:, None]).squeeze(-1).tolist()  # (B,)
+                tok, lp_t = sample_next(logits, self.temperature, self.top_p, self.generator, logprobs=True)  # (B,), (B,)
+                lp = lp_t.tolist()
+            else:
+                tok = sample_next(logits, self.temperature, self.top_p, self.generator)  # (B,)
+            tl = tok.tolist()
             for r in active.nonzero().flatten().tolist():
                 out[r].append(tl[r])
                 if self.logprobs:
