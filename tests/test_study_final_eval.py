@@ -71,6 +71,22 @@ def test_the_launcher_evaluates_each_test_run_and_records_it(tmp_path, monkeypat
     assert final_eval.read(jobs[0].dir(out)) == {"reason": final_eval.GONE}
 
 
+def test_an_evaluation_stopped_before_its_last_task_is_not_recorded(tmp_path, monkeypatch):
+    """eval.py stopped by SIGTERM exits 0 with ``complete: false``: the launcher keeps the run unrecorded (a record
+    would be restored as final on a fresh checkout, its checkpoint gone) and the next launch finishes the evaluation."""
+    (tmp_path / "train.py").write_text(FAKE_TRAIN)
+    (tmp_path / "eval.py").write_text(FAKE_EVAL.replace('"complete": True', '"complete": n < 2'))
+    monkeypatch.setattr(sample_efficiency, "REPO", tmp_path)
+    monkeypatch.setattr(study, "REPO", tmp_path)
+    job = study.Job("smollm2", "test", "echo", "lam", 0, ("trainer.max_epochs=1", "data.val_batch_size=4"), final_eval=2)
+    out, records = tmp_path / "out", tmp_path / "records"
+    assert [r["rc"] for r in study.run_jobs([job], out, 1, 1, records)] == [final_eval.INCOMPLETE]
+    assert not (job.dir(records) / "record.json").exists()
+    (tmp_path / "eval.py").write_text(FAKE_EVAL)  # the next launch: the evaluation completes, the run is recorded
+    assert [r["rc"] for r in study.run_jobs([job], out, 1, 1, records)] == [0]
+    assert "eval2/summary.json" in json.loads((job.dir(records) / "record.json").read_text())["files"]
+
+
 def _run(root: Path, arm: str, seed: int, final: float, success: float | None, restored: bool = True) -> dict:
     """A finished test run: a two-point curve ending at ``final``; an eval256 summary with ``success`` (None: none)."""
     d = root / arm / f"seed{seed}"

@@ -25,12 +25,14 @@ from bench.study.stats import bootstrap, paired_difference, paired_t
 
 GONE = "checkpoint gone: recorded before the final evaluation existed"
 FAILED = "no evaluation: eval.py did not finish, see the run's eval.log"
+INCOMPLETE = 3  # evaluate()'s code for an eval.py that exited 0 before its last task (a SIGTERM'd one)
 REFERENCES = ("grpo", "cope_authors")  # the arms the final evaluation's Δ columns compare with, in this order
 
 
 def evaluate(run: Path, algo: str, seed: int, overrides: tuple[str, ...], count: int, threads: int, repo: Path) -> int:
     """Evaluate ``run``'s last checkpoint with eval.py on test tasks 0..count-1, greedy, in the run's validation batch
-    size, into ``<run>/eval<count>/``. Resumable (eval.py skips finished tasks); returns its exit code."""
+    size, into ``<run>/eval<count>/``. Resumable (eval.py skips finished tasks); returns its exit code, or
+    :data:`INCOMPLETE` where it exited 0 without a complete summary."""
     out = run / f"eval{count}"
     summary = out / "summary.json"
     if summary.exists() and json.loads(summary.read_text()).get("complete"):
@@ -42,7 +44,12 @@ def evaluate(run: Path, algo: str, seed: int, overrides: tuple[str, ...], count:
            f"eval.out={out}", f"hydra.run.dir={out}", "~logger"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with (run / "eval.log").open("a") as log:
-        return subprocess.run(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    # eval.py stopped by SIGTERM exits 0 with the finished waves and "complete": false: not an evaluation to record
+    # (the launcher records a run only at 0; the next launch resumes the evaluation from its episodes.csv)
+    if rc == 0 and not (summary.exists() and json.loads(summary.read_text()).get("complete")):
+        return INCOMPLETE
+    return rc
 
 
 def read(run: Path) -> dict:
@@ -98,4 +105,4 @@ def half_width(t: tuple | None) -> float | None:
     return (t[2] - t[1]) / 2
 
 
-__all__ = ["FAILED", "GONE", "REFERENCES", "evaluate", "half_width", "read", "summarize"]
+__all__ = ["FAILED", "GONE", "INCOMPLETE", "REFERENCES", "evaluate", "half_width", "read", "summarize"]
