@@ -125,6 +125,27 @@ def test_decoupled_loss_and_gradient_equal_the_hand_computed_reference():
     assert not any(v.requires_grad for v in m.values())
 
 
+def test_the_approx_kl_under_lag_is_the_behaviour_weighted_estimate():
+    """Tokens sampled by pi_b estimate KL(pi_prox || pi_theta) only when each k3 term carries w = pi_prox / pi_b: the
+    weighted, self-normalized mean (the truncated w, as the loss uses), not the plain mean over tokens."""
+    lp, old, behaviour = _inputs()
+    _, m = clipped_pg_loss(lp, old, ADV, MASK, clip_low=CLIP, clip_high=CLIP, behaviour_logprobs=behaviour, behaviour_cap=5.0)
+    _, plain = clipped_pg_loss(lp, old, ADV, MASK, clip_low=CLIP, clip_high=CLIP)
+    w = [2, 0.5, 5, 1, 0.25, 3]  # the truncated weights of the six tokens (test above)
+    lr = [float(lp[i, t] - old[i, t]) for i in range(lp.shape[0]) for t in range(lp.shape[1]) if MASK[i, t]]
+    k3 = [math.exp(x) - 1 - x for x in lr]
+    assert float(m["policy/approx_kl"]) == pytest.approx(sum(a * b for a, b in zip(w, k3)) / sum(w), rel=1e-5)
+    assert float(plain["policy/approx_kl"]) == pytest.approx(sum(k3) / len(k3), rel=1e-5)  # lag 0: unchanged
+    assert float(m["policy/approx_kl"]) != pytest.approx(float(plain["policy/approx_kl"]), rel=1e-3)
+    # the expectation it stands for, on a toy state: actions drawn from pi_b, the weighted mean -> KL(pi_prox || pi_theta)
+    g = torch.Generator().manual_seed(0)
+    p_b, p_prox, p_theta = (torch.softmax(torch.randn(6, generator=g), 0) for _ in range(3))
+    a = torch.multinomial(p_b, 200_000, replacement=True, generator=g)  # (S,)
+    lr_s, w_s = (p_theta.log() - p_prox.log())[a], (p_prox / p_b)[a]
+    est = float(((lr_s.exp() - 1 - lr_s) * w_s).sum() / w_s.sum())
+    assert est == pytest.approx(float((p_prox * (p_prox.log() - p_theta.log())).sum()), rel=0.03)
+
+
 def _mutations(lp, old, behaviour):
     """Per-token losses (token-mean) of the forms that anchor the weight or the ratio on the wrong policy."""
     n = MASK.sum()

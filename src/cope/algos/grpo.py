@@ -48,6 +48,10 @@ the behaviour importance weight ``w = min(pi_prox / pi_b, behaviour_cap)``:
   sampler did, i.e. what the updates since sampling reinforced; masking silences exactly them, truncation keeps
   their direction at a bounded size, and the weight stays continuous in w (no jump from the cap to 0). The weight
   also absorbs the sampler's numerics (``rollout/logprob_gap``: bf16 serving vs the trainer's fp32), as verl's does.
+* ``policy/approx_kl`` (the trust region's measure, ``module.max_approx_kl``) estimates KL(pi_prox || pi_theta) from
+  tokens that pi_b sampled: each token's k3 term is weighted by the same w, self-normalized (sum w k3 / sum w). Unweighted,
+  the tokens the proximal policy now rarely samples (w << 1), whose ratio moves most in one step, dominated it:
+  the lag-1 demo runs tripped the trust region on 3-47 steps a run against the synchronous runs' 2-13.
 * Without ``behaviour_logprobs`` (lag 0) the code path is the plain PPO one above, unchanged.
 
 The KL penalty is the k3 estimator (Schulman, "Approximating KL divergence", 2020) of
@@ -169,6 +173,9 @@ def clipped_pg_loss(
         weight, behaviour_metrics = behaviour_weight(old, behaviour_logprobs, mask, behaviour_cap)
         per_tok = per_tok * weight.to(per_tok.dtype)  # (N, T), 0 off-mask
         metrics.update(behaviour_metrics)
+        with torch.no_grad():  # the KL to the proximal policy, estimated on tokens the behaviour policy sampled
+            w = torch.where(mask, weight.to(ratio.dtype), torch.zeros_like(ratio))  # (N, T), 0 off-mask
+            metrics["policy/approx_kl"] = (w * ((ratio - 1.0) - log_ratio)).sum() / w.sum().clamp_min(1e-12)
     if not bool(mask.any()):
         return (logprobs * 0).sum(), metrics
     return AGGREGATIONS[agg](per_tok, mask, norm_len), metrics
