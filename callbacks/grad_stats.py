@@ -43,6 +43,7 @@ from collections.abc import Mapping
 import torch
 from lightning.pytorch import Callback
 
+from cope.run.loggers import log_now
 from cope.train.grad_stats import ObjectiveGradient, gradient_metrics, mean_over_ranks, measure_gradients
 from cope.train.objectives import ROLLOUT, batch_kind
 
@@ -99,5 +100,4 @@ class GradientStats(Callback):
         Not ``pl_module.log``: Lightning keeps a value logged from a hook until the epoch's reset and reports it
         again with every later step's metrics, so a measurement taken on 1 step in 4 read as 4 measurements."""
         if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+            log_now(trainer.loggers, metrics, trainer.global_step)

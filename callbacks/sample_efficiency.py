@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch import Callback
 
 from cope import records
+from cope.run.loggers import log_now
 
 COUNTERS = ("episodes", "env_steps", "generated_tokens", "train_tokens")
 VAL_COLUMNS = ["epoch", "global_step", *COUNTERS, "val_success", "val_score"]
@@ -102,8 +103,7 @@ class SampleEfficiency(Callback):
             self.reached = {k: row[k] for k in ("episodes", "env_steps", "global_step")}
             metrics = {"efficiency/episodes_to_threshold": row["episodes"], "efficiency/env_steps_to_threshold": row["env_steps"],
                        "epoch": row["epoch"]}
-            for logger in trainer.loggers:  # logger methods are rank-zero-only themselves
-                logger.log_metrics(metrics, step=trainer.global_step)
+            log_now(trainer.loggers, metrics, trainer.global_step)  # logger methods are rank-zero-only themselves
         out = _run_dir(trainer)  # on every rank: log_dir is a collective
         if trainer.is_global_zero:
             self._write_csv(out / f"{self.filename}.csv", VAL_COLUMNS, self.val_rows)

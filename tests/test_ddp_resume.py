@@ -5,10 +5,12 @@ the first resume all ranks sampled the same tasks with the same seeds (N times t
 and nothing failed). Now every stream is derived from (seed, rank, epoch) (``cope.train.seeding``). The test runs
 the same 2-process job straight through and killed with SIGKILL at the start of epoch 2 (after the epoch-1
 checkpoint), then resumed; per rank and epoch the tasks and sampled tokens must equal the straight run's, the
-two ranks must differ, both ranks hold the same adapter after every step, and the final adapter is the straight
-run's, bit for bit. With GRPO, with CoPE under micro-batching with shared prefixes (its separate steps and the
-GRPO groups, ``data.share_prefix``), and with full fine-tuning (KL to the frozen reference) under ``trainer=fsdp``
-writing sharded (torch distributed) checkpoints."""
+two ranks must differ, both ranks hold the same adapter after every step, the final adapter is the straight
+run's, bit for bit, and so is metrics.csv, row for row (wall-clock columns aside). The CoPE case is killed earlier,
+right after the epoch-1 checkpoint was written and before Lightning logged epoch 1's row: rank 0 logs that row from
+the checkpoint when the run resumes (``callbacks/checkpoint.py``). With GRPO, with CoPE under micro-batching with
+shared prefixes (its separate steps and the GRPO groups, ``data.share_prefix``), and with full fine-tuning (KL to
+the frozen reference) under ``trainer=fsdp`` writing sharded (torch distributed) checkpoints."""
 from __future__ import annotations
 
 import json
@@ -44,11 +46,23 @@ def _read(out: Path, rank: int) -> tuple[dict[int, dict], dict[int, str]]:
     return epochs, steps
 
 
-def _run(train_script, tmp_path, run_dir: Path, out: Path, extra: list[str], kill: int = -1, resume: bool = False):
+# where the killed run dies: at the start of epoch KILL_AT, or (the CoPE case) after epoch KILL_AT - 1's checkpoint,
+# before its metrics row was logged
+KILL = {case: "kill_at_epoch" for case in CASES} | {"cope_microbatched": "kill_after_checkpoint"}
+
+
+def _rows(path: Path) -> list[dict]:
+    import csv
+
+    with open(path, newline="") as f:  # wall-clock columns aside, every row and value in file order
+        return [{k: v for k, v in r.items() if v not in ("", None) and not k.startswith("perf/")} for r in csv.DictReader(f)]
+
+
+def _run(train_script, tmp_path, run_dir: Path, out: Path, extra: list[str], kill: str = "", resume: bool = False):
     args = ["debug=fast", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu", f"trainer.max_epochs={EPOCHS}",
             "validate_before_fit=false", "trainer.check_val_every_n_epoch=100", f"hydra.run.dir={run_dir}",
             "+callbacks.trace._target_=ddp_trace.DDPTrace", f"+callbacks.trace.out={out}",
-            f"+callbacks.trace.kill_at_epoch={kill}", *extra] + (["ckpt_path=last"] if resume else [])
+            *([kill] if kill else []), *extra] + (["ckpt_path=last"] if resume else [])
     pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
     return train_script(args, tmp_path, timeout=600, env={"PYTHONPATH": pythonpath})
 
@@ -64,7 +78,9 @@ def test_resumed_ddp_ranks_collect_what_the_straight_run_collected(train_script,
     extra = CASES[case]
     straight = _run(train_script, tmp_path, tmp_path / "straight", tmp_path / "trace_straight", extra)
     assert straight.returncode == 0, straight.stderr[-4000:]
-    killed = _run(train_script, tmp_path, tmp_path / "cut", tmp_path / "trace_cut", extra, kill=KILL_AT)
+    kill = (f"+callbacks.trace.kill_at_epoch={KILL_AT}" if KILL[case] == "kill_at_epoch"
+            else f"+callbacks.trace.kill_after_checkpoint={KILL_AT - 1}")
+    killed = _run(train_script, tmp_path, tmp_path / "cut", tmp_path / "trace_cut", extra, kill=kill)
     assert killed.returncode != 0 and (tmp_path / "cut/checkpoints/last.ckpt").exists(), killed.stderr[-4000:]
     assert read_checkpoint(tmp_path / "cut/checkpoints/last.ckpt")["epoch"] == KILL_AT - 1  # a file, or a sharded folder
     resumed = _run(train_script, tmp_path, tmp_path / "cut", tmp_path / "trace_resumed", extra, resume=True)
@@ -78,7 +94,10 @@ def test_resumed_ddp_ranks_collect_what_the_straight_run_collected(train_script,
         for e in range(EPOCHS):  # the interrupted run's epochs, then the resumed run's, are the straight run's
             got = c_epochs[e] if e < KILL_AT else r_epochs[e]
             assert got == s_epochs[e], (rank, e)
-        assert c_epochs[KILL_AT] == s_epochs[KILL_AT]  # the killed epoch had collected the same before it died
+        if KILL[case] == "kill_at_epoch":
+            assert c_epochs[KILL_AT] == s_epochs[KILL_AT]  # the killed epoch had collected the same before it died
+        else:
+            assert KILL_AT not in c_epochs  # died inside epoch KILL_AT - 1's end
         assert {**c_steps, **r_steps} == s_steps, rank  # the adapter after every step
     for e in range(EPOCHS):  # the ranks collect different experience, before and after the resume
         assert _read(tmp_path / "trace_straight", 0)[0][e]["tasks"] != _read(tmp_path / "trace_straight", 1)[0][e]["tasks"]
@@ -89,6 +108,9 @@ def test_resumed_ddp_ranks_collect_what_the_straight_run_collected(train_script,
         assert len(steps) > EPOCHS, steps
     assert steps == _read(tmp_path / "trace_straight", 1)[1]  # ranks in sync
     assert _read(tmp_path / "trace_resumed", 0)[1] == _read(tmp_path / "trace_resumed", 1)[1]
+    cut_rows = _rows(tmp_path / "cut/csv/metrics.csv")
+    assert cut_rows == _rows(tmp_path / "straight/csv/metrics.csv")  # every epoch row once, none lost, none repeated
+    assert sum("counters/episodes" in r for r in cut_rows) == EPOCHS
     export = "model/model.safetensors" if "model.finetune=full" in extra else "adapter/adapter_model.safetensors"
     a = load_file(tmp_path / "straight/csv" / export)
     b = load_file(tmp_path / "cut/csv" / export)

@@ -30,6 +30,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from cope.models.policy import Policy
+from cope.run.loggers import log_now
 from cope.train.backward import backward_microbatched
 from cope.train.dist import log_rollout_metrics, log_val_metrics
 from cope.train.logprobs import sampler_gap
@@ -320,9 +321,7 @@ class AgentRLModule(pl.LightningModule):
         that does not log it, so the policy steps' losses reappeared on the rows of CoPE's forecast steps."""
         if self.trainer.is_global_zero:
             # with the epoch, as Lightning adds it to its own rows: a resumed run's logger rewinds by it
-            row = {**{k: float(v) for k, v in metrics.items()}, "epoch": self.current_epoch}
-            for logger in self.trainer.loggers:
-                logger.log_metrics(row, step=step)
+            log_now(self.trainer.loggers, {**{k: float(v) for k, v in metrics.items()}, "epoch": self.current_epoch}, step)
 
     def validation_step(self, batch: list[int], batch_idx: int) -> None:
         """Greedy held-out episodes of one chunk of the panel (the datamodule's engine runs them and keeps
