@@ -16,6 +16,7 @@ RECORDED = {
     "no_trust_region": (["module.max_approx_kl=null"], [0, 1, 2, 3, 4], [False] * 4 + [True], [0.266, 0.328, 0.328, 0.328, 0.0]),
     "share_prefix": (["data.share_prefix=true"], [0, 1, 2, 3, 4], [False] * 5, [0.375, 0.391, 0.156, 0.0, 0.219]),
     "lag1": (["data.max_lag=1"], [0, 1, 2, 3, 4], [False] * 4 + [True], [0.281, 0.094, 0.312, 0.375, 0.0]),
+    "lag1_wkl": (["data.max_lag=1"], [0, 1, 2, 3, 4], [False] * 5, [0.078, 0.297, 0.312, 0.469, 0.453]),
 }
 
 
