@@ -80,9 +80,13 @@ class Recorder:
 
     def __init__(self):
         self.metrics, self.logged = [], []
+        self.saved = 0  # rows of ``metrics`` a save has written out
 
     def log_metrics(self, metrics, step=None):
         self.metrics.append((dict(metrics), step))
+
+    def save(self):
+        self.saved = len(self.metrics)
 
     def log(self, name, value, **kw):
         self.logged.append((name, float(value), kw))
@@ -200,6 +204,7 @@ def test_sample_efficiency_rows_threshold_files_and_resume(tmp_path):
     _epoch(cb, trainer, 1, 0.375, 0.75)
     # "epoch" lets a resumed run drop the row when that epoch is run again (ResumableCSVLogger.rewind)
     assert logger.metrics == [({"efficiency/episodes_to_threshold": 16, "efficiency/env_steps_to_threshold": 80, "epoch": 1}, 8)]
+    assert logger.saved == 1  # saved when logged: a kill right after loses no row
     _epoch(cb, trainer, 2, 0.5, 1.0)
     assert len(logger.metrics) == 1  # logged once
     with (tmp_path / "learning_curve.csv").open() as f:
