@@ -137,9 +137,10 @@ def test_a_kill_right_after_the_epoch_checkpoint_loses_no_metrics_row(run_train,
     (``update_train_epoch_metrics``). A run that dies between the two resumes after that epoch: the row travels in
     the checkpoint and the resumed run logs it, so metrics.csv ends equal to the uninterrupted run's, row for row.
     The death is a SIGKILL's: metrics.csv is put back as it was on disk at that moment (the exception's unwinding
-    saves the loggers; a SIGKILL saves nothing), so rows still buffered in a logger then are lost here too. GRPO:
-    with no metric logged per step through Lightning (ECHO's ``echo/scale`` is), only the trainer saves its step
-    rows; when it did not, the killed epoch's step rows were lost."""
+    saves the loggers; a SIGKILL saves nothing), so rows still buffered in a logger then are lost here too. Each row
+    Lightning logs itself saves every row logged before it, so none is logged in the killed epoch: GRPO (ECHO logs
+    ``echo/scale`` per step), ``log_every_n_steps`` 50 (as in every trainer config but ``cpu``), no validation. Only
+    the trainer's own saves keep its step rows; without them (``cope.run.loggers.log_now``) they were lost."""
     import shutil
 
     from cope.callbacks.checkpoint import EpochCheckpoint
