@@ -7,7 +7,8 @@
   under ``@hydra.main``).
 * ``run_train(overrides, tmp_path)``: ``cope.run.train.train`` on that config; returns its result dict.
 * ``train_script(args, tmp_path)``: the real entry point ``python train.py ...`` in a subprocess.
-* ``read_metrics(path)``: a CSVLogger ``metrics.csv`` as ``{key: [values...]}``.
+* ``read_metrics(path)``: a CSVLogger ``metrics.csv`` as ``{key: [values...]}``; ``metric_rows(path)`` (a plain
+  function) as its rows.
 """
 from __future__ import annotations
 
@@ -97,6 +98,15 @@ def read_metrics_csv(path: Path) -> dict[str, list[float]]:
         rows = list(csv.DictReader(f))
     keys = {k for r in rows for k in r}
     return {k: [float(r[k]) for r in rows if r.get(k) not in (None, "")] for k in sorted(keys)}
+
+
+def metric_rows(path: Path) -> list[dict[str, str]]:
+    """metrics.csv as rows in file order, each with its non-empty values, wall-clock (``perf/*``) columns aside: what
+    two runs of the same seed must agree on row for row."""
+    import csv
+
+    with open(path, newline="") as f:
+        return [{k: v for k, v in r.items() if v not in ("", None) and not k.startswith("perf/")} for r in csv.DictReader(f)]
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import metric_rows
 
 TESTS = Path(__file__).resolve().parent
 EPOCHS, KILL_AT = 4, 2
@@ -46,16 +47,9 @@ def _read(out: Path, rank: int) -> tuple[dict[int, dict], dict[int, str]]:
     return epochs, steps
 
 
-# where the killed run dies: at the start of epoch KILL_AT, or (the CoPE case) after epoch KILL_AT - 1's checkpoint,
-# before its metrics row was logged
-KILL = {case: "kill_at_epoch" for case in CASES} | {"cope_microbatched": "kill_after_checkpoint"}
-
-
-def _rows(path: Path) -> list[dict]:
-    import csv
-
-    with open(path, newline="") as f:  # wall-clock columns aside, every row and value in file order
-        return [{k: v for k, v in r.items() if v not in ("", None) and not k.startswith("perf/")} for r in csv.DictReader(f)]
+# the cases killed right after epoch KILL_AT - 1's checkpoint, before its metrics row was logged; the others die at
+# the start of epoch KILL_AT
+KILLED_AFTER_CHECKPOINT = {"cope_microbatched"}
 
 
 def _run(train_script, tmp_path, run_dir: Path, out: Path, extra: list[str], kill: str = "", resume: bool = False):
@@ -78,8 +72,9 @@ def test_resumed_ddp_ranks_collect_what_the_straight_run_collected(train_script,
     extra = CASES[case]
     straight = _run(train_script, tmp_path, tmp_path / "straight", tmp_path / "trace_straight", extra)
     assert straight.returncode == 0, straight.stderr[-4000:]
-    kill = (f"+callbacks.trace.kill_at_epoch={KILL_AT}" if KILL[case] == "kill_at_epoch"
-            else f"+callbacks.trace.kill_after_checkpoint={KILL_AT - 1}")
+    after_checkpoint = case in KILLED_AFTER_CHECKPOINT
+    kill = (f"+callbacks.trace.kill_after_checkpoint={KILL_AT - 1}" if after_checkpoint
+            else f"+callbacks.trace.kill_at_epoch={KILL_AT}")
     killed = _run(train_script, tmp_path, tmp_path / "cut", tmp_path / "trace_cut", extra, kill=kill)
     assert killed.returncode != 0 and (tmp_path / "cut/checkpoints/last.ckpt").exists(), killed.stderr[-4000:]
     assert read_checkpoint(tmp_path / "cut/checkpoints/last.ckpt")["epoch"] == KILL_AT - 1  # a file, or a sharded folder
@@ -94,10 +89,10 @@ def test_resumed_ddp_ranks_collect_what_the_straight_run_collected(train_script,
         for e in range(EPOCHS):  # the interrupted run's epochs, then the resumed run's, are the straight run's
             got = c_epochs[e] if e < KILL_AT else r_epochs[e]
             assert got == s_epochs[e], (rank, e)
-        if KILL[case] == "kill_at_epoch":
-            assert c_epochs[KILL_AT] == s_epochs[KILL_AT]  # the killed epoch had collected the same before it died
-        else:
+        if after_checkpoint:
             assert KILL_AT not in c_epochs  # died inside epoch KILL_AT - 1's end
+        else:
+            assert c_epochs[KILL_AT] == s_epochs[KILL_AT]  # the killed epoch had collected the same before it died
         assert {**c_steps, **r_steps} == s_steps, rank  # the adapter after every step
     for e in range(EPOCHS):  # the ranks collect different experience, before and after the resume
         assert _read(tmp_path / "trace_straight", 0)[0][e]["tasks"] != _read(tmp_path / "trace_straight", 1)[0][e]["tasks"]
@@ -108,8 +103,8 @@ def test_resumed_ddp_ranks_collect_what_the_straight_run_collected(train_script,
         assert len(steps) > EPOCHS, steps
     assert steps == _read(tmp_path / "trace_straight", 1)[1]  # ranks in sync
     assert _read(tmp_path / "trace_resumed", 0)[1] == _read(tmp_path / "trace_resumed", 1)[1]
-    cut_rows = _rows(tmp_path / "cut/csv/metrics.csv")
-    assert cut_rows == _rows(tmp_path / "straight/csv/metrics.csv")  # every epoch row once, none lost, none repeated
+    cut_rows = metric_rows(tmp_path / "cut/csv/metrics.csv")
+    assert cut_rows == metric_rows(tmp_path / "straight/csv/metrics.csv")  # every epoch row once, none lost, none repeated
     assert sum("counters/episodes" in r for r in cut_rows) == EPOCHS
     export = "model/model.safetensors" if "model.finetune=full" in extra else "adapter/adapter_model.safetensors"
     a = load_file(tmp_path / "straight/csv" / export)

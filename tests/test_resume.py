@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import metric_rows
 from safetensors.torch import load_file
 
 from cope.train.module import AgentRLModule
@@ -125,13 +126,6 @@ class _Killed(Exception):
     """Stands in for a SIGKILL: nothing after the raising line runs, and Lightning logs nothing more on the way out."""
 
 
-def _rows(path) -> list[dict]:
-    import csv
-
-    with open(path, newline="") as f:  # wall-clock columns aside, every row and value in file order
-        return [{k: v for k, v in r.items() if v not in ("", None) and not k.startswith("perf/")} for r in csv.DictReader(f)]
-
-
 def test_a_kill_right_after_the_epoch_checkpoint_loses_no_metrics_row(run_train, tmp_path):
     """Lightning writes an epoch's checkpoint (the epoch-end callbacks) before it logs that epoch's metrics row
     (``update_train_epoch_metrics``). A run that dies between the two resumes after that epoch: the row travels in
@@ -165,7 +159,7 @@ def test_a_kill_right_after_the_epoch_checkpoint_loses_no_metrics_row(run_train,
     shutil.copy(on_disk, csv_file)
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["epoch"] == 1
     run_train([*args, "ckpt_path=last"], run_dir)
-    rows, want = _rows(csv_file), _rows(tmp_path / "straight" / "csv" / "metrics.csv")
+    rows, want = metric_rows(csv_file), metric_rows(tmp_path / "straight" / "csv" / "metrics.csv")
     assert [r.get("rollout/success") for r in rows if "counters/episodes" in r] == \
         [r.get("rollout/success") for r in want if "counters/episodes" in r]  # the epoch rows: 3, none lost
     assert rows == want

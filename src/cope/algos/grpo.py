@@ -51,7 +51,7 @@ the behaviour importance weight ``w = min(pi_prox / pi_b, behaviour_cap)``:
 * ``policy/approx_kl`` (the trust region's measure, ``module.max_approx_kl``) estimates KL(pi_prox || pi_theta) from
   tokens that pi_b sampled: each token's k3 term is weighted by the same w, self-normalized (sum w k3 / sum w). Unweighted,
   the tokens the proximal policy now rarely samples (w << 1) most likely dominated it: the lag-1 demo runs measured
-  step KLs up to 5.7 at clip fractions of 0.001; weighted, 0.046-0.096 (docs/overlap.md).
+  step KLs up to 5.7 at clip fractions of 0.001; weighted, at most 0.174 at lag 1 and 0.084 at lag 2 (docs/overlap.md).
 * Without ``behaviour_logprobs`` (lag 0) the code path is the plain PPO one above, unchanged.
 
 The KL penalty is the k3 estimator (Schulman, "Approximating KL divergence", 2020) of
