@@ -25,6 +25,24 @@ def test_a_bad_limit_names_the_key(compose, tmp_path):
         train(compose(["module.max_approx_kl=0", "trainer.max_epochs=1", "validate_before_fit=false"], tmp_path))
 
 
+def test_the_region_drops_the_rest_of_the_epoch_that_tripped_it_and_counts_each_dropped_step():
+    from cope.train.trust_region import TrustRegion
+
+    region = TrustRegion(0.1)
+    region.measure(0.1, epoch=0, step=0)  # at the limit: inside
+    assert not region.stops(0) and region.open(0)
+    region.measure(0.2, epoch=0, step=1)
+    assert [region.stops(0) for _ in range(3)] == [True] * 3 and region.stopped_steps == 3
+    region.measure(0.0, epoch=0, step=2)  # a later measure does not reopen the epoch
+    assert region.stops(0) and not region.stops(1) and region.stopped_steps == 4  # the next epoch starts afresh
+    off = TrustRegion(None)
+    off.measure(1e9, epoch=0, step=0)
+    assert not off.on and not off.stops(0) and off.stopped_steps == 0
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"module\.max_approx_kl"):
+            TrustRegion(bad)
+
+
 @pytest.mark.long
 def test_steps_past_the_limit_are_not_taken_and_every_epoch_starts_afresh(run_train, read_metrics, tmp_path):
     run_train(RUN, tmp_path / "on")

@@ -8,15 +8,16 @@ adapter-disabled model under LoRA, a frozen copy under full fine-tuning).
 
 One optimizer step per batch, written out here (Lightning's manual optimization): zero the gradients,
 forward + backward over micro-batches of at most ``max_tokens_per_microbatch`` tokens (rows of the
-batch; :mod:`cope.train.backward`, exact), clip, skip a non-finite step (:mod:`cope.train.step_guard`),
-step the optimizer and the scheduler. A batch is a rollout minibatch, or one of CoPE's separate forecast
-batches (kind ``forecast``: only the objectives of that kind, the learning rate times their ``lr_scale``,
-the schedule not advanced). Every batch runs through one path: the model forwards its packed rows (shared prefixes
-stored once, :mod:`cope.train.tree_batch`; a batch that packs nothing is its own packing) and the log-probs come back
-in the batch rows' shape. Step metrics go straight to the loggers. Checkpoints hold only trainable
-weights (the adapter; every weight under full fine-tuning), plus optimizer, scheduler, counters (in the DataModule's
-state), the objectives' state and the skipped-step count; no RNG state (each epoch's generators are derived from the seed, the rank and
-the epoch); the frozen base is never written.
+batch; :mod:`cope.train.backward`, exact), clip, skip a non-finite step (:mod:`cope.train.step_guard`) or one
+outside the epoch's trust region (:mod:`cope.train.trust_region`), step the optimizer and the scheduler. The epoch's
+old and reference log-probs come from one scoring pass before its first step (:mod:`cope.train.scoring`).
+A batch is a rollout minibatch, or one of CoPE's separate forecast batches (kind ``forecast``: only the objectives
+of that kind, the learning rate times their ``lr_scale``, the schedule not advanced). Every batch runs through one
+path: the model forwards its packed rows (shared prefixes stored once, :mod:`cope.train.tree_batch`; a batch that packs
+nothing is its own packing) and the log-probs come back in the batch rows' shape. Step metrics go straight to the
+loggers. Checkpoints hold only trainable weights (the adapter; every weight under full fine-tuning), plus optimizer,
+scheduler, counters (in the DataModule's state), the objectives' state and the dropped-step counts; no RNG state
+(each epoch's generators are derived from the seed, the rank and the epoch); the frozen base is never written.
 """
 from __future__ import annotations
 
@@ -35,10 +36,12 @@ from cope.train.backward import backward_microbatched
 from cope.train.dist import log_rollout_metrics, log_val_metrics
 from cope.train.logprobs import sampler_gap
 from cope.train.objectives import ROLLOUT, ForwardOut, Objective, batch_kind
+from cope.train.scoring import score_minibatches
 from cope.train.seeding import seed_globals
 from cope.train.sharding import configure_sharding, step_weights, total_grad_norm
 from cope.train.step_guard import StepGuard, lr_scaled
 from cope.train.tree_batch import packed_logprobs, packed_view
+from cope.train.trust_region import TrustRegion
 
 ScoredTransform = Callable[[list[dict], list], None]
 log = logging.getLogger(__name__)
@@ -60,13 +63,10 @@ class AgentRLModule(pl.LightningModule):
             The scoring pass uses the same budget.
         max_nonfinite_steps: an optimizer step whose gradient norm is not finite is skipped (gradients dropped,
             no optimizer or scheduler step; counted in ``train/skipped_steps``); this many in a row stop the run.
-        max_approx_kl: the epoch's trust region (PPO's early stop on the approximate KL, as Stable-Baselines3's
-            ``target_kl``, without its 1.5 factor). Once a rollout minibatch's ``policy/approx_kl`` (the policy now
-            against the one that sampled the epoch, mean over ranks) exceeds this, that policy step and the epoch's
-            later ones are not taken: the importance ratios are trusted only near the sampler. CoPE's separate
-            forecast steps (no ratio) still run. ``train/kl_stopped`` marks the dropped steps,
-            ``train/kl_stopped_steps`` counts them over the run (None: no limit). The demo's collapse came from
-            such excursions (README: "The demo's collapse").
+        max_approx_kl: the epoch's trust region (:mod:`cope.train.trust_region`): once a rollout minibatch's
+            ``policy/approx_kl`` exceeds this, that policy step and the epoch's later ones are not taken (CoPE's
+            separate forecast steps still run). ``train/kl_stopped`` marks the dropped steps,
+            ``train/kl_stopped_steps`` counts them over the run (None: no limit).
         seed: the run seed; at the start of every training epoch the process-global generators (dropout)
             are seeded from it, the rank and the epoch (:func:`cope.train.seeding.seed_globals`), so ranks
             differ and a resumed run draws what the uninterrupted one drew.
@@ -83,15 +83,11 @@ class AgentRLModule(pl.LightningModule):
             raise ValueError(f"module.gradient_clip_val must be null or > 0, got {gradient_clip_val}")
         if max_tokens_per_microbatch is not None and max_tokens_per_microbatch < 1:
             raise ValueError(f"module.max_tokens_per_microbatch must be null or >= 1, got {max_tokens_per_microbatch}")
-        if max_approx_kl is not None and max_approx_kl <= 0:
-            raise ValueError(f"module.max_approx_kl must be null or > 0, got {max_approx_kl}")
         self.automatic_optimization = False  # the step is written out in training_step (micro-batches)
         self.temperature, self.gradient_clip_val = float(temperature), gradient_clip_val
         self.max_tokens_per_microbatch, self.seed = max_tokens_per_microbatch, int(seed)
         self.step_guard = StepGuard(max_nonfinite_steps)  # drops steps whose gradient norm is not finite
-        self.max_approx_kl = max_approx_kl
-        self.kl_stopped_steps = 0  # steps the trust region dropped over the run (checkpointed)
-        self._kl_stop_epoch: int | None = None  # the epoch whose remaining steps are dropped
+        self.trust_region = TrustRegion(max_approx_kl)  # drops an epoch's policy steps past max_approx_kl
         if not objectives:
             raise ValueError("algo.objectives is empty: at least the policy-gradient objective is needed")
         names = [o.name for o in objectives]
@@ -154,36 +150,10 @@ class AgentRLModule(pl.LightningModule):
         except RuntimeError:  # not attached to a Trainer
             return contextlib.nullcontext()
 
-    @torch.no_grad()
     def score_minibatches(self, minibatches: list[dict]) -> None:
-        """Fill ``old_logprobs``, ``old_entropy`` (and ``ref_logprobs``) of each minibatch before any update,
-        under the same precision context as the training forward."""
-        was = self.model.training
-        self.model.eval()
-        try:
-            for mb in minibatches:
-                mb["old_logprobs"], mb["old_entropy"] = self._score(mb)
-            if self.needs_ref:  # after the policy's pass: under trainer=fsdp one whole model at a time
-                with self.policy.reference() as ref_model:
-                    for mb in minibatches:
-                        mb["ref_logprobs"] = self._score(mb, ref_model)[0]
-        finally:
-            self.model.train(was)
-
-    def _score(self, mb: dict, model=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs, entropy) of every row of ``mb`` on CPU, micro-batch by micro-batch, under the training forward's
-        precision context; ``model``: the KL reference (no entropy), else the policy."""
-        dev = {k: v.to(self.device) for k, v in mb.items()}
-        lp, ent = torch.zeros(dev["input_ids"].shape, device=self.device), torch.zeros(dev["input_ids"].shape, device=self.device)
-        for rows, n in self.micro_batches(dev):
-            r = slice(None) if rows is None else rows
-            c = slice(None) if n is None else slice(0, n)
-            with self.precision_context():
-                if model is None:
-                    lp[r, c], ent[r, c] = self.logprobs(dev, rows, n)
-                else:
-                    lp[r, c] = self.logprobs(dev, rows, n, entropy=False, model=model)[0]
-        return lp.cpu(), ent.cpu()
+        """Fill ``old_logprobs``, ``old_entropy`` (and ``ref_logprobs``) of each minibatch before any update, as the
+        training forward computes them (:mod:`cope.train.scoring`)."""
+        score_minibatches(self, minibatches)
 
     def configure_model(self) -> None:
         """Full fine-tuning with a KL term: the frozen reference copy, taken before any update or checkpoint load.
@@ -257,7 +227,7 @@ class AgentRLModule(pl.LightningModule):
         kind, step = batch_kind(batch), self.global_step
         if self._kl_stop(kind):  # an earlier minibatch stopped the epoch: every rank skips this one alike
             skipped = {"train/skipped_steps": float(self.step_guard.skipped), "train/kl_stopped": 1.0,
-                       "train/kl_stopped_steps": float(self.kl_stopped_steps)}
+                       "train/kl_stopped_steps": float(self.trust_region.stopped_steps)}
             result = {k: torch.tensor(v) for k, v in skipped.items()}
             self._log_step(result, step)
             return result
@@ -282,8 +252,9 @@ class AgentRLModule(pl.LightningModule):
             opt.zero_grad()  # the weights, optimizer moments and schedule stay as they were
         if kind == ROLLOUT:
             metrics = {**metrics, "train/grad_norm": norm.detach(), "train/skipped_steps": float(self.step_guard.skipped)}
-            if self.max_approx_kl is not None:
-                metrics = {**metrics, "train/kl_stopped": float(kl_stop), "train/kl_stopped_steps": float(self.kl_stopped_steps)}
+            if self.trust_region.on:
+                metrics = {**metrics, "train/kl_stopped": float(kl_stop),
+                           "train/kl_stopped_steps": float(self.trust_region.stopped_steps)}
         else:  # its own names: loss/total and train/grad_norm stay the policy steps'
             metrics = {("forecast/loss_total" if k == "loss/total" else k): v for k, v in metrics.items()}
             metrics["forecast/grad_norm"] = norm.detach()
@@ -294,26 +265,19 @@ class AgentRLModule(pl.LightningModule):
         return result
 
     def _kl_stop(self, kind: str, metrics: dict | None = None) -> bool:
-        """Whether this step falls outside the epoch's trust region (``max_approx_kl``): it, or an earlier step of the
-        epoch, measured the policy further from the rollout policy than allowed; a True counts the step in
-        ``kl_stopped_steps``. Asked before the forward (no ``metrics``), it answers for the earlier steps alone (True:
-        the step is not forwarded); after it, with the step's metrics, it also measures this one. Every rank decides
-        alike: the KL is averaged over ranks before the comparison, and the answer before the forward reads only
-        that decision (no collective)."""
-        if self.max_approx_kl is None or kind != ROLLOUT:
+        """Whether this rollout step falls outside the epoch's trust region (:class:`~cope.train.trust_region.TrustRegion`):
+        asked before the forward (no ``metrics``), for the earlier steps alone (True: the step is not forwarded); after
+        it, with the step's metrics, it also measures this one, its KL averaged over ranks first, so every rank decides
+        alike (the answer before the forward reads only that decision: no collective)."""
+        region = self.trust_region
+        if not region.on or kind != ROLLOUT:
             return False
-        if metrics is not None and self._kl_stop_epoch != self.current_epoch and "policy/approx_kl" in metrics:
+        if metrics is not None and region.open(self.current_epoch) and "policy/approx_kl" in metrics:
             kl = torch.as_tensor(metrics["policy/approx_kl"], dtype=torch.float32, device=self.device).detach()
             if self._trainer is not None and self.trainer.world_size > 1:
                 kl = self.trainer.strategy.reduce(kl, reduce_op="mean")
-            if float(kl) > self.max_approx_kl:
-                self._kl_stop_epoch = self.current_epoch
-                log.info("epoch %d: approx KL %.4f > module.max_approx_kl %g at global step %d: the epoch's remaining "
-                         "policy steps are not taken", self.current_epoch, float(kl), self.max_approx_kl, self.global_step)
-        if self._kl_stop_epoch != self.current_epoch:
-            return False
-        self.kl_stopped_steps += 1
-        return True
+            region.measure(float(kl), self.current_epoch, self.global_step)
+        return region.stops(self.current_epoch)
 
     def _log_step(self, metrics: dict[str, torch.Tensor], step: int) -> None:
         """This step's metrics, straight to the loggers at the step's index (rank zero: its own rows' values). Not
@@ -357,7 +321,7 @@ class AgentRLModule(pl.LightningModule):
         checkpoint["base_model"] = self.policy.source
         checkpoint["finetune"] = self.policy.finetune
         checkpoint["skipped_steps"] = self.step_guard.skipped
-        checkpoint["kl_stopped_steps"] = self.kl_stopped_steps
+        checkpoint["kl_stopped_steps"] = self.trust_region.stopped_steps
         checkpoint["world_size"] = self.trainer.world_size
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -370,7 +334,7 @@ class AgentRLModule(pl.LightningModule):
         for o in self.objectives:
             o.load_state_dict(checkpoint.get("objectives", {}).get(o.name, {}))
         self.step_guard.skipped = int(checkpoint.get("skipped_steps", 0))
-        self.kl_stopped_steps = int(checkpoint.get("kl_stopped_steps", 0))
+        self.trust_region.stopped_steps = int(checkpoint.get("kl_stopped_steps", 0))
         written = checkpoint.get("world_size")
         if written is not None and int(written) != self.trainer.world_size:  # weights, moments and counters are whole
             log.warning("resuming a checkpoint written by %d processes on %d: the weights, optimizer state and counters "
