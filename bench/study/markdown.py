@@ -159,6 +159,9 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
                 cell = f"`{label}` {_f(mean_of([c['auc'] for c in cs]))} / {_f(mean_of([c['final'] for c in cs]))}"
                 cells.append(f"**{cell}**" if label == chosen else cell)
             lines.append(f"- {NAMES.get(arm, arm)}: " + ", ".join(cells))
+        for arm in meta["grid"].get(regime, {}):
+            if arm not in tune and len(meta["grid"][regime][arm]) > 1:
+                lines.append(f"- {NAMES.get(arm, arm)}: no finished tuning run yet, so the arm is not reported")
     tune_walls = [c["wall_s"] for s in (tune.values() if not info["tuned_in"] else ()) for cs in s.values() for c in cs]
     test_walls = [c["wall_s"] for row in arms.values() for c in row["runs"].values()]
     walls = [w for w in (*tune_walls, *test_walls) if w is not None]
