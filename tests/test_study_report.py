@@ -138,7 +138,31 @@ def test_stability_skips_unmeasured_stop_probabilities_and_the_cold_start(tmp_pa
     c = run_curve(tmp_path)
     assert c["stop/prob_val/min"] == pytest.approx(0.42) and c["collapsed_validations"] == 1  # step 17 only
     (tmp_path / "csv/metrics.csv").write_text("epoch,step,stop/prob_val\n0,0,0.0\n2,5,0.0\n")
-    assert run_curve(tmp_path)["stop/prob_val/min"] is None
+    assert run_curve(tmp_path)["stop/prob_val/min"] is None and run_curve(tmp_path)["success_drop"] is None
+
+
+def test_a_late_collapse_is_the_fall_from_the_best_validation_to_the_last(tmp_path):
+    """GRPO seed 3 of study4: 0.484 at epoch 8, 0.078 at epoch 11; the arm's row: mean and worst drop over seeds."""
+    from bench.study.markdown import markdown
+    from bench.study.report import run_curve, summarize
+
+    runs = {}
+    for seed, curve in ((0, (0.016, 0.25, 0.484, 0.078)), (1, (0.0, 0.2, 0.3, 0.4))):
+        d = tmp_path / f"seed{seed}"
+        (d / "csv").mkdir(parents=True)
+        (d / "csv/learning_curve.csv").write_text("episodes,env_steps,val_success\n" + "".join(
+            f"{48 * i},{300 * i},{y}\n" for i, y in enumerate(curve)))
+        (d / "csv/metrics.csv").write_text("epoch,step\n0,0\n")
+        runs[seed] = d
+    assert run_curve(runs[0])["success_drop"] == pytest.approx(0.406) and run_curve(runs[1])["success_drop"] == 0.0
+    from bench.study.launch import Job
+
+    info = {"title": "t", "threshold": 0.4, "overrides": [], "arm_overrides": {}, "tuned_in": None, "by_size": None,
+            "budget": [], "panels": {"tune": [], "test": []}, "seeds": {"tune": [100], "test": [0, 1]}}
+    meta = {"regimes": {"r": info}, "choice": {}, "common": []}
+    summary = summarize([{"rc": 0, "dir": str(d), "job": Job("r", "test", "grpo", "s", s)} for s, d in runs.items()], meta)
+    assert summary["test"]["r"]["grpo"]["success_drop"] == pytest.approx((0.203, 0.406))
+    assert "| 0.203 (worst 0.406) |" in markdown(summary, meta)
 
 
 def test_study_md_prints_the_seeds_that_ran_and_their_count():

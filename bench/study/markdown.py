@@ -141,13 +141,16 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
             f"{_f(row.get('val/projected_actions'))} | {row.get('collapsed', 0)} of {len(row['seeds'])} |"
         )
     lines += ["", "Stability (per run its worst epoch, then the mean over seeds and the worst seed; rollouts: sampled training "
-              "episodes; held-out stop p: the end-of-turn token's probability after a complete action, where one was measured):", "",
+              "episodes; held-out stop p: the end-of-turn token's probability after a complete action, where one was measured; "
+              "peak minus last: how far held-out success fell from its best validation by the last, a late collapse):", "",
               "| arm | peak rollout invalid | peak rollout multi-action | lowest held-out stop p | seeds with a validation "
-              "all invalid after one that was not | policy steps dropped (trust region) |", "|---|---|---|---|---:|---|"]
+              "all invalid after one that was not | policy steps dropped (trust region) | held-out success, peak minus last |",
+              "|---|---|---|---|---:|---|---|"]
     for arm, row in arms.items():
         cells = [_pair(row.get(f"{k}/{how}"), ".0f" if k.startswith("train/") else ".2f") for k, how in STABILITY]
         lines.append(f"| {NAMES.get(arm, arm)} | {cells[0]} | {cells[1]} | {cells[2]} | "
-                     f"{row.get('collapsed_validations', 0)} of {len(row['seeds'])} | {cells[3]} |")
+                     f"{row.get('collapsed_validations', 0)} of {len(row['seeds'])} | {cells[3]} | "
+                     f"{_pair(row.get('success_drop'), '.3f')} |")
     lines += _sized(summary.get("by_size", {}).get(regime))
     tune = summary["tuning"].get(info["tuned_in"] or regime, {})
     if tune and not info["tuned_in"]:
@@ -159,8 +162,9 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
                 cell = f"`{label}` {_f(mean_of([c['auc'] for c in cs]))} / {_f(mean_of([c['final'] for c in cs]))}"
                 cells.append(f"**{cell}**" if label == chosen else cell)
             lines.append(f"- {NAMES.get(arm, arm)}: " + ", ".join(cells))
-        for arm in meta["grid"].get(regime, {}):
-            if arm not in tune and len(meta["grid"][regime][arm]) > 1:
+        grid = meta.get("grid", {}).get(regime, {})
+        for arm in grid:
+            if arm not in tune and len(grid[arm]) > 1:
                 lines.append(f"- {NAMES.get(arm, arm)}: no finished tuning run yet, so the arm is not reported")
     tune_walls = [c["wall_s"] for s in (tune.values() if not info["tuned_in"] else ()) for cs in s.values() for c in cs]
     test_walls = [c["wall_s"] for row in arms.values() for c in row["runs"].values()]

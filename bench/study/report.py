@@ -46,7 +46,7 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
     val = [r for r in _rows(d / "csv/learning_curve.csv") if r.get("val_success") is not None]
     xs, steps, ys = [r["episodes"] for r in val], [r["env_steps"] for r in val], [r["val_success"] for r in val]
     out = {"episodes": xs, "env_steps": steps, "success": ys, "auc": auc_norm(xs, ys), "final": ys[-1] if ys else None,
-           "start": ys[0] if ys else None}
+           "start": ys[0] if ys else None, "success_drop": max(ys) - ys[-1] if ys else None}  # a late collapse: peak - last
     if threshold is not None:
         out["episodes_to"] = first_reaching(xs, ys, threshold)
         out["env_steps_to"] = first_reaching(steps, ys, threshold)
@@ -255,6 +255,8 @@ def summarize(results: list[dict], meta: dict) -> dict:
                 vals = [c.get(f"{k}/{how}") for c in cs if c.get(f"{k}/{how}") is not None]
                 row[f"{k}/{how}"] = (mean_of(vals), (max if how == "max" else min)(vals)) if vals else None
             row["collapsed_validations"] = sum(c.get("collapsed_validations", 0) > 0 for c in cs)
+            drops = [c["success_drop"] for c in cs if c.get("success_drop") is not None]
+            row["success_drop"] = (mean_of(drops), max(drops)) if drops else None
             rates = [c["invalid_rate"] for c in cs if c.get("invalid_rate") is not None]
             row["invalid_rate"] = mean_of(rates)
             row["collapsed"] = sum(r >= 0.99 for r in rates)  # seeds whose held-out actions are all invalid
