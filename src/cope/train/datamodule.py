@@ -38,7 +38,15 @@ from cope.records import EpochRecord, ValidationRecord
 from cope.rollout.engine import EnvRuntime, HFEngine, RolloutEngine, Sampling
 from cope.rollout.metrics import episode_metrics
 from cope.train.advantages import group_advantages
-from cope.train.experience import BatchSource, CollateTransform, assign_advantages, cut_minibatches, epoch_tally, train_tokens
+from cope.train.experience import (
+    BatchSource,
+    CollateTransform,
+    assign_advantages,
+    cut_minibatches,
+    epoch_metrics,
+    epoch_tally,
+    train_tokens,
+)
 from cope.train.group_prefix import pack_groups
 from cope.train.lagged_rollouts import LaggedRollouts, check_lag
 from cope.train.seeding import derive_seed, stream
@@ -307,26 +315,12 @@ class RolloutDataModule(pl.LightningDataModule):
         inc = self._reduce([len(eps), stats.env_steps, stats.generated_tokens, tokens])
         for k, v in zip(COUNTERS, inc):
             self.counters[k] += int(v)
-        m = episode_metrics(eps, prefix="rollout")
-        m.update(adv_metrics)
-        m.update({
-            "env/errors": float(stats.env_errors),
-            "env/aborted_episodes": float(sum(e.aborted for e in eps)),
-            "env/groups_shrunk": float(len({e.group for e in eps if e.aborted})),
-            **{f"env/{k}": float(v) for k, v in self._env_stats_delta().items()},
-            "perf/rollout_seconds": t_roll,
-            "perf/tokens_per_s": stats.generated_tokens / max(stats.gen_seconds, 1e-9),
-            "perf/env_seconds": stats.env_seconds,
-            "perf/adapter_sync_seconds": stats.sync_seconds,
-        })
+        m = {**epoch_metrics(eps, stats, t_roll, self._env_stats_delta(), minibatches if self.share_prefix else ()),
+             **adv_metrics}
         delivery = getattr(self.engine, "delivery_gap", None)  # a server engine's check of its newest sync
         if delivery is not None:
             m["rollout/delivery_gap"] = float(delivery)
         m.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
-        if self.share_prefix:  # per pass over the minibatches: what the packed rows forward vs the rows they stand for
-            rows = sum(int(mb["attention_mask"].ne(0).sum()) for mb in minibatches)
-            packed = sum(mb["packed"].tokens for mb in minibatches)
-            m.update({"data/tokens_forwarded": float(packed), "data/shared_fraction": 1.0 - packed / max(rows, 1)})
         return EpochRecord(epoch=epoch, episodes=eps, minibatches=minibatches, extra_batches=extra, metrics=m,
                            counters=dict(self.counters), tally=epoch_tally(eps, groups, m),
                            sampler_logprobs=bool(getattr(self.engine, "reports_logprobs", False)) or self.max_lag > 0)

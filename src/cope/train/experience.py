@@ -10,8 +10,9 @@ own nothing). The order is fixed and part of what makes a run reproducible:
    ``minibatch_size``, each collated (:func:`cope.train.batch.collate`) and passed through the collate
    transforms in registration order (CoPE's forecast targets; a transform may widen or extend a batch).
 
-:func:`epoch_tally` counts what the epoch's ``rollout/*`` and ``env/*`` metrics are ratios or sums of, for the
-module to pool over ranks (:attr:`cope.records.EpochRecord.tally`).
+:func:`epoch_metrics` gives the epoch's ``rollout/*``, ``env/*``, ``perf/*`` and ``data/*`` values on this rank, and
+:func:`epoch_tally` counts what its ``rollout/*`` and ``env/*`` metrics are ratios or sums of, for the module to pool
+over ranks (:attr:`cope.records.EpochRecord.tally`).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from typing import Protocol
 import torch
 
 from cope.episode import Episode
-from cope.rollout.metrics import episode_tally
+from cope.rollout.loop import RolloutStats
+from cope.rollout.metrics import episode_metrics, episode_tally
 from cope.train.advantages import Metrics, group_advantages, zero_signal_groups
 from cope.train.batch import RolloutBatch, collate
 
@@ -54,6 +56,30 @@ def assign_advantages(episodes: list[Episode], groups: Sequence[int], mode: str)
     for e, a in zip(episodes, adv.tolist()):
         e.advantage = a
     return metrics
+
+
+def epoch_metrics(episodes: list[Episode], stats: RolloutStats, seconds: float, env_events: dict[str, int],
+                  packed: Sequence[RolloutBatch] = ()) -> dict[str, float]:
+    """This rank's metrics of an epoch's rollouts: ``rollout/*`` (:func:`cope.rollout.metrics.episode_metrics`), the env
+    runtime's health (``env/errors``, aborted episodes, shrunk groups, and ``env_events``: restarts, timeouts, ... since
+    the last epoch), the timings (``perf/*``; ``seconds``: the whole collection) and, for minibatches carrying packed
+    rows (``packed``: ``data.share_prefix``), what their rows forward against the rows they stand for (``data/*``)."""
+    m = episode_metrics(episodes, prefix="rollout")
+    m.update({
+        "env/errors": float(stats.env_errors),
+        "env/aborted_episodes": float(sum(e.aborted for e in episodes)),
+        "env/groups_shrunk": float(len({e.group for e in episodes if e.aborted})),
+        **{f"env/{k}": float(v) for k, v in env_events.items()},
+        "perf/rollout_seconds": seconds,
+        "perf/tokens_per_s": stats.generated_tokens / max(stats.gen_seconds, 1e-9),
+        "perf/env_seconds": stats.env_seconds,
+        "perf/adapter_sync_seconds": stats.sync_seconds,
+    })
+    if packed:  # per pass over the minibatches
+        rows = sum(int(mb["attention_mask"].ne(0).sum()) for mb in packed)
+        forwarded = sum(mb["packed"].tokens for mb in packed)
+        m.update({"data/tokens_forwarded": float(forwarded), "data/shared_fraction": 1.0 - forwarded / max(rows, 1)})
+    return m
 
 
 def epoch_tally(episodes: list[Episode], groups: Sequence[int], metrics: dict[str, float]) -> dict[str, float]:
