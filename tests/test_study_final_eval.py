@@ -64,7 +64,7 @@ def test_the_launcher_evaluates_each_test_run_and_records_it(tmp_path, monkeypat
     shutil.rmtree(out)  # a fresh checkout: restored from the records with their evaluation, nothing evaluated again
     assert [r["rc"] for r in study.run_jobs(jobs, out, 2, 1, records)] == [0, 0, 0]
     assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == 2
-    assert final_eval.read(jobs[1].dir(out)) == {"tasks": 2, "success": 0.5}
+    assert final_eval.read(jobs[1].dir(out)) == {"tasks": 2, "success": 0.5, "replayed": False}
     shutil.rmtree(jobs[0].dir(out) / "eval2")  # a run restored (by an earlier launch) from a record made before evaluations
     assert [r["rc"] for r in study.run_jobs(jobs, out, 2, 1, records)] == [0, 0, 0]  # its checkpoint is gone: no eval.py
     assert len((tmp_path / "evals.jsonl").read_text().splitlines()) == 2
@@ -188,4 +188,4 @@ def test_an_incomplete_evaluation_is_named_not_counted(tmp_path):
     assert final_eval.read(tmp_path) == {"reason": "evaluation incomplete: 100 of 256 tasks, see the run's eval.log"}
     (tmp_path / "eval8").mkdir()  # a complete smaller one is read
     (tmp_path / "eval8/summary.json").write_text(json.dumps({"tasks": 8, "complete": True, "success": 0.25}))
-    assert final_eval.read(tmp_path) == {"tasks": 8, "success": 0.25}
+    assert final_eval.read(tmp_path) == {"tasks": 8, "success": 0.25, "replayed": False}

@@ -29,16 +29,17 @@ INCOMPLETE = 3  # evaluate()'s code for an eval.py that exited 0 before its last
 REFERENCES = ("grpo", "cope_authors")  # the arms the final evaluation's Δ columns compare with, in this order
 
 
-def evaluate(run: Path, algo: str, seed: int, overrides: tuple[str, ...], count: int, threads: int, repo: Path) -> int:
-    """Evaluate ``run``'s last checkpoint with eval.py on test tasks 0..count-1, greedy, in the run's validation batch
-    size, into ``<run>/eval<count>/``. Resumable (eval.py skips finished tasks); returns its exit code, or
-    :data:`INCOMPLETE` where it exited 0 without a complete summary."""
+def evaluate(run: Path, algo: str, seed: int, overrides: tuple[str, ...], count: int, threads: int, repo: Path,
+             python: str = sys.executable) -> int:
+    """Evaluate ``run``'s last checkpoint with ``repo``'s eval.py under ``python`` on test tasks 0..count-1, greedy, in
+    the run's validation batch size, into ``<run>/eval<count>/``. Resumable (eval.py skips finished tasks); returns its
+    exit code, or :data:`INCOMPLETE` where it exited 0 without a complete summary."""
     out = run / f"eval{count}"
     summary = out / "summary.json"
     if summary.exists() and json.loads(summary.read_text()).get("complete"):
         return 0
     batch = next(o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("data.val_batch_size="))
-    cmd = [sys.executable, str(repo / "eval.py"), f"algo={algo}", f"seed={seed}",
+    cmd = [python, str(repo / "eval.py"), f"algo={algo}", f"seed={seed}",
            *overrides, f"ckpt_path={run}/checkpoints/last.ckpt", "eval.split=test", "eval.start=0",
            f"eval.count={count}", "eval.temperature=0", f"eval.batch_size={batch}", "eval.progress=false",
            f"eval.out={out}", f"hydra.run.dir={out}", "~logger"]
@@ -53,14 +54,15 @@ def evaluate(run: Path, algo: str, seed: int, overrides: tuple[str, ...], count:
 
 
 def read(run: Path) -> dict:
-    """The run's final evaluation: ``{"tasks", "success"}`` from its largest complete ``eval<N>/summary.json``, or
-    ``{"reason"}`` saying why there is none."""
+    """The run's final evaluation: ``{"tasks", "success", "replayed"}`` from its largest complete
+    ``eval<N>/summary.json`` (``replayed``: of a replay's checkpoint, :mod:`bench.study.replay`), or ``{"reason"}``
+    saying why there is none."""
     found = sorted(((int(p.parent.name.removeprefix("eval")), p) for p in run.glob("eval*/summary.json")
                     if p.parent.name.removeprefix("eval").isdigit()), reverse=True)
     for _, path in found:
         s = json.loads(path.read_text())
         if s.get("complete"):
-            return {"tasks": int(s["tasks"]), "success": float(s["success"])}
+            return {"tasks": int(s["tasks"]), "success": float(s["success"]), "replayed": (run / "replay.json").exists()}
     if found:
         s = json.loads(found[0][1].read_text())
         return {"reason": f"evaluation incomplete: {s.get('tasks', 0)} of {found[0][0]} tasks, see the run's eval.log"}
@@ -69,7 +71,8 @@ def read(run: Path) -> dict:
 
 def summarize(results: list[dict]) -> dict:
     """{regime: {arm: row}} over the finished test runs of the regimes where any run has a final evaluation; a row:
-    ``setting``, ``tasks``, ``seeds`` (evaluated), ``missing`` ({seed: reason}), ``success`` (mean, bootstrap 95%),
+    ``setting``, ``tasks``, ``seeds`` (evaluated), ``replayed`` (those evaluated on a replay's checkpoint), ``missing``
+    ({seed: reason}), ``success`` (mean, bootstrap 95%),
     ``runs`` ({seed: success}) and per reference arm (:data:`REFERENCES`, a different arm that was evaluated)
     ``delta_<ref>`` (bootstrap) and ``delta_<ref>_t`` (paired t), paired by seed."""
     table: dict = {}
@@ -77,11 +80,14 @@ def summarize(results: list[dict]) -> dict:
         job = res["job"]
         if res["rc"] != 0 or job.phase != "test":
             continue
-        row = table.setdefault(job.regime, {}).setdefault(job.arm, {"setting": job.setting, "runs": {}, "missing": {}, "tasks": set()})
+        row = table.setdefault(job.regime, {}).setdefault(
+            job.arm, {"setting": job.setting, "runs": {}, "missing": {}, "tasks": set(), "replayed": []})
         got = read(Path(res["dir"]))
         if "success" in got:
             row["runs"][job.seed] = got["success"]
             row["tasks"].add(got["tasks"])
+            if got["replayed"]:
+                row["replayed"].append(job.seed)
         else:
             row["missing"][job.seed] = got["reason"]
     table = {r: arms for r, arms in table.items() if any(row["runs"] for row in arms.values())}

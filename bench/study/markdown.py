@@ -198,6 +198,11 @@ def _final(final: dict, info: dict) -> list[str]:
     for why, runs in reasons.items():
         lines += ["", f"Not evaluated ({why}): {', '.join(runs)}; these runs are reported from their curve only (the "
                       "first table)."]
+    replayed = [f"{NAMES.get(arm, arm)} seed {s}" for arm, row in final.items() for s in row.get("replayed", [])]
+    if replayed:
+        lines += ["", f"Evaluated on a replay ({', '.join(replayed)}): the run's checkpoint was gone, so its recorded "
+                      "command ran again from the same commit (bench.study.replay), and the replay's curves, metrics and "
+                      "held-out outcomes equal the record's row for row before its last checkpoint was evaluated."]
     return lines
 
 
