@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.study import runs as sample_efficiency
 
 FAKE = '''import json, sys
@@ -36,8 +38,33 @@ def test_resume_continues_from_the_checkpoint_and_sums_the_attempts(tmp_path, mo
     calls = [json.loads(line) for line in (run / "calls.jsonl").read_text().splitlines()]
     assert len(calls) == 2 and all(c[-1] == "ckpt_path=auto" for c in calls)  # the folder was kept, not wiped
     done = json.loads((run / "done").read_text())
-    assert done["attempts"] == 2 and done["wall_s"] == sum(json.loads((run / "attempts.json").read_text()))
+    attempts = json.loads((run / "attempts.json").read_text())
+    assert done["attempts"] == 2 and done["estimated_attempts"] == 0
+    assert done["wall_s"] == pytest.approx(sum(a["end"] - a["start"] for a in attempts)) and done["wall_s"] > 0
     assert sample_efficiency.train_one("grpo", 0, run, ["x=1"], 1, force=False, resume=True)["skipped"]
+
+
+def test_an_attempt_whose_launcher_was_killed_counts_until_its_run_last_wrote(tmp_path, monkeypatch):
+    """A session's end may SIGKILL the launcher before it writes an attempt's end: the resumed run's wall time still
+    counts that attempt, up to the newest file time in the run folder, and its log is kept."""
+    import os
+    import time
+
+    (tmp_path / "train.py").write_text(FAKE.replace("len(calls.read_text().splitlines()) == 1", "False"))
+    monkeypatch.setattr(sample_efficiency, "REPO", tmp_path)
+    run = tmp_path / "runs/grpo/seed0"
+    (run / "checkpoints").mkdir(parents=True)
+    now = time.time()
+    (run / "checkpoints/last.ckpt").write_text("epoch")
+    os.utime(run / "checkpoints/last.ckpt", (now - 600, now - 600))  # the killed attempt's last write
+    (run / "bench.log").write_text("the first attempt's log\n")
+    os.utime(run / "bench.log", (now - 900, now - 900))
+    (run / "attempts.json").write_text(json.dumps([50.0, {"start": now - 1000, "end": None}]))  # an older plain entry
+    assert sample_efficiency.train_one("grpo", 0, run, ["x=1"], 1, force=False, resume=True)["rc"] == 0
+    done = json.loads((run / "done").read_text())
+    assert done["attempts"] == 3 and done["estimated_attempts"] == 1
+    assert 50 + 400 < done["wall_s"] < 50 + 400 + 60  # 50 s, 400 s (estimated), then this attempt's few seconds
+    assert (run / "bench.log").read_text().startswith("the first attempt's log\n")
 
 
 def test_without_resume_an_unfinished_run_restarts_from_scratch(tmp_path, monkeypatch):

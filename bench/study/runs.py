@@ -67,15 +67,17 @@ def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, 
     """Run (or reuse) one training job; returns {algo, seed, dir, wall_s, rc, skipped}.
 
     ``resume``: an unfinished run with a checkpoint continues from it (``ckpt_path=auto``: the same epochs,
-    task stream and curve as an uninterrupted run) instead of restarting; ``wall_s`` sums its attempts."""
+    task stream and curve as an uninterrupted run) instead of restarting, its ``bench.log`` appended to; ``wall_s``
+    sums its attempts (``attempts.json``), also those whose launcher was killed (:func:`_attempts`)."""
     if finished(run) and not force:
         return {"algo": algo, "seed": seed, "dir": str(run), "rc": 0, "skipped": True,
                 "wall_s": json.loads((run / "done").read_text())["wall_s"]}
     if _STOPPING.is_set():  # the launcher is stopping: do not start another run
         return {"algo": algo, "seed": seed, "dir": str(run), "rc": STOPPED, "skipped": False, "wall_s": 0.0}
-    spent = run / "attempts.json"  # wall seconds of earlier, interrupted attempts
-    if resume and not force and (run / "checkpoints/last.ckpt").exists():
-        earlier = json.loads(spent.read_text()) if spent.exists() else []
+    spent = run / "attempts.json"  # the wall time of every attempt (_attempts)
+    kept = resume and not force and (run / "checkpoints/last.ckpt").exists()
+    if kept:
+        earlier = _attempts(spent, run)
     else:
         shutil.rmtree(run, ignore_errors=True)  # a half-finished run restarts from scratch
         earlier = []
@@ -83,8 +85,9 @@ def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, 
     extra = ["ckpt_path=auto"] if resume else []
     cmd = [sys.executable, str(REPO / "train.py"), f"algo={algo}", f"seed={seed}", f"hydra.run.dir={run}", *shared, *extra]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    t0 = time.perf_counter()
-    with (run / "bench.log").open("a" if earlier else "w") as log:
+    attempt = {"start": time.time(), "end": None}  # open until this launcher sees the run end
+    spent.write_text(json.dumps([*earlier, attempt]))
+    with (run / "bench.log").open("a" if kept else "w") as log:  # a resumed run's log goes on after its earlier ones
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         _LIVE.add(proc)
         if _STOPPING.is_set():  # a stop that came while this one was starting
@@ -95,8 +98,29 @@ def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, 
             _LIVE.discard(proc)
             if proc.poll() is None:
                 proc.kill()
-            spent.write_text(json.dumps([*earlier, time.perf_counter() - t0]))
-    wall = sum(json.loads(spent.read_text()))
+            attempt["end"] = time.time()
+            spent.write_text(json.dumps([*earlier, attempt]))
+    attempts = [*earlier, attempt]
+    wall = sum(_seconds(a) for a in attempts)
     if rc == 0:
-        (run / "done").write_text(json.dumps({"wall_s": wall, "cmd": cmd, "attempts": len(earlier) + 1}))
+        estimated = sum(isinstance(a, dict) and bool(a.get("estimated")) for a in attempts)
+        (run / "done").write_text(json.dumps({"wall_s": wall, "cmd": cmd, "attempts": len(attempts),
+                                              "estimated_attempts": estimated}))
     return {"algo": algo, "seed": seed, "dir": str(run), "rc": rc, "skipped": False, "wall_s": wall}
+
+
+def _seconds(attempt: float | dict) -> float:
+    """An attempt's wall seconds (an older attempts.json lists them as plain numbers)."""
+    return float(attempt) if not isinstance(attempt, dict) else attempt["end"] - attempt["start"]
+
+
+def _attempts(spent: Path, run: Path) -> list:
+    """The earlier attempts of a run being resumed. One still open had its launcher killed outright (a session's end
+    can SIGKILL it before it writes the end): its training wrote into the run folder until it died, so it ends at the
+    newest file time there, marked ``estimated`` (``done`` counts such attempts in ``estimated_attempts``)."""
+    attempts = json.loads(spent.read_text()) if spent.exists() else []
+    for a in attempts:
+        if isinstance(a, dict) and a.get("end") is None:
+            times = [p.stat().st_mtime for p in run.rglob("*") if p.is_file() and p != spent]
+            a["end"], a["estimated"] = max([a["start"], *times]), True
+    return attempts
