@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from bench.study import final_eval, replay
 from bench.study.launch import Job
@@ -64,7 +67,8 @@ def _calls(repo: Path, name: str) -> list[list[str]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_an_identical_replay_is_evaluated_and_its_evaluation_added_to_the_record(tmp_path):
+def test_an_identical_replay_is_evaluated_and_its_evaluation_added_to_the_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(replay, "stop_on_sigterm", lambda: None)  # pytest keeps its own signal handlers
     record, repo = _setup(tmp_path)
     out = tmp_path / "replays"
     argv = [str(record), "--python", sys.executable, "--repo", str(repo), "--out", str(out), "--count", "8"]
@@ -111,3 +115,27 @@ def test_a_replay_stopped_before_its_last_epoch_resumes_on_the_next_call(tmp_pat
     (repo / "replay_writes/learning_curve_train.csv").write_text(TRAIN)
     rc, what = replay.replay(record, tmp_path / "r", sys.executable, repo, 8, 1)
     assert rc == 0 and len(_calls(repo, "trains.jsonl")) == 2 and "attached" in what
+
+
+def test_float_rounding_passes_and_a_count_or_a_larger_difference_does_not(tmp_path):
+    """Another machine rounds floats differently: a loss within RTOL is the same run; a count is compared exactly."""
+    record, repo = _setup(tmp_path)
+    (repo / "replay_writes/metrics.csv").write_text(METRICS.replace("0.25,2.9", "0.2500001,2.9"))
+    rc, what = replay.replay(record, tmp_path / "a", sys.executable, repo, 8, 1)
+    assert rc == 0 and "within 1.0e-07" in what
+    assert json.loads((record / "replay.json").read_text())["largest_relative_deviation"] == pytest.approx(1e-7)
+    record2, repo2 = _setup(tmp_path / "2")
+    (repo2 / "replay_writes/learning_curve_train.csv").write_text(TRAIN.replace("1,16", "1,17"))
+    rc, what = replay.replay(record2, tmp_path / "b", sys.executable, repo2, 8, 1)
+    assert rc == 1 and "episodes 16 (record) != 17 (replay)" in what
+
+
+def test_a_replay_that_departs_from_its_record_is_stopped_while_it_trains(tmp_path):
+    """Hours of training saved: the replay's first rows already differ, so it is stopped, not run to its end."""
+    record, repo = _setup(tmp_path)
+    (repo / "replay_writes/metrics.csv").write_text(METRICS.replace("0,1,0.5", "0,1,0.6") + "1,2,0.25,2.9\n")
+    (repo / "train.py").write_text(FAKE_TRAIN + "import time\ntime.sleep(120)\n")
+    t0 = time.monotonic()
+    rc, what = replay.replay(record, tmp_path / "r", sys.executable, repo, 8, 1, poll=0.2)
+    assert rc == 1 and "stopped" in what and "row 0: loss/total 0.5 (record) != 0.6 (replay)" in what
+    assert time.monotonic() - t0 < 60 and not _calls(repo, "evals.jsonl")

@@ -8,6 +8,7 @@ launcher pass a SIGTERM or Ctrl-C on to its running jobs and start no new one. U
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -45,6 +46,19 @@ def stop_on_sigterm() -> None:
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
+
+
+@contextlib.contextmanager
+def tracked(proc: subprocess.Popen):
+    """``proc`` (a training subprocess) gets the launcher's SIGTERM while inside (:func:`stop_on_sigterm`); one that
+    starts while the launcher is stopping gets it at once."""
+    _LIVE.add(proc)
+    if _STOPPING.is_set():
+        proc.send_signal(signal.SIGTERM)
+    try:
+        yield proc
+    finally:
+        _LIVE.discard(proc)
 
 
 def stopping() -> bool:
@@ -89,13 +103,10 @@ def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, 
     spent.write_text(json.dumps([*earlier, attempt]))
     with (run / "bench.log").open("a" if kept else "w") as log:  # a resumed run's log goes on after its earlier ones
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _LIVE.add(proc)
-        if _STOPPING.is_set():  # a stop that came while this one was starting
-            proc.send_signal(signal.SIGTERM)
         try:
-            rc = proc.wait()
+            with tracked(proc):
+                rc = proc.wait()
         finally:  # interrupted (the study killed): record the time this attempt spent
-            _LIVE.discard(proc)
             if proc.poll() is None:
                 proc.kill()
             attempt["end"] = time.time()
