@@ -141,6 +141,9 @@ def test_the_final_evaluation_table_and_echo_against_cope(tmp_path):
     assert ("Not evaluated (checkpoint gone: recorded before the final evaluation existed): GRPO seed 0, GRPO seed 1, "
             "GRPO seed 2, CoPE (authors') seed 0, CoPE (authors') seed 1, CoPE (authors') seed 2;") in text
     assert f"Not evaluated ({final_eval.FAILED}): CoPE (authors', turns) seed 4;" in text
+    # one evaluated seed (turns: seed 3 only): its mean and its one pair's difference, without a degenerate interval
+    assert ("| CoPE (authors', turns) | `s` | 256 | 3 | 0.520 (1 seed) | +0.020 (1 pair: no interval) | "
+            "-0.030 (1 pair: no interval) |") in text
     # the curve's tables: ECHO against GRPO, and against CoPE (authors', list) in the between-arms table (+0.06 on
     # the last validation: 0.1, 0.0, 0.1, 0.0, 0.1 over seeds 0..4)
     assert summary["test"]["smollm2"]["echo"]["delta_final"][0] == pytest.approx(0.16)

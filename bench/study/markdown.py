@@ -41,8 +41,17 @@ def delta_cell(row: dict, key: str) -> str:
     d, t = row.get(key), row.get(key + "_t")
     if not (d and d[3]):
         return "–"
+    if d[3] == 1:  # one pair: a difference, no interval and no verdict
+        return f"{d[0]:+.3f} (1 pair: no interval)"
     cell = f"{fmt_interval(*d[:3], '+.3f')} {separates(d[1], d[2])}"
     return cell + (f" (t: {separates(t[1], t[2])})" if t and t[3] > 1 else "")
+
+
+def _mean_cell(v: tuple, n: int) -> str:
+    """A mean over ``n`` seeds with its bootstrap interval; one seed has no interval."""
+    if n == 0:
+        return "–"
+    return f"{v[0]:.3f} (1 seed)" if n == 1 else fmt_interval(*v)
 
 
 def ran_seeds(summary: dict, regime: str) -> list[int]:
@@ -189,7 +198,7 @@ def _final(final: dict, info: dict) -> list[str]:
     for arm, row in final.items():
         lines.append(f"| {NAMES.get(arm, arm)} | `{row['setting']}` | {'/'.join(map(str, row['tasks'])) or '–'} | "
                      f"{', '.join(map(str, row['seeds'])) or 'none'} | "
-                     f"{fmt_interval(*row['success']) if row['seeds'] else '–'} | "
+                     f"{_mean_cell(row['success'], len(row['seeds']))} | "
                      + " | ".join(delta_cell(row, f"delta_{r}") for r in refs) + " |")
     reasons: dict[str, list[str]] = {}
     for arm, row in final.items():
