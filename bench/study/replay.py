@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -57,32 +58,25 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return [{k: v for k, v in r.items() if v not in ("", None) and not k.startswith("perf/")} for r in csv.DictReader(f)]
 
 
-def _same(a: str | None, b: str | None) -> bool:
-    """Two cells of a compared row: text and whole numbers (counts, steps, outcomes) exactly; other numbers within
-    :data:`RTOL` (float rounding differs between machines: the same run's first held-out observation NLL was
-    2.7487471 on the machine that recorded it and 2.7487466 on another, its 64 greedy episodes identical)."""
+def _deviation(a: str | None, b: str | None) -> float:
+    """How far apart two cells of a compared row are: 0 when equal; for two numbers that are not both whole, their
+    relative difference (float rounding differs between machines: the same run's first held-out observation NLL was
+    2.7487471 on the machine that recorded it and 2.7487466 on another, its 64 greedy episodes identical); infinite
+    for text or whole numbers (counts, steps, outcomes) that differ, which must match exactly."""
     if a == b:
-        return True
-    try:
-        x, y = float(a), float(b)
-    except (TypeError, ValueError):
-        return False
-    if x.is_integer() and y.is_integer():
-        return False
-    return abs(x - y) <= RTOL * max(1.0, abs(x), abs(y))
-
-
-def _deviation(a: str, b: str) -> float:
-    try:
-        x, y = float(a), float(b)
-    except (TypeError, ValueError):
         return 0.0
+    try:
+        x, y = float(a), float(b)
+    except (TypeError, ValueError):
+        return math.inf
+    if x.is_integer() and y.is_integer():
+        return math.inf
     return abs(x - y) / max(1.0, abs(x), abs(y))
 
 
 def compare(record: Path, run: Path, prefix: bool = False) -> tuple[str | None, float]:
     """(None, the largest relative deviation of a number) when every compared file of ``record`` (:data:`COMPARED`, as
-    listed in its manifest) is in ``run`` with the same rows (``perf/*`` aside; cells as :func:`_same`); else (the
+    listed in its manifest) is in ``run`` with the same rows (``perf/*`` aside; cells as :func:`_deviation`); else (the
     first difference in words, 0). ``prefix``: only the rows the replay has written so far (a replay under way)."""
     listed = json.loads((record / MANIFEST).read_text())["files"]
     names = sorted({n for pattern in COMPARED for n in listed if Path(n).match(pattern)})
@@ -98,10 +92,11 @@ def compare(record: Path, run: Path, prefix: bool = False) -> tuple[str | None, 
         if prefix:  # a file being written: its last row may be half of one
             got = got[:-1]
         for i, (w, g) in enumerate(zip(want, got)):
-            keys = sorted(k for k in w.keys() | g.keys() if not _same(w.get(k), g.get(k)))
+            gaps = {k: _deviation(w.get(k), g.get(k)) for k in w.keys() | g.keys()}
+            keys = sorted(k for k, gap in gaps.items() if gap > RTOL)
             if keys:
                 return f"{name} row {i}: " + ", ".join(f"{k} {w.get(k)} (record) != {g.get(k)} (replay)" for k in keys[:4]), 0.0
-            worst = max([worst, *(_deviation(w[k], g[k]) for k in w)])
+            worst = max([worst, *gaps.values()])
         if len(want) != len(got) and not (prefix and len(got) < len(want)):
             return f"{name}: {len(want)} rows in the record, {len(got)} in the replay", 0.0
     return None, worst
