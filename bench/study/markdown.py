@@ -4,7 +4,9 @@ paired comparison could detect, the mechanism table, the per-size table and the 
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 from bench.study.final_eval import REFERENCES, half_width
 from bench.study.stats import fmt_interval, separates
@@ -20,6 +22,15 @@ NAMES = {
     "cope_turns": "CoPE (authors', turns)",
 }
 AUX = {"cope": "forecast", "cope_authors": "forecast", "cope_turns": "forecast", "echo": "echo"}  # the arm's grad/* name
+
+
+def write_table(out: Path, rows: list[dict], head: str, table: str) -> None:
+    """An after-the-fact study table: ``head`` and ``table`` to ``out`` (markdown), every run's row to the ``.json``
+    beside it; the table is printed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    out.write_text(head + table + "\n")
+    print(table)
 
 
 def mean_of(xs: list) -> float | None:

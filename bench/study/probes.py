@@ -27,6 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.study.markdown import write_table
 from bench.study.report import run_curve
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,13 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['run']} [{layout}]: greedy success {row['success']:.3f} (last validation {row['last_val_success']}),"
                   f" forecast action acc {row['probe/forecast_action_acc']:.3f} over {row['probe/forecast_actions']:.0f}"
                   f" actions in {row['probe/forecast_chunks']:.0f} chunks", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     head = (f"# Held-out forecast probes after training (`python -m bench.study.probes {args.root}`)\n\n"
             "Each run's final adapter, greedy on its reported panel, every episode probed; answers the projection "
             "read are probed (`callbacks.probes.mask_projected=false`). Mean over seeds (min-max).\n\n")
-    args.out.write_text(head + table(rows) + "\n")
-    print(table(rows))
+    write_table(args.out, rows, head, table(rows))
     return 0
 
 
