@@ -180,3 +180,22 @@ def test_study_md_prints_the_seeds_that_ran_and_their_count():
     info["seeds"]["test"] = [0, 1, 2]
     text = markdown({"test": {"r": {"grpo": row}}, "tuning": {}}, {"common": [], "regimes": {"r": info}, "choice": {}})
     assert "test [0, 1, 2]." in text and "planned" not in text
+
+
+def test_tuning_line_names_a_tie_and_how_it_was_broken():
+    """Two settings with the same tuning AUC: the chosen one (the first in the grid) is marked, and the tie is said."""
+    from bench.study.markdown import markdown
+
+    row = {"setting": "lam0.005", "seeds": [0], "start": 0.0, "episodes_to": (96.0,) * 3, "env_steps_to": (500.0,) * 3,
+           "final": (0.5, 0.5, 0.5), "auc": (0.3, 0.3, 0.3), "wall_s": 1.0, "runs": {"0": {"wall_s": 1.0}}}
+    info = {"title": "t", "threshold": 0.4, "overrides": [], "tuned_in": None, "budget": [],
+            "panels": {"tune": [], "test": []}, "seeds": {"tune": [100], "test": [0]}}
+    tune = {"echo": {"lam0.005": [{"auc": 0.414, "final": 0.469, "wall_s": 1.0}],
+                     "lam0.05": [{"auc": 0.414, "final": 0.469, "wall_s": 1.0, "probe/obs_nll/last": 0.722}],
+                     "lam0.5": [{"auc": 0.2, "final": 0.1, "wall_s": 1.0}]}}
+    meta = {"common": [], "regimes": {"r": info}, "choice": {"r/echo": {"setting": "lam0.005"}}}
+    text = markdown({"test": {"r": {"echo": row}}, "tuning": {"r": tune}}, meta)
+    assert ("- ECHO: **`lam0.005` 0.414 / 0.469**, `lam0.05` 0.414 / 0.469 (obs NLL 0.722), `lam0.5` 0.200 / 0.100 "
+            "(a tie with `lam0.05`: the first in the grid's order)") in text
+    tune["echo"]["lam0.05"][0]["auc"] = 0.4
+    assert "tie" not in markdown({"test": {"r": {"echo": row}}, "tuning": {"r": tune}}, meta)

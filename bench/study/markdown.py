@@ -174,14 +174,20 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
     lines += _sized(summary.get("by_size", {}).get(regime))
     tune = summary["tuning"].get(info["tuned_in"] or regime, {})
     if tune and not info["tuned_in"]:
-        lines += ["", "Tuning (mean AUC / final success on the tuning panel, tuning seeds; chosen in bold):", ""]
+        lines += ["", "Tuning (mean AUC / final success on the tuning panel, tuning seeds, and the held-out observation NLL at the "
+                  "last validation where the probe measured it; chosen in bold):", ""]
         for arm, settings in tune.items():
             chosen = meta["choice"].get(f"{regime}/{arm}", {}).get("setting")
-            cells = []
+            cells, aucs = [], {}
             for label, cs in settings.items():
-                cell = f"`{label}` {_f(mean_of([c['auc'] for c in cs]))} / {_f(mean_of([c['final'] for c in cs]))}"
+                aucs[label] = mean_of([c['auc'] for c in cs])
+                nll = mean_of([c.get("probe/obs_nll/last") for c in cs])  # what ECHO trains: its setting's visible effect
+                cell = f"`{label}` {_f(aucs[label])} / {_f(mean_of([c['final'] for c in cs]))}" + (
+                    f" (obs NLL {_f(nll)})" if nll is not None else "")
                 cells.append(f"**{cell}**" if label == chosen else cell)
-            lines.append(f"- {NAMES.get(arm, arm)}: " + ", ".join(cells))
+            tied = [lb for lb, a in aucs.items() if lb != chosen and chosen in aucs and a is not None and a == aucs[chosen]]
+            tie = f" (a tie with {', '.join(f'`{lb}`' for lb in tied)}: the first in the grid's order)" if tied else ""
+            lines.append(f"- {NAMES.get(arm, arm)}: " + ", ".join(cells) + tie)
         grid = meta.get("grid", {}).get(regime, {})
         for arm in grid:
             if arm not in tune and len(grid[arm]) > 1:
