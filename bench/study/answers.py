@@ -1,26 +1,33 @@
-"""What a maze study's final policies answer, from their final evaluation's trajectories, after the fact.
+"""What a maze study's policies do, after the fact: their held-out outcomes against a scripted *goal walk*, and
+their final evaluation's answers.
 
 Why: study4's SmolLM2 runs end in a band of held-out success (0.45-0.55) where a policy can score by copying the
-observation instead of reading the maze. Its prose answers are read by the action projection (``Read as: <move>.``,
-the first direction word), so a policy that repeats the observation's ``Goal:`` line walks greedily along the goal's
-first axis and stops at the first wall. This script counts that, for every run whose final evaluation kept its
-trajectories (``<run>/eval256/trajectories.jsonl``: in the run folder, not in the committed records).
+observation instead of reading the maze. Its prose answers are read by the action projection (the first direction
+word), so a policy that repeats the observation's ``Goal:`` line ("Goal: 3 north, 2 west.") moves along the goal's
+first axis until it reaches the goal or runs into a wall for the rest of its moves. The *goal walk* is that policy,
+scripted: :func:`goal_walk` plays it on the same mazes (the run's env config, this checkout's maze generator).
 
-Per run, over the turns after the first (the first turn's observation is in the prompt, not in the trajectory):
+Two tables:
 
-- ``goal_line``: the share of answers that contain the previous observation's ``Goal:`` text verbatim
-  (``3 north, 2 west``), case-insensitive;
-- ``goal_first``: the share whose projected move is the ``Goal:`` line's first direction (the greedy move); with
-  ``goal_line`` it tells a copied line from a policy that reads the maze and still moves greedily;
-- ``walls``: the share of these turns that hit a wall (the observation after the answer starts with ``Wall.``).
+- **Every run** (the committed records: ``<records>/<arm>/<setting>/seed<N>/csv/val_episodes/episodes<M>.csv``): at
+  each held-out validation after training began, whether the run's per-maze outcomes (reached the goal or not) are
+  exactly the goal walk's on the same mazes, and at the last one, the share of mazes where they agree.
+- **Final evaluations** (``--evals``: run folders with ``eval256/trajectories.jsonl``, which the records do not
+  keep), over the turns after the first (the first turn's observation is in the prompt, not in the trajectory):
+  ``goal_line``, the share of answers that contain the previous observation's ``Goal:`` text verbatim
+  (case-insensitive); ``goal_first``, the share whose move (as the env read it) is that line's first direction;
+  ``walls``, the share that hit a wall; ``walk_agree``, over the evaluated mazes, the share whose outcome is the goal
+  walk's.
 
 Usage::
 
-    python -m bench.study.answers outputs/study4/smollm2/test --out bench/results/study4/answer_forms.md
+    python -m bench.study.answers bench/results/study4/runs/smollm2/test --evals outputs/study4/smollm2/test \\
+        --out bench/results/study4/answer_forms.md
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import re
 import statistics
@@ -28,6 +35,7 @@ import sys
 from pathlib import Path
 
 from bench.study.markdown import write_table
+from cope.envs.base import Env, Task
 from cope.envs.maze import parse_action, project_action
 
 GOAL = re.compile(r"Goal: ([^.]*)\.")
@@ -54,51 +62,116 @@ def answer_forms(trajectories: list[dict]) -> dict[str, float]:
     return {"turns": turns, "goal_line": share(goal_line), "goal_first": share(goal_first), "walls": share(walls)}
 
 
-def read_trajectories(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def goal_walk(env: Env, split: str, indices: list[int]) -> dict[int, int]:
+    """{task index: 1 if the goal was reached}: the scripted policy that always moves the observation's ``Goal:``
+    line's first direction, on ``env``'s tasks ``indices`` of ``split``."""
+    out = {}
+    for i in indices:
+        obs, done, success = env.reset(Task(env.name, split, i)).observation, False, False
+        while not done:
+            step = env.step(project_action(GOAL.search(obs).group(1)) or "north")
+            obs, done, success = step.observation, step.done, step.success
+        out[i] = int(success)
+    return out
 
 
-def table(rows: list[dict]) -> str:
-    """One row per run, then per arm the mean over its seeds."""
-    out = ["| arm | seed | greedy success | turns after the first | repeat the Goal line | move = the Goal line's "
-           "first direction | hit a wall |", "|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        out.append(f"| {r['arm']} | {r['seed']} | {r['success']:.3f} | {r['turns']} | {r['goal_line']:.2f} "
-                   f"| {r['goal_first']:.2f} | {r['walls']:.2f} |")
+def outcomes(episodes_csv: Path) -> tuple[str, dict[int, int]]:
+    """(split, {task index: 1 if reached}) of a per-task episodes file (validation or evaluation)."""
+    with episodes_csv.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    return rows[0]["split"], {int(r["index"]): int(float(r["success"])) for r in rows}
+
+
+def run_env(run: Path) -> Env:
+    """The run's env, built from its Hydra config (``.hydra/config.yaml``'s ``env`` block)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    return instantiate(OmegaConf.load(run / ".hydra" / "config.yaml").env)()
+
+
+def _agree(got: dict[int, int], walk: dict[int, int]) -> float:
+    return sum(got[i] == walk[i] for i in got) / len(got)
+
+
+def validation_row(run: Path, env: Env) -> dict:
+    """A run's validations after training began against the goal walk on the same mazes."""
+    files = sorted((p for p in (run / "csv/val_episodes").glob("episodes*.csv") if p.stem[8:].isdigit()),
+                   key=lambda p: int(p.stem[8:]))
+    later = [outcomes(p) for p in files if int(p.stem[8:]) > 0]
+    walks = [goal_walk(env, split, sorted(got)) for split, got in later]
+    last, walk = later[-1][1], walks[-1]
+    return {"validations": len(later), "identical": sum(got == w for (_, got), w in zip(later, walks)),
+            "success": sum(last.values()) / len(last), "walk_success": sum(walk.values()) / len(walk),
+            "agree": _agree(last, walk)}
+
+
+def _runs(root: Path, marker: str) -> list[tuple[str, int, Path]]:
+    return [(p.relative_to(root).parts[0], int(p.relative_to(root).parts[2].removeprefix("seed")), root.joinpath(
+        *p.relative_to(root).parts[:3])) for p in sorted(root.glob(f"*/*/seed*/{marker}"))]
+
+
+def _cell(v: list[float]) -> str:
+    return f"{statistics.fmean(v):.2f} ({min(v):.2f}-{max(v):.2f})" if len(v) > 1 else f"{v[0]:.2f}"
+
+
+def tables(val_rows: list[dict], eval_rows: list[dict]) -> str:
+    out = ["Every run's held-out validations after training began (the reported panel), against the goal walk on the "
+           "same mazes:", "",
+           "| arm | seed | validations identical to the goal walk's outcomes | last validation's success | the goal "
+           "walk's | mazes where they agree |", "|---|---|---|---:|---:|---:|"]
+    out += [f"| {r['arm']} | {r['seed']} | {r['identical']} of {r['validations']} | {r['success']:.3f} "
+            f"| {r['walk_success']:.3f} | {r['agree']:.2f} |" for r in val_rows]
     arms: dict[str, list[dict]] = {}
-    for r in rows:
+    for r in val_rows:
         arms.setdefault(r["arm"], []).append(r)
-    out += ["", "| arm | seeds | repeat the Goal line, mean (min-max) | move = first direction, mean (min-max) |",
-            "|---|---|---|---|"]
-    cell = lambda v: f"{statistics.fmean(v):.2f} ({min(v):.2f}-{max(v):.2f})"  # noqa: E731
-    for arm, rs in arms.items():
-        out.append(f"| {arm} | {', '.join(str(r['seed']) for r in rs)} | {cell([r['goal_line'] for r in rs])} "
-                   f"| {cell([r['goal_first'] for r in rs])} |")
+    out += ["", "| arm | runs whose last validation is the goal walk's, maze for maze | mazes where they agree |",
+            "|---|---|---|"]
+    out += [f"| {arm} | {sum(r['agree'] == 1.0 for r in rs)} of {len(rs)} | {_cell([r['agree'] for r in rs])} |"
+            for arm, rs in arms.items()]
+    if eval_rows:
+        out += ["", "Final evaluations (greedy) that kept their trajectories; shares over the turns after the first:", "",
+                "| arm | seed | tasks | greedy success | the goal walk's | repeat the Goal line | move = its first "
+                "direction | hit a wall | mazes where the outcome is the goal walk's |",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        out += [f"| {r['arm']} | {r['seed']} | {r['tasks']} | {r['success']:.3f} | {r['walk_success']:.3f} "
+                f"| {r['goal_line']:.2f} | {r['goal_first']:.2f} | {r['walls']:.2f} | {r['walk_agree']:.2f} |"
+                for r in eval_rows]
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("root", type=Path, help="a study's test runs: <root>/<arm>/<setting>/seed<N>/eval256/trajectories.jsonl")
-    p.add_argument("--out", type=Path, required=True, help="the markdown table (a .json beside it holds every run's row)")
+    p.add_argument("records", type=Path, help="a study's test records: <records>/<arm>/<setting>/seed<N> (csv/, .hydra/)")
+    p.add_argument("--evals", type=Path, help="run folders with eval256/trajectories.jsonl (same layout)")
+    p.add_argument("--out", type=Path, required=True, help="the markdown tables (a .json beside it holds every row)")
     args = p.parse_args(argv)
-    rows = []
-    for path in sorted(args.root.glob("*/*/seed*/eval256/trajectories.jsonl")):
-        run = path.parents[1]
-        summary = json.loads((path.parent / "summary.json").read_text()) if (path.parent / "summary.json").is_file() else {}
-        if not summary.get("complete"):
-            print(f"skipped {run}: its evaluation is not complete", flush=True)
-            continue
-        arm = run.relative_to(args.root).parts[0]
-        rows.append({"arm": arm, "seed": int(run.name.removeprefix("seed")), "success": summary["success"],
-                     **answer_forms(read_trajectories(path))})
-    if not rows:
-        p.error(f"no complete final evaluation under {args.root} (<arm>/<setting>/seed<N>/eval256/)")
-    head = (f"# What the final policies answer (`python -m bench.study.answers {args.root}`)\n\n"
-            "Each run's final evaluation (greedy), the turns after the first: the share of answers that repeat the "
-            "previous observation's `Goal:` line, the share whose projected move is that line's first direction "
-            "(the greedy move), the share that hit a wall.\n\n")
-    write_table(args.out, rows, head, table(rows))
+    val_rows, eval_rows = [], []
+    for arm, seed, run in _runs(args.records, "csv/val_episodes"):
+        env = run_env(run)
+        try:
+            val_rows.append({"arm": arm, "seed": seed, **validation_row(run, env)})
+            traj = args.evals.joinpath(*run.relative_to(args.records).parts, "eval256") if args.evals else None
+            if traj is None or not (traj / "trajectories.jsonl").is_file():
+                continue
+            summary = json.loads((traj / "summary.json").read_text()) if (traj / "summary.json").is_file() else {}
+            if not summary.get("complete"):
+                print(f"skipped {traj}: the evaluation is not complete", flush=True)
+            else:
+                split, got = outcomes(traj / "episodes.csv")
+                walk = goal_walk(env, split, sorted(got))
+                forms = answer_forms([json.loads(x) for x in (traj / "trajectories.jsonl").read_text().splitlines() if x])
+                eval_rows.append({"arm": arm, "seed": seed, "tasks": len(got), "success": summary["success"],
+                                  "walk_success": sum(walk.values()) / len(walk), **forms, "walk_agree": _agree(got, walk)})
+        finally:
+            env.close()
+    if not val_rows:
+        p.error(f"no run with held-out validations under {args.records} (<arm>/<setting>/seed<N>/csv/val_episodes)")
+    head = (f"# The policies against the goal walk (`python -m bench.study.answers {args.records}"
+            f"{f' --evals {args.evals}' if args.evals else ''}`)\n\nThe goal walk: a scripted policy that always moves "
+            "the observation's `Goal:` line's first direction, what a policy that repeats that line does when the "
+            "action projection reads it.\n\n")
+    write_table(args.out, {"validations": val_rows, "evaluations": eval_rows}, head, tables(val_rows, eval_rows))
     return 0
 
 

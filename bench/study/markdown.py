@@ -24,7 +24,7 @@ NAMES = {
 AUX = {"cope": "forecast", "cope_authors": "forecast", "cope_turns": "forecast", "echo": "echo"}  # the arm's grad/* name
 
 
-def write_table(out: Path, rows: list[dict], head: str, table: str) -> None:
+def write_table(out: Path, rows: list[dict] | dict, head: str, table: str) -> None:
     """An after-the-fact study table: ``head`` and ``table`` to ``out`` (markdown), every run's row to the ``.json``
     beside it; the table is printed."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -146,7 +146,7 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
         "forms: the last validation's held-out episodes, mean over seeds; forecast samples: per epoch over the "
         "first 2 epochs, mean over seeds):",
         "",
-        "| arm | cos(aux grad, pg grad) | aux / pg grad norm | steps measured | forecast samples / epoch (early) "
+        "| arm | cos(aux grad, pg grad) | aux / pg grad norm | steps measured per run (mean) | forecast samples / epoch (early) "
         "| probe forecast action acc | probe obs NLL | held-out invalid actions / step | multi-action answers "
         "| strict-valid answers | projected answers | seeds with every held-out action invalid |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -155,7 +155,7 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
         aux = AUX.get(arm)
         lines.append(
             f"| {NAMES.get(arm, arm)} | {_f(row.get(f'grad/cos_{aux}_pg'))} | {_f(row.get(f'grad/ratio_{aux}_pg'))} | "
-            f"{_f(row.get('grad/measured_steps'), '.0f')} | {_f(row.get('forecast/samples_early'), '.1f')} | "
+            f"{_f(row.get('grad/measured_steps'), '.1f')} | {_f(row.get('forecast/samples_early'), '.1f')} | "
             f"{_f(row.get('probe/forecast_action_acc'))} | {_f(row.get('probe/obs_nll'))} | "
             f"{_f(row.get('invalid_rate'))} | {_f(row.get('val/multi_action'))} | {_f(row.get('val/strict_valid'))} | "
             f"{_f(row.get('val/projected_actions'))} | {row.get('collapsed', 0)} of {len(row['seeds'])} |"
