@@ -199,3 +199,20 @@ def test_tuning_line_names_a_tie_and_how_it_was_broken():
             "(a tie with `lam0.05`: the first in the grid's order)") in text
     tune["echo"]["lam0.05"][0]["auc"] = 0.4
     assert "tie" not in markdown({"test": {"r": {"echo": row}}, "tuning": {"r": tune}}, meta)
+
+
+def test_groups_without_a_reward_spread_are_averaged_over_epochs(tmp_path):
+    """``rollout/zero_signal_groups`` (logged on epoch rows) becomes the run's mean share, and study.md's column."""
+    from bench.study.launch import Job
+    from bench.study.markdown import markdown
+    from bench.study.report import run_curve, summarize
+
+    (tmp_path / "csv").mkdir()
+    (tmp_path / "csv/learning_curve.csv").write_text("episodes,env_steps,val_success\n0,0,0.0\n48,300,0.5\n")
+    (tmp_path / "csv/metrics.csv").write_text("epoch,step,rollout/zero_signal_groups\n0,0,1.0\n0,1,\n1,2,0.5\n2,4,0.0\n")
+    assert run_curve(tmp_path)["zero_signal_groups"] == pytest.approx(0.5)
+    info = {"title": "t", "threshold": 0.4, "overrides": [], "arm_overrides": {}, "tuned_in": None, "by_size": None,
+            "budget": [], "panels": {"tune": [], "test": []}, "seeds": {"tune": [100], "test": [0]}}
+    meta = {"regimes": {"r": info}, "choice": {}, "common": []}
+    summary = summarize([{"rc": 0, "dir": str(tmp_path), "job": Job("r", "test", "grpo", "s", 0)}], meta)
+    assert "| GRPO | – | – | – | 0.50 | – |" in markdown(summary, meta)

@@ -142,20 +142,23 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
     lines += _detectable(arms, between, final)
     lines += [
         "",
-        "Mechanism (gradients: means over the steps where both are non-zero, then over seeds; probes and answer "
-        "forms: the last validation's held-out episodes, mean over seeds; forecast samples: per epoch over the "
-        "first 2 epochs, mean over seeds):",
+        "Mechanism (gradients: means over the steps where both are non-zero, then over seeds; groups without a reward "
+        "spread (every episode of the group the same reward: no policy-gradient signal): the share per epoch, mean "
+        "over epochs and seeds; probes and answer forms: the last validation's held-out episodes, mean over seeds; "
+        "forecast samples: per epoch over the first 2 epochs, mean over seeds):",
         "",
-        "| arm | cos(aux grad, pg grad) | aux / pg grad norm | steps measured per run (mean) | forecast samples / epoch (early) "
+        "| arm | cos(aux grad, pg grad) | aux / pg grad norm | steps measured per run (mean) | groups without a reward spread "
+        "| forecast samples / epoch (early) "
         "| probe forecast action acc | probe obs NLL | held-out invalid actions / step | multi-action answers "
         "| strict-valid answers | projected answers | seeds with every held-out action invalid |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for arm, row in arms.items():
         aux = AUX.get(arm)
         lines.append(
             f"| {NAMES.get(arm, arm)} | {_f(row.get(f'grad/cos_{aux}_pg'))} | {_f(row.get(f'grad/ratio_{aux}_pg'))} | "
-            f"{_f(row.get('grad/measured_steps'), '.1f')} | {_f(row.get('forecast/samples_early'), '.1f')} | "
+            f"{_f(row.get('grad/measured_steps'), '.1f')} | {_f(row.get('zero_signal_groups'), '.2f')} | "
+            f"{_f(row.get('forecast/samples_early'), '.1f')} | "
             f"{_f(row.get('probe/forecast_action_acc'))} | {_f(row.get('probe/obs_nll'))} | "
             f"{_f(row.get('invalid_rate'))} | {_f(row.get('val/multi_action'))} | {_f(row.get('val/strict_valid'))} | "
             f"{_f(row.get('val/projected_actions'))} | {row.get('collapsed', 0)} of {len(row['seeds'])} |"

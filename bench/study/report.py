@@ -75,6 +75,8 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
         vals = [r[k] for r in metrics if r.get(k) is not None]
         out[k + "/last"] = vals[-1] if vals else None
     out["forecast/samples_early"] = early_forecast_samples(metrics)
+    zero = [r["rollout/zero_signal_groups"] for r in metrics if r.get("rollout/zero_signal_groups") is not None]
+    out["zero_signal_groups"] = sum(zero) / len(zero) if zero else None  # groups without a reward spread: no PG signal
     for k, how in STABILITY:  # the run's extreme of an epoch metric: how close it came to a collapse
         vals = [r[k] for r in metrics if r.get(k) is not None and measured_stop(r, k)]
         out[f"{k}/{how}"] = (max if how == "max" else min)(vals) if vals else None
@@ -251,6 +253,7 @@ def summarize(results: list[dict], meta: dict) -> dict:
             for k in (*PROBES, *VAL_LAST):
                 row[k] = mean_of([c.get(k + "/last") for c in cs])
             row["forecast/samples_early"] = mean_of([c.get("forecast/samples_early") for c in cs])
+            row["zero_signal_groups"] = mean_of([c.get("zero_signal_groups") for c in cs])
             for k, how in STABILITY:
                 vals = [c.get(f"{k}/{how}") for c in cs if c.get(f"{k}/{how}") is not None]
                 row[f"{k}/{how}"] = (mean_of(vals), (max if how == "max" else min)(vals)) if vals else None
