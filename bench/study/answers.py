@@ -94,11 +94,13 @@ def _agree(got: dict[int, int], walk: dict[int, int]) -> float:
     return sum(got[i] == walk[i] for i in got) / len(got)
 
 
-def validation_row(run: Path, env: Env) -> dict:
-    """A run's validations after training began against the goal walk on the same mazes."""
+def validation_row(run: Path, env: Env) -> dict | None:
+    """A run's validations after training began against the goal walk on the same mazes (None: it has none yet)."""
     files = sorted((p for p in (run / "csv/val_episodes").glob("episodes*.csv") if p.stem[8:].isdigit()),
                    key=lambda p: int(p.stem[8:]))
     later = [outcomes(p) for p in files if int(p.stem[8:]) > 0]
+    if not later:
+        return None
     walks = [goal_walk(env, split, sorted(got)) for split, got in later]
     last, walk = later[-1][1], walks[-1]
     return {"validations": len(later), "identical": sum(got == w for (_, got), w in zip(later, walks)),
@@ -150,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     for arm, seed, run in _runs(args.records, "csv/val_episodes"):
         env = run_env(run)
         try:
-            val_rows.append({"arm": arm, "seed": seed, **validation_row(run, env)})
+            row = validation_row(run, env)
+            if row is None:
+                print(f"skipped {run}: no held-out validation after training began", flush=True)
+                continue
+            val_rows.append({"arm": arm, "seed": seed, **row})
             traj = args.evals.joinpath(*run.relative_to(args.records).parts, "eval256") if args.evals else None
             if traj is None or not (traj / "trajectories.jsonl").is_file():
                 continue
