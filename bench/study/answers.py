@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 from bench.study.markdown import write_table
+from bench.study.report import validation_files
 from cope.envs.base import Env, Task
 from cope.envs.maze import parse_action, project_action
 
@@ -96,9 +97,7 @@ def _agree(got: dict[int, int], walk: dict[int, int]) -> float:
 
 def validation_row(run: Path, env: Env) -> dict | None:
     """A run's validations after training began against the goal walk on the same mazes (None: it has none yet)."""
-    files = sorted((p for p in (run / "csv/val_episodes").glob("episodes*.csv") if p.stem[8:].isdigit()),
-                   key=lambda p: int(p.stem[8:]))
-    later = [outcomes(p) for p in files if int(p.stem[8:]) > 0]
+    later = [outcomes(p) for n, p in validation_files(run) if n > 0]
     if not later:
         return None
     walks = [goal_walk(env, split, sorted(got)) for split, got in later]

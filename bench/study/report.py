@@ -75,8 +75,8 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
         vals = [r[k] for r in metrics if r.get(k) is not None]
         out[k + "/last"] = vals[-1] if vals else None
     out["forecast/samples_early"] = early_forecast_samples(metrics)
-    zero = [r["rollout/zero_signal_groups"] for r in metrics if r.get("rollout/zero_signal_groups") is not None]
-    out["zero_signal_groups"] = sum(zero) / len(zero) if zero else None  # groups without a reward spread: no PG signal
+    # groups without a reward spread (no PG signal), the epoch's share, mean over epochs
+    out["zero_signal_groups"] = mean_of([r.get("rollout/zero_signal_groups") for r in metrics])
     for k, how in STABILITY:  # the run's extreme of an epoch metric: how close it came to a collapse
         vals = [r[k] for r in metrics if r.get(k) is not None and measured_stop(r, k)]
         out[f"{k}/{how}"] = (max if how == "max" else min)(vals) if vals else None
@@ -114,12 +114,19 @@ def early_forecast_samples(metrics: list[dict]) -> float | None:
     return sum(early) / EARLY_EPOCHS if early else None
 
 
+def validation_files(d: Path) -> list[tuple[int, Path]]:
+    """A run's per-task held-out files (``csv/val_episodes/episodes<N>.csv``) as (N: episodes trained before that
+    validation, path), oldest first."""
+    files = [(p.stem.removeprefix("episodes"), p) for p in (d / "csv/val_episodes").glob("episodes*.csv")]
+    return sorted((int(n), p) for n, p in files if n.isdigit())
+
+
 def invalid_rate(d: Path) -> float | None:
     """Invalid actions per step over the held-out tasks at the run's last validation (its newest per-task file)."""
-    files = [p for p in (d / "csv/val_episodes").glob("episodes*.csv") if p.stem.removeprefix("episodes").isdigit()]
+    files = validation_files(d)
     if not files:
         return None
-    with max(files, key=lambda p: int(p.stem.removeprefix("episodes"))).open() as f:
+    with files[-1][1].open() as f:
         rows = list(csv.DictReader(f))
     steps = sum(float(r["steps"]) for r in rows)
     return sum(float(r["invalid"]) for r in rows) / steps if steps else None
@@ -160,8 +167,7 @@ def _outcomes(path: Path) -> list[dict]:
 
 def size_curves(d: Path, sizes: list[int]) -> dict[int, dict]:
     """{size: {episodes, success, auc, final}} from a run's per-task validation files ({} without them)."""
-    files = sorted((d / "csv/val_episodes").glob("episodes*.csv"), key=lambda p: int(p.stem.removeprefix("episodes")))
-    points = [(int(p.stem.removeprefix("episodes")), _outcomes(p)) for p in files if p.stem.removeprefix("episodes").isdigit()]
+    points = [(n, _outcomes(p)) for n, p in validation_files(d)]
     if not points:
         return {}
     size_of = maze_sizes(sorted({int(r["index"]) for _, rows in points for r in rows}), sizes)
