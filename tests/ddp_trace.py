@@ -17,6 +17,7 @@ from pathlib import Path
 
 from lightning.pytorch import Callback
 
+from cope.callbacks.checkpoint import EpochCheckpoint
 from cope.records import train_record
 
 
@@ -34,7 +35,7 @@ class DDPTrace(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if self.kill_after_checkpoint < 0:
             return
-        (ckpt,) = trainer.checkpoint_callbacks
+        (ckpt,) = [c for c in trainer.checkpoint_callbacks if isinstance(c, EpochCheckpoint)]  # last.ckpt's writer
         save = ckpt.on_train_epoch_end
 
         def save_then_die(trainer, pl_module):  # on this instance only: the checkpoint callback runs after this one
