@@ -96,3 +96,4 @@ def test_cli_compares_every_run_with_the_goal_walk(tmp_path, capsys):
     assert "skipped" in capsys.readouterr().out                             # echo's evaluation is incomplete
     text = out.read_text()
     assert "| grpo | 1 of 1 | 1.00 |" in text and "| echo | 0 of 1 | 0.88 |" in text
+    assert "within 0.05 of the goal walk's: 1 of 2 (echo 0 of 1, grpo 1 of 1)." in text   # echo's is 1/8 off

@@ -112,6 +112,9 @@ def _runs(root: Path, marker: str) -> list[tuple[str, int, Path]]:
         *p.relative_to(root).parts[:3])) for p in sorted(root.glob(f"*/*/seed*/{marker}"))]
 
 
+NEAR = 0.05  # a last validation this close to the goal walk's success counts as ending at it (a few mazes of 64)
+
+
 def _cell(v: list[float]) -> str:
     return f"{statistics.fmean(v):.2f} ({min(v):.2f}-{max(v):.2f})" if len(v) > 1 else f"{v[0]:.2f}"
 
@@ -130,6 +133,9 @@ def tables(val_rows: list[dict], eval_rows: list[dict]) -> str:
             "|---|---|---|"]
     out += [f"| {arm} | {sum(r['agree'] == 1.0 for r in rs)} of {len(rs)} | {_cell([r['agree'] for r in rs])} |"
             for arm, rs in arms.items()]
+    near = {arm: sum(abs(r["success"] - r["walk_success"]) <= NEAR + 1e-9 for r in rs) for arm, rs in arms.items()}
+    out += ["", f"Runs whose last validation's success is within {NEAR} of the goal walk's: {sum(near.values())} of "
+            f"{len(val_rows)} (" + ", ".join(f"{arm} {n} of {len(arms[arm])}" for arm, n in near.items()) + ")."]
     if eval_rows:
         out += ["", "Final evaluations (greedy) that kept their trajectories; shares over the turns after the first:", "",
                 "| arm | seed | tasks | greedy success | the goal walk's | repeat the Goal line | move = its first "
