@@ -6,7 +6,7 @@ every variant), excluding rollouts and the scoring pass:
 
 * GRPO: the epoch's policy-gradient minibatches.
 * GRPO (groups shared): the same minibatches with ``data.share_prefix=true``: each minibatch's GRPO groups forward
-  their common prefix (system prompt, task, first observation) once (:mod:`cope.train.group_prefix`); the shared
+  their common prefix (system prompt, task, first observation) once (:mod:`cope.train.packing.group_prefix`); the shared
   fraction of the tokens is printed. Groups share only within a minibatch: ``--minibatch-size`` = ``--episodes``
   keeps every group whole.
 Also per variant: its peak activation memory (bytes autograd saves for backward, :class:`SavedTensorPeak`) and the
@@ -88,12 +88,12 @@ def main(argv: list[str] | None = None) -> dict:
     from cope.algos.cope.packing import collate_chunks, pack_forecasts
     from cope.algos.cope.prompted import PlanPrompt, build_prompted
     from cope.algos.cope.shared_prefix import collate_shared
+    from cope.batch import collate
     from cope.run.train import instantiate_plain
-    from cope.train.backward import backward_microbatched
-    from cope.train.batch import collate
-    from cope.train.group_prefix import pack_groups
     from cope.train.module import AgentRLModule
-    from cope.train.tree_batch import packs_prefixes, use_tree_attention
+    from cope.train.packing.group_prefix import pack_groups
+    from cope.train.packing.tree_batch import packs_prefixes, use_tree_attention
+    from cope.train.step.backward import backward_microbatched
 
     torch.manual_seed(args.seed)
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -295,7 +295,7 @@ def _tiles_kept(batch: dict) -> dict:
 
     out = dict(batch)
     if out.get("packed") is not None:
-        out["packed"] = replace(out["packed"], tree=replace(out["packed"].tree, recompute=False))
+        out["packed"] = replace(out["packed"], tree=out["packed"].tree.replace(recompute=False))
     return out
 
 
@@ -311,9 +311,9 @@ def forecast_token_floor(episodes: list, chunks: list) -> int:
 
 def _batch_work(b: dict, budget: int | None, out: dict, dense: bool = False) -> None:
     """Adds one batch's counts to ``out`` (see :func:`_work`)."""
-    from cope.train.batch import microbatch_plan
-    from cope.train.prefix_tree import PrefixTree
-    from cope.train.tree_batch import packed_view
+    from cope.batch import microbatch_plan
+    from cope.train.packing.prefix_tree import PrefixTree
+    from cope.train.packing.tree_batch import packed_view
 
     out["targets"] += int(b["action_mask"].sum()) + int(b["forecast_mask"].sum() if "forecast_mask" in b else 0)
     pack = packed_view(b)  # what the model forwards: the packed rows (a plain batch's own), in micro-batches of whole rows

@@ -2,7 +2,7 @@
 
 At 2 ranks (gloo, CPU, fp32), on a model of Qwen2.5-0.5B's shape (its config, random weights: nothing is
 downloaded), for LoRA (r=16 on the seven projections, as the 7B preset) and full fine-tuning: each rank builds the
-model, wraps it as each strategy does (DDP: a whole copy, gradients all-reduced; FSDP: :func:`cope.train.sharding.
+model, wraps it as each strategy does (DDP: a whole copy, gradients all-reduced; FSDP: :func:`cope.train.fsdp.sharding.
 shard_policy`, one group per decoder layer and the root), runs optimizer steps (AdamW) on a random batch through the
 trainer's own log-prob path (:func:`cope.train.logprobs.causal_lm_logprobs`), and counts the bytes this rank holds of
 parameters, gradients and optimizer moments after a step (sharded tensors: their local shard). Also the mean step time
@@ -70,7 +70,7 @@ class Scorer(torch.nn.Module):
 def _worker(rank: int, world: int, init: str, args, results) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cope.train.sharding import shard_policy
+    from cope.train.fsdp.sharding import shard_policy
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

@@ -48,9 +48,13 @@ RESULTS = REPO / "bench" / "results" / "overlap_speed"
 WALL = "bench/epoch_wall_seconds"
 KEYS = (WALL, "perf/rollout_seconds", "perf/rollout_wait_seconds", "perf/epoch_seconds", "perf/env_seconds",
         "perf/adapter_sync_seconds", "rollout/lag_mean", "rollout/lag_max", "counters/episodes", "step")
-# R/T ratios of the projection. verl reports +23-40% for one-step-off overlap (docs: /work/shared/notes/scale-out.md,
-# "Reported gains"), which this model gives at R/T of about 2.5-4.3 (rollout-bound) or 0.23-0.40 (training-bound).
+# R/T ratios of the projection. verl reports +23-40% for one-step-off overlap (SOURCES), which this model gives at R/T
+# of about 2.5-4.3 (rollout-bound) or 0.23-0.40 (training-bound).
 RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0)
+# where the gains quoted beside the projection were published
+SOURCES = ("verl's one-step-off and fully async recipes, https://verl.readthedocs.io/en/latest/advance/one_step_off.html "
+           "and https://verl.readthedocs.io/en/latest/advance/fully_async.html; AReaL, arXiv 2505.24298; ROLL Flash, "
+           "arXiv 2510.11345")
 # debug=fast's sizes (8 episodes of <= 8 steps an epoch) with the tiny model's widths (hidden 128, 4 layers; vLLM CPU
 # serves no head size 16) and 8 optimizer steps an epoch (minibatches of 2, two passes), so that training takes a
 # share of the epoch comparable to the rollouts; no trust region, so that every epoch at every lag takes all 8 steps
@@ -254,7 +258,7 @@ def render(result: dict) -> str:
     lines += ["", "R/T on a GPU node is not measured here. For scale: verl reports +23-40% from one-step-off overlap, "
               "which this model gives at R/T of about 2.5-4.3 (or 0.23-0.40); its fully asynchronous 2.35-2.67x at 128 GPUs "
               "(AReaL up to 2.77x) exceeds the model's bound of 2x, because those systems also give generation its own GPUs "
-              "(sources: /work/shared/notes/scale-out.md, \"Reported gains\").", "",
+              f"(sources: {SOURCES}).", "",
               f"Settings: {' '.join(result['overrides'])}; OMP_NUM_THREADS={result['threads']}; {result['rounds']} round(s), "
               f"{result['epochs']} epochs per run, order {result['order']}."]
     return "\n".join(lines) + "\n"

@@ -146,7 +146,7 @@ def minibatches(eps, size: int, layout: str | None, K: int, chat, pad_id: int) -
     """collate + the variant's collate transform, per minibatch; returns (minibatches, forecast chunks)."""
     from cope.algos.cope.chunks import build_chunks
     from cope.algos.cope.packing import PACKINGS
-    from cope.train.batch import collate
+    from cope.batch import collate
 
     out, n_chunks = [], 0
     for s in range(0, len(eps), size):

@@ -5,7 +5,7 @@ packed row of a ``--trunk``-token transcript with ``--branches`` branches of abo
 evenly across it (the shape of CoPE's forecast samples), for two head shapes: the tiny test model (4 heads,
 2 kv heads, head dim 16) and SmolLM2-135M (9 heads, 3 kv heads, head dim 64). Variants:
 
-* ``tree``: :func:`cope.train.tree_attention.tree_attention_forward` (the tiles kernel).
+* ``tree``: :func:`cope.train.packing.tree_attention.tree_attention_forward` (the tiles kernel).
 * ``dense``: SDPA with the layout's dense (1, 1, T, T) bool mask (today's path).
 * ``unshared 1x1``: each sequence of :meth:`PrefixTree.unshared` (the trunk, then each anchor-prefix + branch)
   alone, causal SDPA, one call each; the trunk is included because the packed row computes it too.
@@ -29,8 +29,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from cope.train.prefix_tree import PrefixTree
-from cope.train.tree_attention import tree_attention_forward
+from cope.train.packing.prefix_tree import PrefixTree
+from cope.train.packing.tree_attention import tree_attention_forward
 
 SHAPES = {"tiny (4 heads, 2 kv, d16)": (4, 2, 16), "SmolLM2-135M (9 heads, 3 kv, d64)": (9, 3, 64)}
 

@@ -24,7 +24,7 @@ exactly). A quantized (4-bit or 8-bit) base is refused: merging into nf4 rounds 
 
 Only global rank zero writes; with DDP every rank holds the full adapter, so nothing has to be gathered; under
 ``trainer=fsdp`` the trained tensors are gathered whole onto rank zero's CPU first
-(:func:`cope.train.sharding.whole_trainable_state`).
+(:func:`cope.train.fsdp.sharding.whole_trainable_state`).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from lightning.pytorch import Callback
 
 from cope import records
-from cope.train.sharding import whole_trainable_state
+from cope.train.fsdp.sharding import whole_trainable_state
 
 EXPORT_FILE = "cope_export.json"
 

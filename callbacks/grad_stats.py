@@ -2,10 +2,10 @@
 
 Every ``every_n_steps`` optimizer steps, before the step (``on_train_batch_start``: the parameters are those the
 step's gradient is taken at), one more forward of the policy and one ``torch.autograd.grad`` per active objective
-give each objective's gradient (:func:`cope.train.grad_stats.measure_gradients`); logged on that step only
+give each objective's gradient (:func:`cope.train.step.grad_stats.measure_gradients`); logged on that step only
 (the loggers' rows of the other steps have no ``grad/*`` value):
 ``grad/<name>_norm`` (its contribution, weight x gradient), ``grad/cos_<name>_<reference>``,
-``grad/ratio_<name>_<reference>`` and ``grad/total_norm`` (:func:`cope.train.grad_stats.gradient_metrics`).
+``grad/ratio_<name>_<reference>`` and ``grad/total_norm`` (:func:`cope.train.step.grad_stats.gradient_metrics`).
 The metrics describe the step's update: every scale an objective carries is already fixed for the step.
 
 CoPE's separate update (``cope.update=separate``: forecast batches with their own optimizer steps after the
@@ -43,9 +43,9 @@ from collections.abc import Mapping
 import torch
 from lightning.pytorch import Callback
 
-from cope.run.loggers import log_now
-from cope.train.grad_stats import ObjectiveGradient, gradient_metrics, mean_over_ranks, measure_gradients
+from cope.train.dist import log_now
 from cope.train.objectives import ROLLOUT, batch_kind
+from cope.train.step.grad_stats import ObjectiveGradient, gradient_metrics, mean_over_ranks, measure_gradients
 
 
 class GradientStats(Callback):

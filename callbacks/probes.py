@@ -34,10 +34,10 @@ from lightning.pytorch import Callback
 from cope.algos.cope.chunks import build_chunks
 from cope.algos.cope.packing import plain_forecasts
 from cope.algos.cope.prompted import LAYOUTS, PlanPrompt, build_prompted
+from cope.batch import collate
 from cope.callbacks.pooled import log_global, pool
 from cope.episode import Role
 from cope.records import val_record
-from cope.train.batch import collate
 from cope.train.logprobs import causal_lm_predictions
 
 # What a rank contributes; every logged value is one of these or a quotient of two of them.

@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch import Callback
 
 from cope import records
-from cope.run.loggers import log_now
+from cope.train.dist import log_now
 
 COUNTERS = ("episodes", "env_steps", "generated_tokens", "train_tokens")
 VAL_COLUMNS = ["epoch", "global_step", *COUNTERS, "val_success", "val_score"]

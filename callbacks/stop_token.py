@@ -9,7 +9,7 @@ the module's: the policy is the one that sampled the epoch), on the epoch's roll
 * ``stop/share_pos``, ``stop/share_neg``: the sampled end-of-turn ids' share of the policy gradient's push on
   the sampled tokens' logits, from episodes with a positive / a negative advantage;
 * ``stop/push``: the signed net push of the update on the end-of-turn logits after complete actions, in the
-  same units (< 0: the update makes stopping less likely). :mod:`cope.train.stop_stats` has the math. With
+  same units (< 0: the update makes stopping less likely). :mod:`cope.algos.stop_stats` has the math. With
   ``data.max_lag`` >= 1 each token's weight is the loss's: the aggregation's times the behaviour weight
   ``min(pi / pi_behaviour, behaviour_cap)`` (:func:`cope.algos.grpo.behaviour_weight`; the policy "now" is the proximal one).
 
@@ -31,12 +31,12 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.algos.grpo import PolicyGradient, behaviour_weight
+from cope.algos.stop_stats import TALLY, aggregation_weights, stop_metrics, stop_push
+from cope.batch import collate
 from cope.callbacks.pooled import log_global, pool
 from cope.records import train_record, val_record
-from cope.train.batch import collate
 from cope.train.logprobs import causal_lm_logprobs
 from cope.train.objectives import ROLLOUT, batch_kind
-from cope.train.stop_stats import TALLY, aggregation_weights, stop_metrics, stop_push
 
 
 @contextlib.contextmanager
@@ -94,7 +94,7 @@ class StopTokenStats(Callback):
         return sampled, p_stop
 
     def rollout_tally(self, pl_module, record) -> dict[str, float]:
-        """This process's tally (:data:`cope.train.stop_stats.TALLY`) over the rollout minibatches of ``record``
+        """This process's tally (:data:`cope.algos.stop_stats.TALLY`) over the rollout minibatches of ``record``
         (an :class:`cope.records.EpochRecord`), under the policy as it is now; zeros without a policy-gradient objective."""
         tally = dict.fromkeys(TALLY, 0.0)
         pg = next((o for o in pl_module.objectives if isinstance(o, PolicyGradient)), None)

@@ -22,8 +22,8 @@ from cope.episode import Episode, Role
 from cope.records import train_record
 from cope.run.checkpoint_io import atomic_write_bytes
 
-COLUMNS = ["epoch", "task", "episode", "step", "action", "valid", "reward", "observation", "policy_version"]
-# policy_version: the epoch whose starting weights sampled the episode (= epoch, except with data.max_lag)
+COLUMNS = ["epoch", "task", "episode", "step", "action", "valid", "reward", "observation", "sampled_epoch"]
+# sampled_epoch: the epoch whose starting weights sampled the episode (= epoch, except with data.max_lag)
 _FEEDBACK_ROLES = (int(Role.OBSERVATION), int(Role.HARNESS))
 
 
@@ -74,7 +74,7 @@ class TrajectoryTable(Callback):
             for j, s in enumerate(ep.steps):
                 obs = feedback_text(ep, j, tokenizer)[: self.max_chars]
                 out.append([epoch, ep.task.id, i, j, s.action_text[: self.max_chars], bool(s.valid), float(s.reward), obs,
-                            ep.policy_version])
+                            ep.sampled_epoch])
         return out
 
     def on_train_start(self, trainer, pl_module) -> None:

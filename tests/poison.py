@@ -10,7 +10,6 @@ class PoisonLoss(Objective):
     """NaN on its ``bad_calls``-th gradient-carrying calls (0-based; None: every call), 0 otherwise."""
 
     name = "poison"
-    needs_ref = False
 
     def __init__(self, bad_calls: list[int] | None = None, weight: float = 1.0):
         super().__init__(weight=weight)

@@ -6,7 +6,7 @@ of their own.
 With debug=fast the cold-start policy makes only invalid moves and never succeeds, so plain `algo=cope`
 has no forecast samples (`forecast/samples` is logged as 0) and takes no forecast step. The runs of the
 authors' method that must train add a warm-started maze the policy sometimes solves and `cope.gate=all`; the
-continuation ablations (`algo=cope_continuation`) add `cope.min_score=-1` (every episode counts as a target
+continuation ablations (`algo=cope_continuation`) add `cope.gate=all` (every episode counts as a target
 source) so that the ablated code paths actually build and score forecast chunks."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 # every episode a target source, and invalid actions kept as targets (the cold-start actions are all invalid)
-FORCE_TARGETS = ["cope.min_score=-1", "cope.invalid=keep"]
+FORCE_TARGETS = ["cope.gate=all", "cope.invalid=keep"]
 COPE_KEYS = ("loss/forecast", "forecast/targets")
 AUTHORS_KEYS = ("forecast/samples", "forecast/trajectories", "forecast/k_mean")
 # a maze a 150-step warm start solves now and then: valid actions and wins, so the authors' samples exist
@@ -34,7 +34,7 @@ CASES = {
     "cope-te": (["algo=cope", "cope.te.weight=0.1", "cope.te.warmup_steps=0", *LEARNS],
                 ("loss/te", "te/kl", "te/members_per_action", "te/positions", *AUTHORS_KEYS)),
     # invalid=mask (default) with every episode a source: all-invalid chunks give no targets
-    "cont-invalid=mask": ([CONT, "cope.min_score=-1"], COPE_KEYS),
+    "cont-invalid=mask": ([CONT, "cope.gate=all"], COPE_KEYS),
     "cont-invalid=keep": ([CONT, *FORCE_TARGETS], COPE_KEYS),
     "cont-normalize=none": ([CONT, "cope.normalize=none", *FORCE_TARGETS], COPE_KEYS),
     "cont-normalize=per_step": ([CONT, "cope.normalize=per_step", *FORCE_TARGETS], COPE_KEYS),

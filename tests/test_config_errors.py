@@ -133,6 +133,12 @@ def _fails_fast(run, tmp_path, monkeypatch) -> str:
     (["ckpt_path=5"], "ckpt_path", "5", "expected str | null"),
     (["data.env_runtime.workers=many"], "data.env_runtime.workers", "'many'", "expected int"),  # nested settings records
     (["data.sampling.top_p=high"], "data.sampling.top_p", "'high'", "expected float"),
+    # closed sets of the model builders (Literal annotations, cope.models.choices): once refused only by the loader,
+    # after the tiny model's build and warm start
+    (["model.quantization=3bit"], "model.quantization", "'3bit'", "expected one of '4bit', '8bit' | null"),
+    (["model.dtype=fp64"], "model.dtype", "'fp64'", "expected one of 'fp32', 'bf16', 'fp16'"),
+    (["model.finetune=everything"], "model.finetune", "'everything'", "expected one of 'lora', 'full'"),
+    (["model.warm_start_policy=greedy"], "model.warm_start_policy", "'greedy'", "expected one of 'random', 'expert'"),
 ])
 def test_wrong_type_names_key(run_train, tmp_path, monkeypatch, overrides, key, value, expected):
     msg = _fails_fast(lambda: run_train(overrides, tmp_path), tmp_path, monkeypatch)
@@ -241,7 +247,7 @@ SHIPPED = (
     + [["debug=fast", f"logger={o}"] for o in _options("logger")]
     + [["debug=fast", "algo=cope_continuation", *o] for o in (
         ["cope.normalize=adaptive"], ["cope.normalize=per_step"], ["cope.K=1"], ["cope.packing=plain"], ["cope.anchors=sample"],
-        ["cope.min_score=-1", "cope.invalid=keep"], ["cope.invalid=cut"], ["data.share_prefix=true"])]
+        ["cope.gate=all", "cope.invalid=keep"], ["cope.invalid=cut"], ["data.share_prefix=true"])]
     + [["debug=fast", "algo=cope", *o] for o in (["cope.update=joint"], ["cope.update=joint", "cope.packing=plain"],
                                                   ["cope.layout=turns"], ["cope.gate=mixed"], ["cope.invalid=cut"],
                                                   ["cope.schedule=power", "cope.schedule_steps=10"], ["cope.lr_scale=3"],
@@ -388,7 +394,7 @@ def test_context_too_small_for_the_rules_fails_before_the_model_build(run_train,
 def test_context_floor_counts_the_instructions_that_replace_the_rules(compose, tmp_path):
     from cope.envs.maze import MazeEnv
     from cope.run.config_check import ConfigError
-    from cope.run.config_rules import check_context_floor
+    from cope.run.context_limits import check_context_floor
 
     cfg = compose(["data.max_context=30"], tmp_path)
     check_context_floor(MazeEnv, cfg.data)  # the maze's rules (21 words) and an action of 8 tokens + 1 fit in 30

@@ -33,8 +33,8 @@ PRESETS = ([[]] + [[f"{g}={o}"] for g in ("algo", "env", "model", "trainer", "ro
 
 @pytest.mark.parametrize("overrides", PRESETS, ids=lambda o: " ".join(o) or "defaults")
 def test_every_leaf_of_every_preset_is_read(tmp_path, overrides):
+    from cope.run.config_keys import TRAIN_READS as READS
     from cope.run.config_keys import unread_keys
-    from cope.run.train import READS
 
     cfg = _compose(overrides, tmp_path)
     assert unread_keys(cfg, READS) == []
@@ -90,15 +90,15 @@ def test_the_root_schema_keys_are_declared_read():
     import dataclasses
 
     from cope.run.config_check import RunKeys
-    from cope.run.train import READS
+    from cope.run.config_keys import TRAIN_READS as READS
 
     assert {f.name for f in dataclasses.fields(RunKeys)} <= set(READS.keys)
 
 
 def test_a_component_block_nothing_builds_is_refused(compose, tmp_path):
     """A whole block under an unread key (a callback put at the root) is refused once, by its key."""
+    from cope.run.config_keys import TRAIN_READS as READS
     from cope.run.config_keys import unread_keys
-    from cope.run.train import READS
 
     cfg = compose(["+probes._target_=cope.callbacks.probes.HeldOutProbes"], tmp_path)
     (problem,) = unread_keys(cfg, READS)

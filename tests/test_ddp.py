@@ -43,9 +43,9 @@ def test_ddp_two_cpu_ranks(train_script, read_metrics, tmp_path):
     import os
     from pathlib import Path
 
+    from cope.algos.stop_stats import stop_metrics
     from cope.callbacks.probes import probe_metrics
     from cope.callbacks.run_health import RunHealth
-    from cope.train.stop_stats import stop_metrics
 
     tests, run_dir, out = Path(__file__).resolve().parent, tmp_path / "run", tmp_path / "trace"
     pythonpath = os.pathsep.join(p for p in (str(tests), os.environ.get("PYTHONPATH", "")) if p)

@@ -1,4 +1,4 @@
-"""Per-objective gradient diagnostics (`cope.train.grad_stats`, the `GradientStats` callback) and CoPE's
+"""Per-objective gradient diagnostics (`cope.train.step.grad_stats`, the `GradientStats` callback) and CoPE's
 `normalize=gradnorm`, fed by CoPE's `LossBalance` callback with the same measurement.
 
 The pure functions are checked on hand-made linear objectives with known gradients; the callbacks inside
@@ -28,12 +28,12 @@ from cope.algos.cope.loss import ForecastLoss  # noqa: E402
 from cope.algos.cope.loss_balance import LossBalance  # noqa: E402
 from cope.algos.cope.packing import pack_forecasts  # noqa: E402
 from cope.algos.grpo import PolicyGradient  # noqa: E402
+from cope.batch import collate  # noqa: E402
 from cope.callbacks.grad_stats import GradientStats  # noqa: E402
 from cope.models.policy import Policy  # noqa: E402
-from cope.train.batch import collate  # noqa: E402
-from cope.train.grad_stats import ObjectiveGradient, gradient_metrics, objective_gradients  # noqa: E402
 from cope.train.module import AgentRLModule  # noqa: E402
 from cope.train.objectives import ForwardOut, Objective  # noqa: E402
+from cope.train.step.grad_stats import ObjectiveGradient, gradient_metrics, objective_gradients  # noqa: E402
 
 
 # -- the pure functions -------------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def test_micro_batches_measure_the_first_micro_batch():
     assert len(parts) > 1
     rows, n = parts[0]
     lp = mb["old_logprobs"].clone()  # (N, T): live on the first micro-batch's rows only
-    lp[rows, :n] = module.logprobs(mb, rows, n)[0]
+    lp[rows, :n] = module.logprobs(mb, rows, n).logprobs
     out = ForwardOut(lp, torch.zeros_like(lp))
     params = module.policy.trainable_parameters()
     for obj in module.objectives:  # lr 0: the parameters the callback saw
@@ -243,7 +243,7 @@ def test_off_does_no_work():
 
 # -- normalize=gradnorm ---------------------------------------------------------------------------------
 def test_gradnorm_scale_follows_the_fed_gradient_norms():
-    fc = ForecastLoss(normalize="gradnorm", adaptive_target=0.5, adaptive_beta=0.5)
+    fc = ForecastLoss(normalize="gradnorm", adaptive_ratio=0.5, adaptive_beta=0.5)
     assert fc.normalize == "none" and fc.balance == "gradient" and fc.scale == 1.0  # 1 before a measurement
     fc.observe(2.0, 8.0)  # loss magnitudes (LossBalance's feed): ignored
     assert fc.scale == 1.0
@@ -255,10 +255,10 @@ def test_gradnorm_scale_follows_the_fed_gradient_norms():
     assert fc.adaptive.ema_pg == 3.0 and fc.scale == pytest.approx(0.5 * 3.0 / 8.0)
     fc.observe_gradients(1e12, 1e-6)
     assert fc.scale == 1e3  # clamped
-    restored = ForecastLoss(normalize="gradnorm", adaptive_target=0.5, adaptive_beta=0.5)
+    restored = ForecastLoss(normalize="gradnorm", adaptive_ratio=0.5, adaptive_beta=0.5)
     restored.load_state_dict(fc.state_dict())
     assert set(fc.state_dict()) == {"gradnorm"} and restored.scale == fc.scale and restored.state_dict() == fc.state_dict()
-    other = ForecastLoss(normalize="adaptive", adaptive_target=0.5)  # other magnitudes: does not take gradnorm's EMAs
+    other = ForecastLoss(normalize="adaptive", adaptive_ratio=0.5)  # other magnitudes: does not take gradnorm's EMAs
     other.load_state_dict(fc.state_dict())
     assert other.scale == 1.0
     other.observe_gradients(2.0, 8.0)
@@ -273,7 +273,7 @@ def test_loss_balance_measures_gradnorm_before_the_step_and_feeds_it_at_its_end(
 
     with pytest.raises(ValueError, match=r"algo\.callbacks\.loss_balance\.gradnorm_every_n_steps"):
         LossBalance(gradnorm_every_n_steps=0)
-    fc = ForecastLoss(weight=0.3, normalize="gradnorm", adaptive_target=0.5, adaptive_beta=0.0)
+    fc = ForecastLoss(weight=0.3, normalize="gradnorm", adaptive_ratio=0.5, adaptive_beta=0.0)
     module = SimpleNamespace(objectives=[PolicyGradient(weight=0.5), fc], log=lambda *a, **k: pytest.fail("LossBalance logged"))
     measured = []
 
@@ -315,7 +315,7 @@ def test_gradnorm_holds_the_forecast_gradient_at_the_ratio(beta, lr, rel):
     measures it (exact with beta 0 and lr 0: the next step has the measured step's parameters), and, for small
     steps, as measured afresh at the final parameters."""
     weight, ratio = 0.3, 0.5
-    _, module, logged, _ = _fit(_cope("gradnorm", adaptive_target=ratio, adaptive_beta=beta),
+    _, module, logged, _ = _fit(_cope("gradnorm", adaptive_ratio=ratio, adaptive_beta=beta),
                                 [GradientStats(every_n_steps=1), LossBalance()], steps=4, lr=lr)
     fc = module.objectives[1]
     assert len(logged) == 4 and fc.scale != 1.0
@@ -361,7 +361,7 @@ GRADNORM_RUN = [
     "seed=1",  # a task stream whose step 0 has a reward spread (seed 2 has none)
     "algo=cope_continuation",
     "cope.normalize=gradnorm",
-    "cope.min_score=-1",
+    "cope.gate=all",
     "cope.invalid=keep",
     "model.warm_start_steps=150",
     "env.sizes=[5]",

@@ -1,4 +1,4 @@
-"""GRPO groups with their common prefix forwarded once (``data.share_prefix=true``, :mod:`cope.train.group_prefix`).
+"""GRPO groups with their common prefix forwarded once (``data.share_prefix=true``, :mod:`cope.train.packing.group_prefix`).
 
 The packed view holds every real token of the minibatch, the group prefix once, at the positions of the unshared
 rows; old and reference log-probs, the policy-gradient + ECHO + KL loss and every LoRA gradient equal the unshared
@@ -14,13 +14,13 @@ from tiny_fixtures import exactness_model, exactness_module, scored_step
 
 from cope.algos.echo import ObservationLoss
 from cope.algos.grpo import KLPenalty, PolicyGradient
+from cope.batch import collate
 from cope.chat import ChatFormat
 from cope.envs.base import Task
 from cope.episode import Episode, Role, Step
-from cope.train.batch import collate
-from cope.train.group_prefix import pack_groups
-from cope.train.prefix_tree import PrefixTree
-from cope.train.tree_batch import PackedRows, use_tree_attention
+from cope.train.packing.group_prefix import pack_groups
+from cope.train.packing.prefix_tree import PrefixTree
+from cope.train.packing.tree_batch import PackedRows, use_tree_attention
 
 PAD = 0
 CHAT = ChatFormat(system_open=(1,), user_open=(2,), assistant_open=(3,), turn_end=(4,), newline=(5,))
@@ -144,13 +144,13 @@ def test_temporal_ensemble_rows_come_from_the_packed_rows():
         model.get_base_model().set_attn_implementation("sdpa")
         ref = {}
         for rows, n in module.micro_batches(plain):
-            _, _, te_rows, sel = module.logprobs(plain, rows, n, te=True)
-            ref.update(dict(zip(sel.tolist(), te_rows)))
+            s = module.logprobs(plain, rows, n, rows_at=("te_position",))
+            ref.update(dict(zip(s.row_index["te_position"].tolist(), s.rows["te_position"])))
         use_tree_attention(model)
         got = {}
         for rows, n in module.micro_batches(shared):
-            _, _, te_rows, sel = module.logprobs(shared, rows, n, te=True)
-            got.update(dict(zip(sel.tolist(), te_rows)))
+            s = module.logprobs(shared, rows, n, rows_at=("te_position",))
+            got.update(dict(zip(s.row_index["te_position"].tolist(), s.rows["te_position"])))
         assert sorted(got) == sorted(ref) == list(range(12))
         for i in ref:
             torch.testing.assert_close(got[i], ref[i], atol=1e-5, rtol=1e-5)

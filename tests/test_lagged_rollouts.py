@@ -1,4 +1,4 @@
-"""``data.max_lag``: rollouts collected in a background thread while earlier epochs train (cope.train.lagged_rollouts).
+"""``data.max_lag``: rollouts collected in a background thread while earlier epochs train (cope.train.collect.lagged).
 
 With the in-process engine (each held version a sampler copy of the adapter): epoch e trains on episodes of the
 policy at the start of epoch max(0, e - L), collected off the main thread; the minibatches carry the sampler's
@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from cope.rollout.engine import HFEngine
-from cope.train.lagged_rollouts import THREAD
+from cope.train.collect.lagged import THREAD
 
 EPISODES = 2 * 4  # debug=fast: 2 tasks x 4 episodes per epoch
 STEPS = 1  # one minibatch of 8 episodes per epoch
@@ -68,7 +68,7 @@ def test_lagged_batches_carry_the_behaviour_correction(lag2):
     w, top = m["policy/behaviour_weight_mean"], m["policy/behaviour_weight_max"]
     assert len(w) == 4 * STEPS and all(x > 0 for x in w)
     assert abs(w[0] - 1.0) < 1e-5 and top[0] < 1 + 1e-5  # epoch 0: its sampler is the policy that scored it
-    assert all(x > 1.01 for x in top[1:])  # later epochs: sampled 1-2 versions ago, the weights moved since
+    assert all(x > 1.01 for x in top[1:])  # later epochs: sampled 1-2 epochs ago, the weights moved since
 
 
 def test_resume_discards_and_counts_the_collections_in_flight(run_train, tmp_path, read_metrics):

@@ -20,8 +20,8 @@ from cope.algos.cope.loss import ForecastLoss  # noqa: E402
 from cope.algos.cope.packing import pack_forecasts, plain_forecasts  # noqa: E402
 from cope.algos.echo import ObservationLoss  # noqa: E402
 from cope.algos.grpo import KLPenalty, PolicyGradient  # noqa: E402
+from cope.batch import collate, row_lengths  # noqa: E402
 from cope.models.policy import Policy  # noqa: E402
-from cope.train.batch import collate, row_lengths  # noqa: E402
 from cope.train.module import AgentRLModule  # noqa: E402
 
 OBJECTIVES = {

@@ -11,9 +11,9 @@ import torch
 from tiny_fixtures import maze_factory, maze_tasks, tiny_policy
 
 from cope.algos.grpo import KLPenalty, PolicyGradient
+from cope.batch import collate
 from cope.rollout.hf_actor import CachedSamplingActor
 from cope.rollout.loop import run_episodes
-from cope.train.batch import collate
 from cope.train.logprobs import token_logprobs
 from cope.train.module import AgentRLModule
 from cope.train.objectives import combine
@@ -99,7 +99,7 @@ def test_first_update_has_ratio_one_and_zero_kl_then_kl_grows(policy, episodes):
     assert m2["policy/ratio_mean"] != 1.0
     # the reference is still the untouched base: the adapter-disabled forward reproduces the old scores
     with torch.no_grad(), policy.model.disable_adapter():
-        ref_again = module.logprobs(mb, entropy=False)[0]
+        ref_again = module.logprobs(mb, entropy=False).logprobs
         ref_full = token_logprobs(_logits(module, mb), mb["input_ids"], with_entropy=False)[0]  # the full log-softmax
     assert torch.equal(ref_again, mb["ref_logprobs"])
     real = mb["attention_mask"].bool()

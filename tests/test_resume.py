@@ -134,7 +134,7 @@ def test_a_kill_right_after_the_epoch_checkpoint_loses_no_metrics_row(run_train,
     saves the loggers; a SIGKILL saves nothing), so rows still buffered in a logger then are lost here too. Each row
     Lightning logs itself saves every row logged before it, so none is logged in the killed epoch: GRPO (ECHO logs
     ``echo/scale`` per step), ``log_every_n_steps`` 50 (as in every trainer config but ``cpu``), no validation. Only
-    the trainer's own saves keep its step rows; without them (``cope.run.loggers.log_now``) they were lost."""
+    the trainer's own saves keep its step rows; without them (``cope.train.dist.log_now``) they were lost."""
     import shutil
 
     from cope.callbacks.checkpoint import EpochCheckpoint

@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_fixtures import Scripted, maze_factory, maze_tasks, tiny_chat, tiny_policy, tiny_tokenizer
 
+from cope.batch import collate
 from cope.envs.base import Task
 from cope.envs.maze import HARNESS_INVALID, INSTRUCTIONS, SUCCESS_TEXT, MazeEnv
 from cope.episode import EndReason, Role
@@ -13,7 +14,6 @@ from cope.rollout.hf_actor import CachedSamplingActor
 from cope.rollout.loop import run_episodes
 from cope.rollout.metrics import episode_metrics
 from cope.train.advantages import group_advantages
-from cope.train.batch import collate
 
 MAX_CONTEXT = 1024
 MAX_ACTION = 6

@@ -11,8 +11,8 @@ from cope.envs.base import Task
 from cope.episode import EndReason, Episode, Step
 from cope.rollout.metrics import episode_metrics, episode_tally, tally_metrics
 from cope.train.advantages import group_advantages
+from cope.train.collect.experience import epoch_tally
 from cope.train.dist import log_rollout_metrics, rollout_metrics
-from cope.train.experience import epoch_tally
 
 
 def _episodes(seed: int, n: int, max_steps: int) -> list[Episode]:

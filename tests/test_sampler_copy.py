@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from tiny_fixtures import tiny_policy
 
-from cope.rollout.sampler_copy import copy_problem, snapshot
+from cope.rollout.sampler_copy import snapshot
 
 
 def test_snapshot_copies_the_adapter_shares_the_base_and_stays_put():
@@ -50,12 +50,6 @@ def test_sampled_logprobs_are_the_trainers_at_the_sampling_temperature():
             lp, _ = causal_lm_logprobs(model, ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None], tempered=tempered,
                                        temperature=0.7)
         torch.testing.assert_close(torch.tensor(s.logprobs), lp[0, len(ctx):], atol=1e-5, rtol=0)
-
-
-def test_what_a_sampler_copy_cannot_take():
-    assert copy_problem("lora", "cope.train.ddp") is None
-    assert copy_problem("full", None)[0] == "model.finetune"
-    assert copy_problem("lora", "cope.train.fsdp_strategy.FSDPStrategy")[0] == "trainer.strategy"
 
 
 def test_the_in_process_engine_samples_a_held_version_from_its_copy():

@@ -1,4 +1,4 @@
-"""``cope.train.sharded_checkpoint`` in one process (no process group): a save round-trips the trained tensors and the
+"""``cope.train.fsdp.checkpoint`` in one process (no process group): a save round-trips the trained tensors and the
 optimizer state; a save cut short never leaves a folder that passes for a checkpoint, and the previous one stays
 loadable, also when the cut falls between the two renames."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cope.run.checkpoint_io import CheckpointReadError, check_checkpoint_file, optimizer_keying, read_checkpoint
+from cope.run.checkpoint_io import CheckpointReadError, check_checkpoint_file, read_checkpoint
 from cope.run.train import resolve_ckpt_path
-from cope.train import sharded_checkpoint as sc
+from cope.train.fsdp import checkpoint as sc
 
 
 class Died(RuntimeError):
@@ -47,7 +47,7 @@ def test_round_trip_and_metadata(tmp_path):
     sc.save(_strategy(), _checkpoint(module, opt, epoch=3), path)
     assert sc.is_sharded_checkpoint(path) and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
     meta = read_checkpoint(path)  # what the pre-build checks read: no tensor data
-    assert meta["epoch"] == 3 and meta["finetune"] == "full" and optimizer_keying(meta) == "parameter name"
+    assert meta["epoch"] == 3 and meta["finetune"] == "full" and sc.optimizer_keying(meta) == "parameter name"
     assert {k: tuple(v.shape) for k, v in meta["state_dict"].items()} == {"0.weight": (3, 4), "0.bias": (3,)}
     fresh, fresh_opt = _trained(1)
     assert not torch.equal(fresh[0].weight, module[0].weight)

@@ -4,7 +4,7 @@ action projection on (it answers in prose), one GRPO step and one CoPE step, the
 plain peft onto the converted folder, and the held-out validation before and after.
 
 Kept small for CI (about a minute per run on 2 busy cores): 1 task x 2 episodes of 3 moves, 8-token actions,
-2 held-out episodes. The CoPE run sets `cope.min_score=0 cope.invalid=keep` so its forecast has targets
+2 held-out episodes. The CoPE run sets `cope.gate=all cope.invalid=keep` so its forecast has targets
 without a success (a cold 135M model rarely solves a maze in 3 moves)."""
 from __future__ import annotations
 

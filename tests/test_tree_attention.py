@@ -3,7 +3,6 @@ SDPA with the dense mask in value and gradient; whole Llama/Qwen2 models (and a 
 give every token the logits and gradients of its unshared sequence; without a layout the model is plain SDPA."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import types
 
@@ -13,10 +12,10 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import cope.train.prefix_tree as prefix_tree
-import cope.train.tree_attention as tree_attention
-from cope.train.prefix_tree import PrefixTree, ScoreCells
-from cope.train.tree_attention import NAME, flex_tree_attention, register, tree_attention_forward, tree_mask_mod
+import cope.train.packing.prefix_tree as prefix_tree
+import cope.train.packing.tree_attention as tree_attention
+from cope.train.packing.prefix_tree import PrefixTree, ScoreCells
+from cope.train.packing.tree_attention import NAME, flex_tree_attention, register, tree_attention_forward, tree_mask_mod
 
 V = 128
 
@@ -109,7 +108,7 @@ def _random_layout_rows() -> list[list[tuple[int, int, int, int]]]:
 @pytest.mark.parametrize("recompute", [True, False])
 def test_kernel_equals_dense_sdpa(monkeypatch, tile, rows, length, recompute):
     monkeypatch.setattr(prefix_tree, "TILE", tile)
-    layout = dataclasses.replace(PrefixTree.from_lists(rows, length=length), recompute=recompute)
+    layout = PrefixTree.from_lists(rows, length=length).replace(recompute=recompute)
     torch.manual_seed(0)
     N, T = len(rows), length
     q, k, v = (torch.randn(N, h, T, 8, requires_grad=True) for h in (6, 2, 2))  # GQA: 6 query heads, 2 kv heads
@@ -148,7 +147,7 @@ def test_recompute_keeps_only_qkv_for_backward():
     mod = types.SimpleNamespace(num_key_value_groups=3)
     got = {}
     for recompute in (True, False):
-        layout = dataclasses.replace(PrefixTree.from_lists(rows, length=440), recompute=recompute)
+        layout = PrefixTree.from_lists(rows, length=440).replace(recompute=recompute)
         got[recompute], out = _saved_bytes(functools.partial(tree_attention_forward, mod, q, k, v, None, prefix_tree=layout))
         out.sum().backward()  # the recomputed graph still backpropagates
     assert got[True] < 1.5 * qkv < 2 * got[True] < got[False], (got, qkv)
@@ -160,7 +159,7 @@ def test_recompute_replays_attention_dropout():
     rows = _random_layout_rows()
     got = []
     for recompute in (True, False):
-        layout = dataclasses.replace(PrefixTree.from_lists(rows, length=82), recompute=recompute)
+        layout = PrefixTree.from_lists(rows, length=82).replace(recompute=recompute)
         torch.manual_seed(0)
         q, k, v = (torch.randn(2, h, 82, 8, requires_grad=True) for h in (6, 2, 2))
         torch.manual_seed(1)
@@ -344,3 +343,34 @@ def test_misuse_names_the_fix():
     assert AttentionInterface._global_mapping[NAME] is tree_attention_forward
     assert AttentionMaskInterface._global_mapping[NAME] is tree_attention.DeferredMask
 
+
+
+def test_calls_are_ones_the_cuda_memory_efficient_kernel_accepts(monkeypatch):
+    """Which SDPA calls the tiles kernel makes on a GQA model (4 query heads, 2 key/value heads), in the bf16 a GPU run
+    uses: a causal call without a mask (flash takes it, GQA included), or a masked call with K/V repeated to the query
+    heads, a boolean (G, 1, Lq, Lk) mask and one dtype (the memory-efficient kernel takes it; with ``enable_gqa`` only
+    the math kernel would). ``bench/gpu_check.py --phase tree`` runs the same calls with the math kernel disabled."""
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        calls.append(dict(q=q.shape, k=k.shape, v=v.shape, dtypes={q.dtype, k.dtype, v.dtype}, is_causal=is_causal,
+                          gqa=enable_gqa, mask=None if attn_mask is None else (attn_mask.dtype, attn_mask.shape)))
+        return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    model = _model("qwen2").to(torch.bfloat16)
+    layout = PrefixTree.from_lists(MODEL_ROWS, length=24)
+    ids = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))
+    model(ids, position_ids=layout.position_ids(), prefix_tree=layout, use_cache=False).logits.float().sum().backward()
+    masked = [c for c in calls if c["mask"] is not None]
+    causal = [c for c in calls if c["mask"] is None]
+    assert masked and causal, calls  # both kinds of call are exercised
+    for c in causal:
+        assert c["is_causal"], c
+    for c in masked:
+        dtype, shape = c["mask"]
+        assert not c["gqa"] and c["q"][1] == c["k"][1] == c["v"][1] == 4, c  # heads repeated, no enable_gqa
+        assert dtype == torch.bool and len(shape) == 4 and shape[1] == 1 and shape[0] == c["q"][0], c
+        assert not c["is_causal"] and c["dtypes"] == {torch.bfloat16}, c

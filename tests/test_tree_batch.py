@@ -1,4 +1,4 @@
-"""The packed batch (``cope.train.tree_batch``): the one packer by hand, rows filled with several trees, the branch
+"""The packed batch (``cope.train.packing.tree_batch``): the one packer by hand, rows filled with several trees, the branch
 convention, the identity packing of a plain batch, the one place that decides how a model attends a tree, and a
 batch that carries its packed rows through Lightning's device transfer."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-from cope.train.prefix_tree import PrefixTree, TreeNode
-from cope.train.tree_attention import NAME
-from cope.train.tree_batch import PackedRows, Unit, attention_kwargs, branch, pack, packed_view, split_to_fit
+from cope.train.packing.prefix_tree import PrefixTree, TreeNode
+from cope.train.packing.tree_attention import NAME
+from cope.train.packing.tree_batch import PackedRows, Unit, attention_kwargs, branch, pack, packed_view, split_to_fit
 
 PAD = 0
 

@@ -26,7 +26,7 @@ def test_a_bad_limit_names_the_key(compose, tmp_path):
 
 
 def test_the_region_drops_the_rest_of_the_epoch_that_tripped_it_and_counts_each_dropped_step():
-    from cope.train.trust_region import TrustRegion
+    from cope.train.step.trust_region import TrustRegion
 
     region = TrustRegion(0.1)
     region.measure(0.1, epoch=0, step=0)  # at the limit: inside
@@ -87,8 +87,9 @@ def test_a_stopped_epoch_forwards_no_more_policy_minibatches_and_trains_as_befor
     rows holding only the trust region's counts."""
     from cope.train.module import AgentRLModule
     from cope.train.objectives import ROLLOUT, batch_kind
+    from cope.train.step.trust_region import kl_stop
 
-    forwarded, backward, kl_stop = [], AgentRLModule._backward, AgentRLModule._kl_stop
+    forwarded, backward = [], AgentRLModule._backward
 
     def counting(self, batch):
         forwarded.append(batch_kind(batch))
@@ -98,8 +99,8 @@ def test_a_stopped_epoch_forwards_no_more_policy_minibatches_and_trains_as_befor
     runs = {}
     for name in ("skip", "forward_and_drop"):
         if name == "forward_and_drop":  # the path before the skip: a stopped step is forwarded, then its gradient dropped
-            monkeypatch.setattr(AgentRLModule, "_kl_stop",
-                                lambda self, kind, metrics=None: metrics is not None and kl_stop(self, kind, metrics))
+            monkeypatch.setattr("cope.train.module.kl_stop",
+                                lambda module, kind, metrics=None: metrics is not None and kl_stop(module, kind, metrics))
         forwarded.clear()
         run_train(["algo=cope", *RUN], tmp_path / name)
         ckpt = torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)

@@ -147,7 +147,8 @@ def test_expert_build_works_and_only_it_gets_a_new_cache_key(tmp_path):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("model.warm_start_policy=bogus", "model.warm_start_policy must be one of ('random', 'expert'), got 'bogus'"),
+    # the typed config check: the builders' Literal annotation (cope.models.choices.WarmStartPolicy)
+    ("model.warm_start_policy=bogus", "model.warm_start_policy = 'bogus': expected one of 'random', 'expert'"),
     ("model.warm_start_expert_prob=2", "model.warm_start_expert_prob must be a number in [0, 1], got 2"),
     ("model.warm_start_expert_prob=abc", "expected float"),  # the typed config check (cope.run.config_check)
 ])

@@ -136,7 +136,7 @@ def exactness_module(model, objectives, chat, temperature: float = 1.0, budget: 
 def scored_step(module, batch: dict) -> tuple:
     """The scoring pass then one micro-batched forward + backward, as an epoch's first training step takes them:
     (old log-probs, reference log-probs or None, total loss, metrics, every LoRA gradient)."""
-    from cope.train.backward import backward_microbatched
+    from cope.train.step.backward import backward_microbatched
 
     module.score_minibatches([batch])
     module.zero_grad(set_to_none=True)

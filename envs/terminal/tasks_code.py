@@ -3,7 +3,7 @@ hidden input, or ``git`` on the agent's repository, inside a throw-away sandbox 
 See :mod:`cope.envs.terminal.tasks` for the task shape."""
 from __future__ import annotations
 
-from cope.envs.terminal.tasks import NAMES, WORDS, TerminalTask, answer_is, quote, text_of, words
+from cope.envs.terminal.task_kit import NAMES, WORDS, TerminalTask, answer_is, quote, text_of, words
 from cope.envs.terminal.workdir import Snapshot
 
 # git for checkers: never run hooks or an fsmonitor command the agent may have configured

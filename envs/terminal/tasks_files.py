@@ -7,7 +7,7 @@ import io
 import random
 import tarfile
 
-from cope.envs.terminal.tasks import (
+from cope.envs.terminal.task_kit import (
     NAMES,
     WORDS,
     TerminalTask,

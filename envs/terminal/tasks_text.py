@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from cope.envs.terminal.tasks import CITIES, NAMES, WORDS, TerminalTask, answer_is, lines_are, text_of, words
+from cope.envs.terminal.task_kit import CITIES, NAMES, WORDS, TerminalTask, answer_is, lines_are, text_of, words
 
 LEVELS = ("INFO", "WARN", "ERROR", "DEBUG")
 

@@ -79,7 +79,7 @@ class Episode:
     end_reason: str = EndReason.DONE
     advantage: float = 0.0  # filled by the advantage estimator
     prompt_len: int = 0  # tokens before the first action
-    policy_version: int = 0  # the epoch whose starting weights sampled it (set by the DataModule; data.max_lag)
+    sampled_epoch: int = 0  # the epoch whose starting weights sampled it (set by the collector; < epoch with data.max_lag)
 
     def append(self, ids: list[int], role: Role) -> tuple[int, int]:
         start = len(self.tokens)

@@ -16,7 +16,7 @@ from cope.episode import Episode
 from cope.rollout.metrics import episode_tally
 
 if TYPE_CHECKING:  # the batch contract lives on the training side; records only carry it
-    from cope.train.batch import RolloutBatch
+    from cope.batch import RolloutBatch
 
 
 @dataclass
@@ -28,7 +28,7 @@ class EpochRecord:
     their episodes), scored in place by the module before any update (see ``scored``); metrics:
     ``rollout/*``, ``env/*``, ``perf/*``, ``counters/*`` (and ``data/*``) of the epoch, this rank's own; counters: the
     cumulative counters after it; tally: the sums and counts of this rank behind the ``rollout/*`` and ``env/*``
-    metrics (:func:`cope.train.experience.epoch_tally`), which the module sums over ranks and logs as global
+    metrics (:func:`cope.train.collect.experience.epoch_tally`), which the module sums over ranks and logs as global
     values (:func:`cope.train.dist.log_rollout_metrics`; ``metrics`` keeps this rank's own values)."""
 
     epoch: int

@@ -112,7 +112,7 @@ def test_trajectory_jsonl_rows_decode_only_observation_and_harness(tok, tmp_path
                               ("go south", True, 0.0, "you moved south", "")], success=False, index=0)
     win = make_episode(tok, [("look", True, 1.0, "goal reached", "")], success=True, index=1)
     other = make_episode(tok, [("look", True, 0.0, "a wall", "")], success=False, index=2)
-    win.policy_version = 2  # sampled at the start of epoch 2, trained in epoch 3 (data.max_lag=1)
+    win.sampled_epoch = 2  # sampled at the start of epoch 2, trained in epoch 3 (data.max_lag=1)
     trainer = fake_trainer(tmp_path, episodes=[fail, win, other], current_epoch=3)
     pl_module = SimpleNamespace(policy=SimpleNamespace(tokenizer=tok))
     TrajectoryTable(num_episodes=2).on_train_epoch_end(trainer, pl_module)
@@ -120,7 +120,7 @@ def test_trajectory_jsonl_rows_decode_only_observation_and_harness(tok, tmp_path
     assert [list(r) for r in rows] == [COLUMNS] * 3
     assert [(r["episode"], r["step"]) for r in rows] == [(1, 0), (0, 0), (0, 1)]  # success first, then the failure
     assert rows[0] == {"epoch": 3, "task": "toy/train/1", "episode": 1, "step": 0, "action": "look", "valid": True,
-                       "reward": 1.0, "observation": "goal reached", "policy_version": 2}
+                       "reward": 1.0, "observation": "goal reached", "sampled_epoch": 2}
     assert rows[1]["observation"] == "nothing happens warning unknown command"  # harness kept, scaffold dropped
     assert rows[1]["valid"] is False and rows[2]["valid"] is True
     assert rows[2]["observation"] == "you moved south" and rows[2]["action"] == "go south"

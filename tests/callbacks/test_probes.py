@@ -17,10 +17,10 @@ from torch.utils._pytree import tree_leaves
 from cope.algos.cope.chunks import build_chunks
 from cope.algos.cope.packing import plain_forecasts
 from cope.algos.grpo import PolicyGradient
+from cope.batch import collate
 from cope.callbacks.probes import HeldOutProbes
 from cope.episode import Role
 from cope.models.policy import Policy
-from cope.train.batch import collate
 from cope.train.logprobs import CHUNK_ELEMS, token_logprobs
 from cope.train.module import AgentRLModule
 

@@ -14,12 +14,12 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "forecasting"))
 from forecast_fixtures import CFG, CHAT, PAD, make_episode  # noqa: E402
 
 from cope.algos.grpo import PolicyGradient  # noqa: E402
+from cope.algos.stop_stats import aggregation_weights, stop_metrics  # noqa: E402
+from cope.batch import collate  # noqa: E402
 from cope.callbacks.stop_token import StopTokenStats, complete_positions  # noqa: E402
 from cope.models.policy import Policy  # noqa: E402
 from cope.records import EpochRecord  # noqa: E402
-from cope.train.batch import collate  # noqa: E402
 from cope.train.module import AgentRLModule  # noqa: E402
-from cope.train.stop_stats import aggregation_weights, stop_metrics  # noqa: E402
 
 STOP = CHAT.turn_end[0]
 

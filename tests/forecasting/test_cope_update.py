@@ -15,8 +15,8 @@ from cope.algos.cope.loss import ForecastLoss
 from cope.algos.cope.packing import collate_chunks, pack_forecasts, plain_forecasts
 from cope.algos.cope.prompted import PlanPrompt, build_prompted
 from cope.algos.grpo import PolicyGradient
+from cope.batch import collate
 from cope.models.policy import Policy
-from cope.train.batch import collate
 from cope.train.module import AgentRLModule
 from cope.train.objectives import combine
 
@@ -95,7 +95,7 @@ def test_separate_step_is_an_sgd_step_on_the_weighted_loss():
     assert "loss/pg" not in metrics and metrics["loss/forecast"] > 0  # the PG objective is not computed on it
     total.backward()
     torch.nn.utils.clip_grad_norm_(module.policy.trainable_parameters(), clip)
-    from cope.train.step_guard import lr_scaled
+    from cope.train.step.guard import lr_scaled
 
     params_a = [p.detach().clone() for p in model_a.parameters() if p.requires_grad]
     with lr_scaled(opt_a, scale):
@@ -134,7 +134,7 @@ def test_te_rows_are_the_logits_that_predict_the_covered_tokens():
     """The module's forward forms full predictive rows at ``te_position`` only: equal to the model's own logits at
     column - 1, with gradient, whole-batch and micro-batched alike."""
     from cope.algos.cope.te_loss import TemporalEnsembleLoss
-    from cope.train.backward import backward_microbatched
+    from cope.train.step.backward import backward_microbatched
 
     model, eps = _model(), _episodes()
     module = AgentRLModule(Policy(model=model, tokenizer=None, chat=CHAT, source="t"),
@@ -145,8 +145,8 @@ def test_te_rows_are_the_logits_that_predict_the_covered_tokens():
     out = module(batch)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (N, T, V)
-    torch.testing.assert_close(out.te_rows, logits[pos[:, 0], pos[:, 1] - 1].float(), atol=1e-5, rtol=0)
-    assert out.te_rows.requires_grad  # untempered, whatever the sampling temperature
+    torch.testing.assert_close(out.rows["te_position"], logits[pos[:, 0], pos[:, 1] - 1].float(), atol=1e-5, rtol=0)
+    assert out.rows["te_position"].requires_grad  # untempered, whatever the sampling temperature
     loss, m = module.objectives[0](out, batch)
     assert loss.item() > 0 and m["te/positions"] == 4
     module.max_tokens_per_microbatch = 2 * batch["input_ids"].shape[1]  # two rows at a time

@@ -13,8 +13,8 @@ from cope.algos.cope.forecast_targets import ForecastTargets
 from cope.algos.cope.loss import AdaptiveScale, ForecastLoss, forecast_nll
 from cope.algos.cope.loss_balance import LossBalance
 from cope.algos.cope.packing import pack_forecasts, plain_forecasts
+from cope.batch import collate
 from cope.episode import Role
-from cope.train.batch import collate
 from cope.train.objectives import ForwardOut
 
 
@@ -130,7 +130,7 @@ def test_cold_start_loss_is_exactly_zero():
 
 
 def test_adaptive_scale_bounds_and_no_gradient():
-    s = AdaptiveScale(target_ratio=0.5, beta=0.9)
+    s = AdaptiveScale(adaptive_ratio=0.5, beta=0.9)
     assert s.scale == 1.0
     s.update(2.0, 4.0)
     assert s.scale == pytest.approx(0.25)
@@ -148,7 +148,7 @@ def test_adaptive_scale_bounds_and_no_gradient():
     lp = torch.randn(2, 5, requires_grad=True)
     batch = {"forecast_mask": torch.ones(2, 5, dtype=torch.bool), "forecast_chunk": torch.tensor([[0] * 5, [1] * 5]),
              "forecast_actions": torch.tensor([1, 2])}
-    obj = ForecastLoss(normalize="adaptive", adaptive_target=0.3)
+    obj = ForecastLoss(normalize="adaptive", adaptive_ratio=0.3)
     obj.observe(1.0, 1.0)  # scale = 0.3 x 1 / 1
     loss, m = obj(ForwardOut(lp, lp.detach()), batch)
     (g,) = torch.autograd.grad(loss, lp)
@@ -160,7 +160,7 @@ def test_adaptive_scale_bounds_and_no_gradient():
 
 
 def test_loss_balance_leaves_fixed_normalizations_alone():
-    fc = ForecastLoss(normalize="none", adaptive_target=0.5)  # none/per_step: no adaptive scale at all
+    fc = ForecastLoss(normalize="none", adaptive_ratio=0.5)  # none/per_step: no adaptive scale at all
     assert fc.adaptive is None and fc.state_dict() == {}
     cb = LossBalance()
     cb.setup(SimpleNamespace(world_size=1), SimpleNamespace(objectives=[fc], log=lambda *a, **k: None), "fit")
@@ -172,7 +172,7 @@ def test_loss_balance_leaves_fixed_normalizations_alone():
 
 def test_loss_balance_drives_the_objectives_own_scale():
     logged = {}
-    fc = ForecastLoss(normalize="adaptive", adaptive_target=0.5)
+    fc = ForecastLoss(normalize="adaptive", adaptive_ratio=0.5)
     module = SimpleNamespace(objectives=[SimpleNamespace(name="pg"), fc], log=lambda k, v, **kw: logged.__setitem__(k, v))
     trainer = SimpleNamespace(world_size=1)
     cb = LossBalance()
@@ -186,12 +186,12 @@ def test_loss_balance_drives_the_objectives_own_scale():
     assert fc.scale == pytest.approx(0.125)
     cb.on_train_batch_end(trainer, module, {"loss/pg": 1e12, "forecast/raw": 1e-12}, {}, 0)
     assert fc.scale <= 1e3
-    owned = ForecastLoss(normalize="adaptive", adaptive_target=0.2)
+    owned = ForecastLoss(normalize="adaptive", adaptive_ratio=0.2)
     cb2 = LossBalance()
     cb2.setup(trainer, SimpleNamespace(objectives=[owned], log=lambda *a, **k: None), "fit")
     cb2.on_train_batch_end(trainer, SimpleNamespace(log=lambda *a, **k: None), {"loss/pg": 1.0, "forecast/raw": 1.0}, {}, 0)
     assert owned.scale == pytest.approx(0.2) and owned.adaptive.ema_pg == 1.0
-    restored = ForecastLoss(normalize="adaptive", adaptive_target=0.2)  # the objective's state round-trips alone
+    restored = ForecastLoss(normalize="adaptive", adaptive_ratio=0.2)  # the objective's state round-trips alone
     restored.load_state_dict(owned.state_dict())
     assert restored.scale == owned.scale and restored.state_dict() == owned.state_dict()
     with pytest.raises(ValueError, match="obs"):

@@ -50,12 +50,17 @@ def test_only_successful_not_aborted_episodes_give_targets():
     chunks, m = build_chunks(eps, CHAT, K=3)
     assert {c.episode for c in chunks} == {1}
     assert m["forecast/episodes"] == 1 and m["forecast/targets"] == 5
-    # min_score replaces the success rule; success_only=False admits failures
-    eps[0].score = 0.7
-    chunks, _ = build_chunks(eps, CHAT, K=3, min_score=0.5)
-    assert {c.episode for c in chunks} == {0, 1}
-    chunks, m = build_chunks(eps, CHAT, K=3, success_only=False)
+    # a success_threshold replaces the success flag (reward > t, the authors' rule); gate=all admits failures
+    eps[0].reward, eps[1].reward = 0.7, 0.2
+    chunks, _ = build_chunks(eps, CHAT, K=3, success_threshold=0.5)
+    assert {c.episode for c in chunks} == {0}
+    chunks, m = build_chunks(eps, CHAT, K=3, gate="all")
     assert {c.episode for c in chunks} == {0, 1} and m["forecast/episodes"] == 2
+    # mixed: the wins of groups that also lost (all three in group 0 here: episode 1 wins, episode 0 lost)
+    chunks, _ = build_chunks(eps, CHAT, K=3, gate="mixed")
+    assert {c.episode for c in chunks} == {1}
+    with pytest.raises(ValueError, match="cope.gate must be one of"):
+        build_chunks(eps, CHAT, K=3, gate="winners")
 
 
 def test_chunk_content_skips_observations():

@@ -13,7 +13,7 @@ from forecast_fixtures import CFG, CHAT, NO_JOINER, PAD, make_episode  # noqa: E
 from cope.algos.cope.chunks import build_chunks
 from cope.algos.cope.loss import forecast_nll
 from cope.algos.cope.packing import pack_forecasts
-from cope.train.batch import collate
+from cope.batch import collate
 from cope.train.logprobs import token_logprobs
 
 K, BAD = 3, 1  # step 1 is the invalid action

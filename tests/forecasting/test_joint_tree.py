@@ -17,9 +17,9 @@ from cope.algos.cope.loss import ForecastLoss
 from cope.algos.cope.packing import pack_forecasts
 from cope.algos.cope.prompted import PlanPrompt, build_prompted
 from cope.algos.grpo import PolicyGradient
-from cope.train.batch import collate
-from cope.train.group_prefix import pack_groups
-from cope.train.tree_batch import use_tree_attention
+from cope.batch import collate
+from cope.train.packing.group_prefix import pack_groups
+from cope.train.packing.tree_batch import use_tree_attention
 
 PAD = 0
 

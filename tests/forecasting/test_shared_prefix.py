@@ -17,10 +17,10 @@ from cope.algos.cope.packing import collate_chunks
 from cope.algos.cope.prompted import PlanPrompt, build_prompted
 from cope.algos.cope.shared_prefix import collate_shared
 from cope.models.policy import Policy
-from cope.train.backward import backward_microbatched
 from cope.train.module import AgentRLModule
-from cope.train.tree_attention import NAME
-from cope.train.tree_batch import use_tree_attention
+from cope.train.packing.tree_attention import NAME
+from cope.train.packing.tree_batch import use_tree_attention
+from cope.train.step.backward import backward_microbatched
 
 PAD = 0
 STEP = 4  # cope.minibatch_size here: the reference episode's five samples are split over steps 0 and 1
@@ -262,7 +262,7 @@ def test_temporal_ensemble_members_scored_on_shared_rows():
     import contextlib
 
     from cope.algos.cope.te_loss import ensemble_transform
-    from cope.train.batch import collate
+    from cope.batch import collate
 
     model, eps = _model(), _episodes()
     chunks, _ = build_prompted(eps, CHAT, PlanPrompt(FakeTokenizer()), K=3)

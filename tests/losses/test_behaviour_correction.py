@@ -13,13 +13,13 @@ import torch
 from cope.algos.cope.chunks import build_chunks
 from cope.algos.cope.packing import pack_forecasts, plain_forecasts
 from cope.algos.grpo import BEHAVIOUR_CAP, PolicyGradient, behaviour_weight, clipped_pg_loss
+from cope.batch import collate
 from cope.chat import ChatFormat
 from cope.envs.base import Task
 from cope.episode import EndReason, Episode, Role, Step
-from cope.train.batch import collate
-from cope.train.experience import cut_minibatches
-from cope.train.group_prefix import pack_groups
+from cope.train.collect.experience import cut_minibatches
 from cope.train.objectives import ForwardOut
+from cope.train.packing.group_prefix import pack_groups
 
 CLIP = 0.2
 PAD = 0

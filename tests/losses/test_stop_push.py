@@ -1,4 +1,4 @@
-"""The end-of-turn token under the policy gradient (`cope.train.stop_stats`; the demo's collapse).
+"""The end-of-turn token under the policy gradient (`cope.algos.stop_stats`; the demo's collapse).
 
 A group where the failing episodes are longer than the winning ones, every action one move plus the
 end-of-turn id: under ``token-mean`` each sampled end-of-turn id weighs the same, so the group's push on that
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from cope.algos.grpo import AGGREGATIONS, PolicyGradient
+from cope.algos.stop_stats import aggregation_weights, stop_metrics, stop_push
 from cope.train.objectives import ForwardOut
-from cope.train.stop_stats import aggregation_weights, stop_metrics, stop_push
 
 STOP, MOVE, V = 1, 2, 4  # token ids in a 4-token vocabulary: 0 prompt, 1 end of turn, 2 a move, 3 another
 

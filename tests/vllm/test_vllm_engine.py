@@ -9,11 +9,11 @@ import pytest
 import torch
 from vllm_fixtures import build_policy, lora_b, maze6
 
+from cope.batch import collate
 from cope.envs.base import Task
 from cope.episode import Role
 from cope.rollout.engine import EnvRuntime, HFEngine, Sampling
 from cope.rollout.vllm.server import VLLMError, free_port
-from cope.train.batch import collate
 from cope.train.logprobs import sampler_gap, token_logprobs
 
 pytestmark = pytest.mark.long  # one server start (35-65 s) for the module

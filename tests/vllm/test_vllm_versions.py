@@ -14,10 +14,10 @@ import pytest
 import torch
 from vllm_fixtures import SERVER_KW, lora_b, maze6
 
+from cope.batch import collate
 from cope.envs.base import Task
 from cope.rollout.engine import EnvRuntime, Sampling
 from cope.rollout.vllm.server import VLLMError
-from cope.train.batch import collate
 from cope.train.logprobs import sampler_gap, token_logprobs
 
 pytestmark = pytest.mark.long  # one server start (35-65 s) for the module

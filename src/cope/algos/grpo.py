@@ -10,7 +10,7 @@ Follows PPO (Schulman et al. 2017) as used by GRPO (Shao et al. 2024), with asym
   (original GRPO; TRL's ``loss_type="grpo"``). In a multi-turn episode every action turn ends with the
   end-of-turn id; under ``token-mean`` a group's push on it is proportional to sum_i A_i n_i (n_i turns), which
   is negative when failures run longer than wins, and the whole update is net-negative (the demo's action collapse,
-  :mod:`cope.train.stop_stats`: ``pg/adv_balance`` -0.25 on the demo). Per-episode normalization gives every
+  :mod:`cope.algos.stop_stats`: ``pg/adv_balance`` -0.25 on the demo). Per-episode normalization gives every
   episode the same total weight (balance 0). It did not remove every collapse of the demo (README).
 * ``seq-mean-token-sum-norm``: sum / (num_seqs * norm_len) with a constant ``norm_len``
   (Dr.GRPO, Liu et al. 2025).
@@ -63,7 +63,7 @@ from typing import Callable
 
 import torch
 
-from cope.train.objectives import ForwardOut, Metrics, Objective
+from cope.train.objectives import ForwardOut, Metrics, Needs, Objective
 
 
 def _token_mean(per_tok: torch.Tensor, mask: torch.Tensor, norm_len: int) -> torch.Tensor:
@@ -278,7 +278,7 @@ class KLPenalty(Objective):
     """
 
     name = "kl"
-    needs_ref = True
+    needs = Needs(ref_logprobs=True)
 
     def __init__(self, weight: float = 0.0, schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0):
         super().__init__(weight=weight, schedule=schedule, final_weight=final_weight, schedule_steps=schedule_steps)
@@ -287,6 +287,6 @@ class KLPenalty(Objective):
         if out.ref_logprobs is None:
             raise ValueError(
                 "KLPenalty needs ForwardOut.ref_logprobs, but it is None: the module must run the "
-                "reference (adapter-disabled) forward when any objective has needs_ref=True"
+                "reference (adapter-disabled) forward when any objective declares Needs(ref_logprobs=True)"
             )
         return kl_k3(out.logprobs, out.ref_logprobs, batch["action_mask"].bool())

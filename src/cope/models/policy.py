@@ -2,7 +2,7 @@
 
 Loading stays apart from training (litgpt's ``lora.py`` vs ``finetune/lora.py``): this module builds
 the model (``from_pretrained`` on a local folder, or on a hub id's snapshot folder in the HF cache,
-:mod:`cope.models.hub`; no network at run time when ``local_files_only``), optionally 4-bit (QLoRA via
+:mod:`cope.hub`; no network at run time when ``local_files_only``), optionally 4-bit (QLoRA via
 bitsandbytes), wraps it in peft LoRA (``finetune="lora"``) or makes every parameter trainable (``finetune="full"``)
 and returns a :class:`Policy`. The KL reference (:meth:`Policy.reference`) is, under LoRA, the same model with the
 adapter disabled (no second copy in memory); under full fine-tuning a frozen copy of the starting weights
@@ -14,19 +14,20 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, get_args
 
 import torch
 
 from cope.chat import ChatFormat
 from cope.extras import require
-from cope.models.hub import resolve_model_path
+from cope.hub import resolve_model_path
+from cope.models.choices import Dtype, Finetune, Quantization
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-QUANTIZATIONS = (None, "4bit", "8bit")
-FINETUNES = ("lora", "full")  # model.finetune
+DTYPES = dict(zip(get_args(Dtype), (torch.float32, torch.bfloat16, torch.float16)))  # fp32, bf16, fp16
+QUANTIZATIONS = (None, *get_args(Quantization))
+FINETUNES = get_args(Finetune)  # model.finetune
 
 
 @dataclass
@@ -37,10 +38,10 @@ class Policy:
     source: str  # model.path as given (a local folder or a hub id): what checkpoints and exports record
     finetune: str = "lora"  # model.finetune: "lora" (an adapter is trained) or "full" (every parameter)
     # a context in which the model's weights are whole on every rank (rollouts); trainer=fsdp sets it
-    # (cope.train.sharding.WholeWeights), a null context otherwise
+    # (cope.train.fsdp.sharding.WholeWeights), a null context otherwise
     full_weights: Callable[[], ContextManager] = field(default=contextlib.nullcontext, repr=False)
     # full fine-tuning: the frozen copy of the starting weights (freeze_reference), and the context in which its
-    # weights are whole (trainer=fsdp: cope.train.sharding.SwappedWeights; a null context otherwise)
+    # weights are whole (trainer=fsdp: cope.train.fsdp.sharding.SwappedWeights; a null context otherwise)
     reference_model: Any = field(default=None, repr=False)
     reference_weights: Callable[[], ContextManager] = field(default=contextlib.nullcontext, repr=False)
 
@@ -113,15 +114,15 @@ def _disable_cpu_bf16_repack(model) -> int:
 def load_pretrained(
     path: str,
     lora: Any,
-    dtype: str = "bf16",
-    quantization: str | None = None,
+    dtype: Dtype = "bf16",
+    quantization: Quantization | None = None,
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
     local_files_only: bool = True,
     trust_remote_code: bool = False,
     adapter: str | None = None,
     source_is_cache_key: bool = False,
-    finetune: str = "lora",
+    finetune: Finetune = "lora",
     env_factory: Any = None,  # unused: accepted so every model config has the same call signature
 ) -> Policy:
     """Load a causal LM + tokenizer from a local folder or the HF cache and add a LoRA adapter (or train it whole).

@@ -31,12 +31,13 @@ from typing import Any, Callable
 
 import torch
 
+from cope.batch import collate
 from cope.chat import CHATML_TEMPLATE, ChatFormat
 from cope.envs.base import Env, Task
 from cope.models.build_cache import build_once
+from cope.models.choices import Dtype, Finetune, Quantization, WarmStartPolicy
 from cope.models.policy import Policy, load_pretrained
 from cope.models.warm_start import WithExamples, check_warm_start, random_walks, walked_tasks
-from cope.train.batch import collate
 
 log = logging.getLogger(__name__)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -177,7 +178,7 @@ def tiny_base_folder(
     warm_start_walks: int = 128,
     warm_start_action_tokens: int = 8,
     warm_start_tasks: int | None = None,
-    warm_start_policy: str = "random",
+    warm_start_policy: WarmStartPolicy = "random",
     warm_start_expert_prob: float = 0.5,
     seed: int = 0,
 ) -> tuple[Path, dict]:
@@ -222,15 +223,15 @@ def tiny_policy(
     warm_start_walks: int = 128,
     warm_start_action_tokens: int = 8,
     warm_start_tasks: int | None = None,
-    warm_start_policy: str = "random",
+    warm_start_policy: WarmStartPolicy = "random",
     warm_start_expert_prob: float = 0.5,
     seed: int = 0,
-    dtype: str = "fp32",
-    quantization: str | None = None,
+    dtype: Dtype = "fp32",
+    quantization: Quantization | None = None,
     gradient_checkpointing: bool = False,
     attn_implementation: str = "sdpa",
     adapter: str | None = None,
-    finetune: str = "lora",
+    finetune: Finetune = "lora",
 ) -> Policy:
     """Build (once, cached) and load the tiny warm-started policy for the env of ``env_factory``; ``adapter``: a
     LoRA folder to start from (see :func:`cope.models.policy.load_pretrained`).

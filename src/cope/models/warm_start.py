@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import functools
 import random
-from typing import Callable
+from typing import Callable, get_args
 
 from cope.envs.base import Env, Task
+from cope.models.choices import WarmStartPolicy
 from cope.rollout.loop import run_episodes
 
-WARM_START_POLICIES = ("random", "expert")
+WARM_START_POLICIES = get_args(WarmStartPolicy)
 
 
 class RandomWalkActor:

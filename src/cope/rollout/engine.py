@@ -95,6 +95,8 @@ class RolloutEngine(Protocol):
     (default False): every sampled action carries the sampler's own log-probs (``Step.sampler_logprobs``)."""
 
     overlaps: bool  # serves older policy versions while the weights train on (data.max_lag >= 1 needs it)
+    # more capabilities, read by cope.capabilities.can (False when a class does not declare one): samples_in_process
+    # (the training model's own weights, in this process), serves_adapters (a server, each version a LoRA adapter)
 
     def check_lag(self, max_lag: int) -> None:
         """Refuse ``data.max_lag`` (ValueError naming the key to change) when this engine cannot serve that many
@@ -138,6 +140,8 @@ class HFEngine:
     """
 
     overlaps = True  # a held version is sampled from its own snapshot (cope.rollout.sampler_copy), the newest from the model
+    samples_in_process = True  # the training model's own weights (full fine-tuning and trainer=fsdp need it)
+    serves_adapters = False
 
     def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None):
         if max_context < 1:
@@ -154,7 +158,7 @@ class HFEngine:
 
     def check_lag(self, max_lag: int) -> None:
         """Any lag: each held version is a snapshot of the adapter (the base shared), refused with full fine-tuning or
-        sharding at config time (:func:`cope.rollout.sampler_copy.copy_problem`)."""
+        sharding at config time (:data:`cope.run.config_rules.RULES`)."""
 
     def connect(self, policy: Any, rank: int = 0) -> None:
         self.policy = policy

@@ -80,9 +80,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def read_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
     """Loads a checkpoint file (``weights_only=True``); any damage becomes one :class:`CheckpointReadError`.
     ``mmap``: tensors stay in the file until read (a look at keys and shapes costs no tensor data). A sharded
-    checkpoint folder gives its metadata and the trained tensors' shapes only (:func:`cope.train.sharded_checkpoint.
+    checkpoint folder gives its metadata and the trained tensors' shapes only (:func:`cope.train.fsdp.checkpoint.
     read_meta`)."""
-    from cope.train import sharded_checkpoint
+    from cope.train.fsdp import checkpoint as sharded_checkpoint
 
     path = sharded_checkpoint.complete_path(path)
     if path.is_dir():  # a sharded checkpoint: its metadata and the trained tensors' shapes, no tensor data
@@ -109,7 +109,7 @@ def check_checkpoint_file(path: str | os.PathLike) -> None:
     """A cheap look at a checkpoint before any model is built: present, non-empty, a torch zip archive.
 
     A full read happens when the fit restores it (:func:`read_checkpoint`, same error type)."""
-    from cope.train.sharded_checkpoint import META, is_sharded_checkpoint
+    from cope.train.fsdp.checkpoint import META, is_sharded_checkpoint
 
     path = Path(path)
     hint = "the file is damaged or incomplete; resume from an earlier checkpoint or start a new run"
@@ -130,15 +130,6 @@ def lora_ranks(state_dict: dict[str, Any]) -> set[int]:
     return {int(v.shape[0]) for k, v in state_dict.items() if ".lora_A." in k and k.endswith(".weight") and v.dim() == 2}
 
 
-def optimizer_keying(ckpt: dict) -> str | None:
-    """How a checkpoint keys its optimizer state: ``"parameter name"`` (``trainer=fsdp``), ``"index"`` (Lightning's
-    default: DDP, one process), or None (no optimizer state)."""
-    if ckpt.get("sharded"):  # a torch distributed checkpoint (cope.train.sharded_checkpoint): always by name
-        return "parameter name"
-    keys = {type(k) for s in ckpt.get("optimizer_states") or [] for k in (s.get("state") or {})}
-    return None if not keys else "parameter name" if str in keys else "index"
-
-
 def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r: int | None,
                          sharded: bool | None = None, finetune: str | None = None) -> None:
     """Refuses to resume from ``path`` into another base model, another LoRA rank or another strategy's layout than the
@@ -154,6 +145,8 @@ def check_resume_matches(path: str | os.PathLike, base: BaseModel | None, lora_r
         finetune: ``model.finetune`` (``lora`` | ``full``); None: no check. Checkpoints without a ``finetune`` record
             were written under LoRA.
     """
+    from cope.train.fsdp.checkpoint import optimizer_keying
+
     ckpt = read_checkpoint(path, mmap=True)
     problems = []
     recorded = ckpt.get("base_model")

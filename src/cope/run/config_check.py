@@ -38,7 +38,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from cope.run.config_keys import ConfigError, Reads, renamed, source_key, unread_keys
+from cope.run.config_keys import TRAIN_READS, ConfigError, Reads, renamed, source_key, unread_keys
 from cope.run.config_rules import cross_field
 from cope.run.signatures import BUILT, UNSET, base_annotation, conforms, parameters, qualname, type_name
 
@@ -74,6 +74,10 @@ RANGES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
         "r": (lambda v: v >= 1, ">= 1 (the LoRA rank)"),
         "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1) (1 drops every adapter input)"),
     },
+    # its constructor checks it too; here the rules between keys (cope.run.config_rules) read only valid lags
+    "cope.train.datamodule.RolloutDataModule": {
+        "max_lag": (lambda v: v >= 0, ">= 0 (0: collect, then train)"),
+    },
     # built after the policy (it wraps it): its own checks would come after the model load
     "cope.train.module.AgentRLModule": {
         "max_tokens_per_microbatch": (lambda v: v >= 1, "null or >= 1"),
@@ -100,10 +104,9 @@ def check_config(cfg: DictConfig, reads: Reads | None = None) -> None:
     Args:
         cfg: the composed config.
         reads: what the run code reads besides component arguments and interpolations (default: what
-            ``cope.run.train.train`` declares, :data:`cope.run.train.READS`); every other key is refused.
+            ``cope.run.train.train`` reads, :data:`cope.run.config_keys.TRAIN_READS`); every other key is refused.
     """
-    if reads is None:
-        from cope.run.train import READS as reads  # declared beside the code that reads them
+    reads = TRAIN_READS if reads is None else reads
     c = _Checker()
     c.call(cfg, "", RunKeys, open_keys=True)
     c.errors += [p for p in unread_keys(cfg, reads) if p.split(" ")[0] not in c.bad]

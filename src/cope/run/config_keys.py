@@ -3,7 +3,7 @@
 A key is read when it sits in a component block that ``cope.run.train.train`` builds (the block's keys are its
 constructor's arguments: :mod:`cope.run.config_check` checks them against the signature), when an interpolation
 in something read names it (``${cope.weight}``, ``${oc.select:cope.layout,list}``, nested resolvers too), or when
-the code that reads the config declares it (:data:`cope.run.train.READS`, next to that code). Anything else (a
+the code that reads the config declares it (:data:`TRAIN_READS`, what ``cope.run.train.train`` reads). Anything else (a
 ``+foo=1``, a knob nobody interpolates such as ``+cope.weigth=0.02``, a ``+rollout.max_lag=1`` that no engine
 takes) would run silently as if it were set; it is refused naming the key, the group it sits in and the closest
 key that is read (difflib).
@@ -34,6 +34,12 @@ RENAMED = {
     "algo.callbacks.forecast_targets.mask_invalid": "cope.invalid (mask | cut | keep)",
     "algo.callbacks.forecast_targets.cut_at_invalid": "cope.invalid (mask | cut | keep)",
     "algo.callbacks.forecast_targets.share_prefix": "data.share_prefix (one switch for every user of shared prefixes)",
+    # one success gate for both CoPE variants (cope.algos.cope.gate): a win's reward exceeds cope.success_threshold
+    "cope.min_score": "cope.success_threshold (a win: reward > it, as in algo=cope; null: the env's success flag) "
+                      "and cope.gate=all to admit every episode",
+    "algo.callbacks.forecast_targets.min_score": "cope.success_threshold (a win: reward > it; null: the env's success flag)",
+    "algo.callbacks.forecast_targets.success_only": "cope.gate (wins | all | mixed)",
+    "algo.objectives.forecast.adaptive_target": "cope.adaptive_ratio (one name for the balanced modes' ratio)",
 }
 # resolvers whose first argument is a config key (the others, oc.env, hydra, now, take no key)
 _KEY_RESOLVERS = ("oc.select", "oc.dict.keys", "oc.dict.values")
@@ -62,6 +68,14 @@ class Reads:
     components: tuple[str, ...] = ()
     sections: tuple[str, ...] = ()
     keys: tuple[str, ...] = ()
+
+
+# What cope.run.train.train reads of the config besides component arguments and interpolations (declared here, not
+# beside train(), so that the config check, which train() runs first, reads it without importing train()); the
+# config check refuses every other key. `paths` are the run's folders, there for components to interpolate.
+TRAIN_READS = Reads(components=("env", "model", "data", "module", "trainer", "logger"),
+                    sections=("callbacks", "algo.objectives", "algo.callbacks"),
+                    keys=("seed", "ckpt_path", "validate_before_fit", "paths", "hydra"))
 
 
 def renamed(key: str) -> str | None:

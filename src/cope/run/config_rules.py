@@ -1,168 +1,263 @@
-"""The config rules between keys, checked before any work (the per-key check is :mod:`cope.run.config_check`).
+"""The rules between config keys, checked before any work (the per-key check is :mod:`cope.run.config_check`).
 
-* ``data.max_context`` must fit the model's positions (``model.max_context`` of the tiny model, else
-  ``max_position_embeddings`` of ``<model.path>/config.json`` when that file is on disk, or of a hub id's cached
-  copy), and the first prompt's rules plus an action (:func:`check_context_floor`, once the env class is built);
-* a GPU trainer needs a GPU (``trainer=gpu`` on a machine without CUDA names ``trainer=cpu``);
-* ``trainer.num_nodes`` x ``trainer.devices`` against the launcher's world, and a multi-node run needs a launcher
-  (:func:`cope.run.launch.check_launch`);
-* ``trainer=fsdp`` refuses what cannot be sharded (:func:`cope.train.fsdp_strategy.check_sharding`);
-* ``data.max_lag >= 1`` needs an engine that overlaps and reports its log-probs, and no top-p
-  (:func:`lag_fits_engine`);
-* flash attention cannot take CoPE's packed forecast rows (a 4D mask); shared prefixes need SDPA;
-* settings that make training a no-op are logged warnings (``data.group_size=1``, all weights 0,
-  ``module.optimizer.lr=0``).
+Every rule about what can run with what is one row of :data:`RULES`: the keys it reads, what it needs (a capability
+the class a ``_target_`` names declares, :mod:`cope.capabilities`, or a value), and a check that yields the key to
+change with the message. Classes are resolved, never named (:mod:`cope.run.config_classes`): ``_target_`` with
+Hydra's ``get_object``, a ``trainer.strategy`` string (``ddp``, ``fsdp``, ...) with Lightning's ``StrategyRegistry``;
+callbacks are found by the class they are (``issubclass``), whatever their entry is called. So a subclass, or a class
+under another name, follows the same rules (``tests/test_config_rules.py`` proves it). The rows:
+
+* sharded weights (``trainer=fsdp``): only a strategy that gathers them whole for rollouts. Lightning's own sharding
+  strategies (``trainer.strategy=fsdp``, a ``ModelParallelStrategy``, DeepSpeed) shard without that, and this
+  project's sharded training (:mod:`cope.train.fsdp.sharding`) runs under its own strategy only: they are refused,
+  naming ``trainer=fsdp``. No quantized weights, an engine that samples in process, no merged export, no gradient
+  probes;
+* full fine-tuning (``model.finetune=full``): fp32 weights, no quantization, no adapter to start from
+  (:func:`cope.models.policy.finetune_problem`), an engine that samples in process, no merged export, and no
+  ``trainer.precision`` that casts the weights to half precision (``bf16-true``: the master weights would be bf16);
+* overlapped rollouts (``data.max_lag >= 1``): an engine that overlaps, no top-p
+  (:func:`cope.train.collect.lagged.lag_problem`); from an engine that samples in process, a sampler copy per held
+  version: no full fine-tuning, no sharded weights; from one that serves adapters, two LoRA slots;
+* attention: flash attention cannot take CoPE's packed forecast rows (a 4D mask); shared prefixes need SDPA.
+
+Besides the table (:func:`cross_field`): ``data.max_context`` against the model's positions
+(:mod:`cope.run.context_limits`), a GPU trainer needs a GPU (``trainer=gpu`` on a machine without CUDA names
+``trainer=cpu``), ``trainer.num_nodes`` x ``trainer.devices`` against the launcher's world
+(:func:`cope.run.launch.check_launch`), and settings that make training a no-op are logged warnings
+(``data.group_size=1``, all weights 0, ``module.optimizer.lr=0``).
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
-from hydra.utils import get_object
 from omegaconf import DictConfig
 
-from cope.run.config_keys import ConfigError
+from cope.capabilities import can
+from cope.run.config_classes import Resolved, argument_default
+from cope.run.context_limits import context_fits_model
 from cope.run.launch import check_launch
-from cope.train.fsdp_strategy import check_sharding
+
+Problem = Iterator[tuple[str, str]]  # (the key to change, the message after it)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One compatibility rule.
+
+    Attributes:
+        reads: the config keys it reads (``callbacks.*``: any entry of ``callbacks`` or ``algo.callbacks``).
+        needs: what it needs, in words: the capability (:mod:`cope.capabilities`) or the value.
+        check: yields ``(key, message)`` for each problem (the message follows the key: `` = value: why; fix``).
+    """
+
+    reads: tuple[str, ...]
+    needs: str
+    check: Callable[[Resolved], Problem]
+
+
+def _sharded(s: Resolved) -> bool:
+    return can(s.strategy, "shards_weights")
+
+
+def _lag_problem(s: Resolved) -> tuple[str, str] | None:
+    """What ``data.max_lag >= 1`` needs of the engine and the sampling (None: it fits, or no lag)."""
+    from cope.train.collect.lagged import lag_problem
+
+    top_p = float((s.data.get("sampling") or {}).get("top_p", 1.0))
+    return lag_problem(s.lag, s.engine, top_p) if s.lag else None
+
+
+def _exports_merged(s: Resolved) -> Iterator[str]:
+    """The ``merged`` keys of the adapter exports that merge (``callbacks.adapter_export.merged``)."""
+    yield from (f"{key}.merged" for key, node, _ in s.entries("cope.callbacks.adapter_export.AdapterExport")
+                if node.get("merged"))
+
+
+def sharding_gathers(s: Resolved) -> Problem:
+    if _sharded(s) and not can(s.strategy, "gathers_for_rollouts"):
+        yield "trainer.strategy", (
+            f" = {s.strategy_value!r}: {s.strategy.__module__}.{s.strategy.__qualname__} shards the weights, but rollouts, "
+            "the scoring pass and the callbacks' probes need them whole on every rank between optimizer steps, which "
+            "only this project's sharding strategy provides; use trainer=fsdp (sharded, through "
+            "cope.train.fsdp.strategy.FSDPStrategy) or trainer=ddp")
+
+
+def sharding_quantized(s: Resolved) -> Problem:
+    quant = s.model.get("quantization")
+    if _sharded(s) and quant is not None:
+        yield "model.quantization", (
+            f" = {quant!r}: trainer=fsdp cannot shard quantized weights (bitsandbytes packs them into its own storage, "
+            "which fully_shard cannot split or gather); use model.quantization=null (the bf16 weights are sharded "
+            "instead, about 1/world of them per rank) or trainer=ddp for QLoRA")
+
+
+def sharding_engine(s: Resolved) -> Problem:
+    if _sharded(s) and not can(s.engine, "samples_in_process"):
+        yield "data.engine", (
+            f" = {s.engine_target}: trainer=fsdp rolls out in-process only (rollout=hf, on the gathered weights); a "
+            "server engine would be handed an adapter written from shards. Use rollout=hf, or trainer=ddp")
+
+
+def sharding_merged(s: Resolved) -> Problem:
+    for key in _exports_merged(s) if _sharded(s) else ():
+        yield key, (" = true: trainer=fsdp does not write the merged model yet (the frozen base is sharded): set it to "
+                    "false and merge the exported adapter on one process (peft's merge_and_unload), or use trainer=ddp")
+
+
+def sharding_grad_stats(s: Resolved) -> Problem:
+    for key, node, _ in s.entries("cope.callbacks.grad_stats.GradientStats") if _sharded(s) else ():
+        if (node.get("every_n_steps") or 0) > 0:
+            yield f"{key}.every_n_steps", (
+                f" = {node.every_n_steps}: the gradient probes are not built for trainer=fsdp (their extra backward "
+                "would run on sharded weights outside the step); set it to 0, or use trainer=ddp")
+
+
+def finetune_values(s: Resolved) -> Problem:
+    from cope.models.policy import finetune_problem
+
+    m = s.model
+    problem = finetune_problem(s.finetune, m.get("quantization"), m.get("adapter"), m.get("dtype", "fp32"))
+    if problem is not None:
+        yield problem[0], f": {problem[1]}"
+
+
+def finetune_engine(s: Resolved) -> Problem:
+    if s.finetune == "full" and not can(s.engine, "samples_in_process"):
+        yield "data.engine", (
+            f" = {s.engine_target}: model.finetune=full needs an engine that samples the trained weights in process "
+            "(rollout=hf): a server engine (rollout=vllm) loads each policy version as a LoRA adapter, and pushing full "
+            "weights into the server every epoch is not built. Use rollout=hf, or model.finetune=lora to keep the server")
+
+
+def finetune_merged(s: Resolved) -> Problem:
+    for key in _exports_merged(s) if s.finetune == "full" else ():
+        yield key, (" = true with model.finetune=full: there is no adapter to merge; the export (<run>/csv/model) is "
+                    "already the whole trained model. Set it to false")
+
+
+HALF_TRUE = ("16-true", "bf16-true")  # Lightning's precisions that cast the weights themselves ("bf16", "16": -mixed)
+
+
+def finetune_precision(s: Resolved) -> Problem:
+    precision = str((s.cfg.get("trainer") or {}).get("precision", "32-true"))
+    if s.finetune == "full" and precision in HALF_TRUE:
+        yield "trainer.precision", (
+            f" = {precision!r} with model.finetune=full: Lightning casts every weight to half precision, the fp32 master "
+            "weights included, and an AdamW update under half a bf16 rounding step is then lost (at lr 1e-6 most "
+            "weights would never move). Use trainer.precision=bf16-mixed (bf16 compute, fp32 weights; trainer=gpu's "
+            "default) or the fsdp strategy's own mixed precision (trainer=fsdp)")
+
+
+def lag_engine(s: Resolved) -> Problem:
+    problem = _lag_problem(s)
+    if problem is not None:
+        yield problem[0], f" = {s.lag if problem[0] == 'data.max_lag' else s.data.sampling.top_p}: {problem[1]}"
+
+
+def lag_sampler_copy(s: Resolved) -> Problem:
+    if not s.lag or _lag_problem(s) is not None or not can(s.engine, "samples_in_process"):
+        return
+    if s.finetune == "full":
+        yield "model.finetune", (" = full with data.max_lag >= 1 and rollout=hf: each held version would be a whole "
+                                 "copy of the model (every weight trains). Use model.finetune=lora, or data.max_lag=0")
+    if _sharded(s):
+        yield "trainer.strategy", (
+            f" = {s.strategy_value!r}: shards the weights (trainer=fsdp), and with data.max_lag >= 1 the in-process "
+            "engine (rollout=hf) samples each held version from a sampler copy, which would need the whole weights "
+            "gathered while the shards train. Use data.max_lag=0, or trainer=ddp")
+
+
+def lag_adapter_slots(s: Resolved) -> Problem:
+    if not s.lag or _lag_problem(s) is not None or not can(s.engine, "serves_adapters"):
+        return
+    from cope.rollout.vllm.versions import loras_problem
+
+    engine = s.data.get("engine") or {}
+    loras = engine.get("max_loras", argument_default(s.engine, "max_loras", 1))
+    problem = None if engine.get("url") else loras_problem(s.lag, int(loras))  # an attached server is its operator's
+    if problem is not None:
+        yield "data.engine.max_loras", f" = {loras}: {problem}"
+
+
+def attention_fits_packing(s: Resolved) -> Problem:
+    attn = s.model.get("attn_implementation", "sdpa")
+    if bool(s.data.get("share_prefix", False)) and attn not in (None, "sdpa"):
+        yield "model.attn_implementation", (
+            f" = {attn!r}: data.share_prefix=true forwards each GRPO group's prefix once through tree attention "
+            "('cope_tree'), which runs as sdpa without a tree; use model.attn_implementation=sdpa, or "
+            "data.share_prefix=false")
+    if not (isinstance(attn, str) and attn.startswith("flash_attention")):
+        return
+    for key, node, cls in s.callbacks:
+        packed = _packed_key(cls, node) if isinstance(cls, type) else None
+        if packed is not None:
+            yield "model.attn_implementation", (
+                f" = {attn!r}: cannot take CoPE's packed forecast rows ({key}.{packed}: prefix trees, attended "
+                f"through a (N, 1, T, T) mask per forward); use "
+                f"{'cope.update=separate or cope.packing=plain' if packed.startswith('packing') else 'cope.packing=plain'}"
+                " (2D masks only) or model.attn_implementation=sdpa")
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(("model.attn_implementation", "data.share_prefix", "callbacks.*.packing", "callbacks.*.update"),
+         "sdpa attention for shared prefixes and CoPE's packed forecast rows (4D masks)", attention_fits_packing),
+    Rule(("trainer.strategy",), "a strategy that shards the weights gathers them for rollouts (gathers_for_rollouts)",
+         sharding_gathers),
+    Rule(("trainer.strategy", "model.quantization"), "sharded weights (shards_weights) are not quantized",
+         sharding_quantized),
+    Rule(("trainer.strategy", "data.engine"), "sharded weights (shards_weights): an engine that samples in process "
+         "(samples_in_process)", sharding_engine),
+    Rule(("trainer.strategy", "callbacks.*.merged"), "sharded weights (shards_weights): no merged export",
+         sharding_merged),
+    Rule(("trainer.strategy", "callbacks.*.every_n_steps"), "sharded weights (shards_weights): no gradient probes",
+         sharding_grad_stats),
+    Rule(("data.max_lag", "data.engine", "data.sampling.top_p"), "lagged rollouts: an engine that overlaps "
+         "(overlaps), top_p=1", lag_engine),
+    Rule(("data.max_lag", "data.engine", "model.finetune", "trainer.strategy"), "lagged rollouts from an engine that "
+         "samples in process (samples_in_process): an adapter to copy, whole weights", lag_sampler_copy),
+    Rule(("data.max_lag", "data.engine", "data.engine.max_loras", "data.engine.url"), "lagged rollouts from an engine "
+         "that serves adapters (serves_adapters): two LoRA slots", lag_adapter_slots),
+    Rule(("model.finetune", "model.quantization", "model.adapter", "model.dtype"), "full fine-tuning: fp32 weights, not "
+         "quantized, no adapter to start from", finetune_values),
+    Rule(("model.finetune", "data.engine"), "full fine-tuning: an engine that samples in process (samples_in_process)",
+         finetune_engine),
+    Rule(("model.finetune", "callbacks.*.merged"), "full fine-tuning: no adapter to merge", finetune_merged),
+    Rule(("model.finetune", "trainer.precision"), "full fine-tuning: fp32 master weights (no *-true half precision)",
+         finetune_precision),
+)
+
+
+def check_rules(cfg: DictConfig, fail: Callable[[str, str], None]) -> None:
+    """Every row of :data:`RULES` against ``cfg`` (``fail(key, message)`` per problem)."""
+    resolved = Resolved(cfg)
+    for rule in RULES:
+        for key, message in rule.check(resolved):
+            fail(key, message)
 
 
 def cross_field(cfg: DictConfig, fail: Callable[[str, str], None], warnings: list[str]) -> None:
     """The rules between keys (``fail(key, message)``) and the settings that make training a no-op (``warnings``)."""
     data, model = cfg.get("data"), cfg.get("model")
     if isinstance(data, DictConfig) and isinstance(model, DictConfig):
-        limit = model_positions(model)
-        ctx = data.get("max_context")
-        if limit is not None and isinstance(ctx, int) and ctx > limit[0]:
-            fail("data.max_context", f" = {ctx}: exceeds the model's {limit[0]} positions ({limit[1]})")
-        if data.get("group_size") == 1:
-            warnings.append("data.group_size=1: one episode per group, so every group-relative advantage is 0 "
+        context_fits_model(data, model, fail)
+    if isinstance(data, DictConfig) and data.get("group_size") == 1:
+        warnings.append("data.group_size=1: one episode per group, so every group-relative advantage is 0 "
                         "and the policy gradient is 0 (only auxiliary objectives train)")
-        attention_fits_layout(model, cfg, fail)
     accelerator = (cfg.get("trainer") or {}).get("accelerator")
     if accelerator in ("gpu", "cuda") and not _cuda_available():
         fail("trainer.accelerator", f" = {accelerator!r}: this machine has no CUDA GPU (torch.cuda.is_available() is "
              "False); use trainer=cpu in place of trainer=gpu, or trainer.accelerator=cpu")
     if isinstance(cfg.get("trainer"), DictConfig):
         check_launch(cfg.trainer, fail)
-    check_sharding(cfg, fail)  # trainer=fsdp: what cannot be sharded (quantized weights, a server engine, ...)
-    if isinstance(data, DictConfig):
-        lag_fits_engine(data, fail, cfg)
-    if isinstance(model, DictConfig):
-        full_finetuning_fits(model, data, fail)
-        export = ((cfg.get("callbacks") or {}).get("adapter_export") or {})
-        if model.get("finetune") == "full" and export.get("merged"):
-            fail("callbacks.adapter_export.merged", " = true with model.finetune=full: there is no adapter to merge; the "
-                 "export (<run>/csv/model) is already the whole trained model. Set it to false")
+    check_rules(cfg, fail)
     optimizer = (cfg.get("module") or {}).get("optimizer") or {}
     if optimizer.get("lr") == 0:
         warnings.append("module.optimizer.lr=0: the adapter never changes (rollouts and validation run, "
-                             "nothing is learned)")
+                        "nothing is learned)")
     objectives = [o for o in ((cfg.get("algo") or {}).get("objectives") or {}).values() if o is not None]
     if objectives and all(o.get("weight", 1.0) == 0 and o.get("final_weight", 0.0) == 0 for o in objectives):
         warnings.append("every algo.objectives.*.weight is 0: training changes nothing")
-
-
-def full_finetuning_fits(model: DictConfig, data: DictConfig | None, fail: Callable[[str, str], None]) -> None:
-    """``model.finetune=full`` against what it cannot take: quantized or half-precision weights, a LoRA adapter to start
-    from (:func:`cope.models.policy.finetune_problem`), and a server rollout engine (the vLLM engine serves each policy
-    version as a LoRA adapter; full weights would have to be pushed into the server every epoch, which is not built)."""
-    from cope.models.policy import finetune_problem
-
-    finetune = model.get("finetune", "lora")
-    problem = finetune_problem(finetune, model.get("quantization"), model.get("adapter"), model.get("dtype", "fp32"))
-    if problem is not None:
-        fail(problem[0], f": {problem[1]}")
-        return
-    engine = str(((data or {}).get("engine") or {}).get("_target_", ""))
-    if finetune == "full" and engine and not engine.endswith(".HFEngine"):
-        fail("data.engine", f" = {engine}: model.finetune=full needs the in-process engine (rollout=hf): the vLLM server "
-             "engine loads each policy version as a LoRA adapter, and pushing full weights into the server every epoch "
-             "is not built. Use rollout=hf, or model.finetune=lora to keep the server")
-
-
-def lag_fits_engine(data: DictConfig, fail: Callable[[str, str], None], cfg: DictConfig | None = None) -> None:
-    """``data.max_lag``: >= 0; >= 1 needs an engine that overlaps and reports its log-probs, and no top-p
-    (:func:`cope.train.lagged_rollouts.lag_problem`, read from the engine class's attributes: nothing is built)."""
-    lag = data.get("max_lag", 0)
-    if not isinstance(lag, int) or lag == 0:
-        return
-    if lag < 0:
-        fail("data.max_lag", f" = {lag}: must be >= 0 (0: collect, then train)")
-        return
-    from cope.train.lagged_rollouts import lag_problem
-
-    target = str((data.get("engine") or {}).get("_target_", "cope.rollout.engine.HFEngine"))
-    problem = lag_problem(lag, get_object(target), float((data.get("sampling") or {}).get("top_p", 1.0)))
-    if problem is not None:
-        fail(problem[0], f" = {lag if problem[0] == 'data.max_lag' else data.sampling.top_p}: {problem[1]}")
-    elif target.endswith(".HFEngine"):  # a sampler copy per held version: the adapter only
-        from cope.rollout.sampler_copy import copy_problem
-
-        strategy = (cfg.get("trainer") or {}).get("strategy") if cfg is not None else None
-        strategy = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy or "")
-        problem = copy_problem((cfg.get("model") or {}).get("finetune") if cfg is not None else None, strategy)
-        if problem is not None:
-            fail(problem[0], f" {problem[1]}")
-    elif target.endswith(".VLLMEngine"):
-        from cope.rollout.vllm.versions import loras_problem
-
-        loras = int(data.engine.get("max_loras", 1))
-        problem = None if data.engine.get("url") else loras_problem(lag, loras)  # an attached server is its operator's
-        if problem is not None:
-            fail("data.engine.max_loras", f" = {loras}: {problem}")
-
-
-def attention_fits_layout(model: DictConfig, cfg: DictConfig, fail: Callable[[str, str], None]) -> None:
-    """What CoPE's forecast batches need of ``model.attn_implementation``, checked before any work:
-    * flash attention takes no (N, 1, T, T) mask, and CoPE's packed rows (prefix trees) without sharing are
-      attended through one (built per forward): the pairing would fail, or be wrong, at the first training forward;
-    * ``data.share_prefix`` (every shared-prefix batch) switches the model to tree attention ("cope_tree"), which is
-      SDPA without a tree: a model configured with anything else (eager, flash) would not get what it was
-      configured with."""
-    attn = model.get("attn_implementation", "sdpa")
-    groups = bool((cfg.get("data") or {}).get("share_prefix", False))
-    if groups and attn not in (None, "sdpa"):
-        fail("model.attn_implementation", f" = {attn!r}: data.share_prefix=true forwards each GRPO group's prefix "
-             "once through tree attention ('cope_tree'), which runs as sdpa without a layout; use "
-             "model.attn_implementation=sdpa, or data.share_prefix=false")
-    for name, node in ((cfg.get("algo") or {}).get("callbacks") or {}).items():
-        cls = _callback_class(node)
-        key = _packed_key(cls, node)
-        if key is not None and isinstance(attn, str) and attn.startswith("flash_attention"):
-            fail("model.attn_implementation", f" = {attn!r}: cannot take CoPE's packed forecast layout "
-                 f"(algo.callbacks.{name}.{key}: prefix trees, attended through a (N, 1, T, T) mask per forward); "
-                 f"use {'cope.update=separate or cope.packing=plain' if key.startswith('packing') else 'cope.packing=plain'} "
-                 "(2D masks only) or model.attn_implementation=sdpa")
-
-
-def check_context_floor(env_factory: Callable[[], Any], data: DictConfig) -> None:
-    """``data.max_context`` against what the first prompt needs at least, known before the model and its tokenizer:
-    the rules (``data.instructions``, or the env's own) take at least one token per word (every tokenizer here splits
-    at whitespace before merging), and an action ``data.sampling.max_action_tokens`` plus its end-of-turn id.
-
-    The exact count (with the first observation) comes at the first rollout; this catches a context that cannot fit
-    even the rules, before the model build. An env that cannot be built here (its packages live in another
-    interpreter) is not checked."""
-    ctx, rules = data.get("max_context"), data.get("instructions")
-    action = (data.get("sampling") or {}).get("max_action_tokens")
-    if not isinstance(ctx, int) or not isinstance(action, int):
-        return
-    if rules is None:
-        try:
-            env = env_factory()
-            try:
-                rules = env.instructions
-            finally:
-                env.close()
-        except Exception:
-            return
-    floor = len(str(rules).split())
-    if floor + action + 1 > ctx:
-        raise ConfigError([f"data.max_context = {ctx}: too small for the first prompt: its rules alone take at least "
-                           f"{floor} tokens ({floor} words), and an action data.sampling.max_action_tokens={action} more "
-                           f"plus its end-of-turn id; raise data.max_context well above {floor + action + 1} (the first "
-                           "observation comes on top)"])
 
 
 def _cuda_available() -> bool:
@@ -171,52 +266,14 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _callback_class(node: Any) -> type | None:
-    """The class a callback node's ``_target_`` names, or None (not a node with a class target; a bad one is reported
-    by the walk)."""
-    if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
-        return None
-    try:
-        cls = get_object(node.get("_target_"))
-    except Exception:
-        return None
-    return cls if isinstance(cls, type) else None
-
-
-def _packed_key(cls: type | None, node: Any) -> str | None:
-    """The key that puts CoPE's forecasts in packed segments (``layout=packed`` of the continuation targets,
+def _packed_key(cls: type, node: DictConfig) -> str | None:
+    """The key that puts CoPE's forecasts in packed segments (``packing=packed`` of the continuation targets,
     ``packing=packed`` of the authors' samples with ``update=joint``), or None."""
     from cope.algos.cope.forecast_targets import ForecastTargets
     from cope.algos.cope.forecasts import CopeForecasts
 
-    if cls is not None and issubclass(cls, ForecastTargets) and node.get("packing") == "packed":
+    if issubclass(cls, ForecastTargets) and node.get("packing") == "packed":
         return "packing=packed"
-    if cls is not None and issubclass(cls, CopeForecasts) and node.get("update") == "joint" and node.get("packing") == "packed":
+    if issubclass(cls, CopeForecasts) and node.get("update") == "joint" and node.get("packing") == "packed":
         return "packing=packed (update=joint)"
     return None
-
-
-def model_positions(model: DictConfig) -> tuple[int, str] | None:
-    """The model's position limit and where it comes from, when known without loading the model."""
-    if isinstance(model.get("max_context"), int):
-        return model.max_context, "model.max_context"
-    path = model.get("path")
-    if not isinstance(path, str):
-        return None
-    file = Path(path).expanduser() / "config.json"
-    if not file.is_file():
-        try:  # a hub id already in the local HF cache (no network)
-            from huggingface_hub import try_to_load_from_cache
-
-            hit = try_to_load_from_cache(path, "config.json")
-            file = Path(hit) if isinstance(hit, str) else None
-        except Exception:
-            file = None
-    if file is None:
-        return None
-    try:
-        spec = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None  # the model loader reports a damaged folder
-    n = spec.get("max_position_embeddings", (spec.get("text_config") or {}).get("max_position_embeddings"))
-    return (n, f"max_position_embeddings in {file}") if isinstance(n, int) else None

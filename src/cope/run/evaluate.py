@@ -44,10 +44,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from cope.run.config_keys import Reads
+from cope.run.config_keys import TRAIN_READS, Reads
 
 log = logging.getLogger(__name__)
-# What evaluate() reads of the config itself, beyond what training reads (cope.run.train.READS: the component blocks
+# What evaluate() reads of the config itself, beyond what training reads (cope.run.config_keys.TRAIN_READS: the component blocks
 # env, model, data, module, logger, callbacks.probes and algo.objectives it builds are among those); see the module
 # docstring. A key added to the `eval` block of conf/eval.yaml is refused until it is declared here.
 READS = Reads(keys=("adapter", "ckpt_path", "eval.split", "eval.start", "eval.count", "eval.n", "eval.temperature",
@@ -95,11 +95,9 @@ def _task_range(cfg: DictConfig, num_tasks: int) -> list[int]:
 
 
 def accepted_reads() -> Reads:
-    """What the config check of ``eval.py`` accepts: every key training reads (:data:`cope.run.train.READS`) plus
-    this module's own, :data:`READS`."""
-    from cope.run.train import READS as TRAINING
-
-    return dataclasses.replace(TRAINING, keys=(*TRAINING.keys, *READS.keys))
+    """What the config check of ``eval.py`` accepts: every key training reads
+    (:data:`cope.run.config_keys.TRAIN_READS`) plus this module's own, :data:`READS`."""
+    return dataclasses.replace(TRAIN_READS, keys=(*TRAIN_READS.keys, *READS.keys))
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
@@ -229,7 +227,7 @@ def _load_checkpoint_adapter(policy, path: str) -> None:
     ``model.finetune=full``) into ``policy.model``."""
     import torch
 
-    from cope.train import sharded_checkpoint
+    from cope.train.fsdp import checkpoint as sharded_checkpoint
 
     if sharded_checkpoint.complete_path(path).is_dir():  # trainer.strategy.distributed_checkpoint=true: read its shards
         trained = {f"model.{k}": p.detach() for k, p in policy.model.named_parameters() if p.requires_grad}

@@ -10,9 +10,9 @@ new column appears, so a kill during that rewrite loses it too. :class:`Resumabl
   was cut short by a crash and is now run again, or, for a fresh start (epoch 0) in a used folder,
   everything the earlier run left. Rows this process logged itself (a validation before fit) stay.
 
-Lightning's logger connector saves after every ``log_metrics`` call, and so does :func:`log_now` (the rows the
-trainer logs itself: its optimizer steps, the gradient statistics), so the file on disk is at most the row being
-written behind the run.
+Lightning's logger connector saves after every ``log_metrics`` call, and so does :func:`cope.train.dist.log_now` (the
+rows the trainer logs itself: its optimizer steps, the gradient statistics), so the file on disk is at most the row
+being written behind the run.
 """
 from __future__ import annotations
 
@@ -35,16 +35,6 @@ def _epoch_of(row: dict) -> float | None:
         return float(row.get("epoch") or "")
     except ValueError:
         return None
-
-
-def log_now(loggers, metrics: dict, step: int) -> None:
-    """``metrics`` as one row at ``step`` in each of ``loggers``, saved at once, as Lightning's logger connector
-    saves its own rows. ``CSVLogger.log_metrics`` alone buffers a row until the next save (100 steps later, or
-    Lightning's next row): a SIGKILL between an epoch's checkpoint and that epoch's metrics row lost the epoch's
-    step rows for good (tests/test_ddp_resume.py)."""
-    for logger in loggers:
-        logger.log_metrics(metrics, step=step)
-        logger.save()
 
 
 class _AppendingWriter(ExperimentWriter):

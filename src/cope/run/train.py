@@ -13,21 +13,18 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from cope.capabilities import can
 from cope.models.source import base_model_of
 from cope.run.checkpoint_io import LAST, check_checkpoint_file, check_free_space, check_resume_matches
 from cope.run.config_check import check_config
-from cope.run.config_keys import Reads, name_sources
-from cope.run.config_rules import check_context_floor
+from cope.run.config_classes import strategy_class
+from cope.run.config_keys import name_sources
+from cope.run.context_limits import check_context_floor
 from cope.run.preemption import SigtermGuard
-from cope.train.fsdp_strategy import uses_fsdp
 
 log = logging.getLogger(__name__)
-
-# What train() reads of the config besides component arguments and interpolations; the config check refuses every
-# other key (cope.run.config_keys). `paths` are the run's folders, there for components to interpolate.
-READS = Reads(components=("env", "model", "data", "module", "trainer", "logger"),
-              sections=("callbacks", "algo.objectives", "algo.callbacks"),
-              keys=("seed", "ckpt_path", "validate_before_fit", "paths", "hydra"))
+# What train() reads of the config besides component arguments and interpolations is declared in
+# cope.run.config_keys.TRAIN_READS (the config check refuses every other key); keep it in step with the code below.
 
 
 def instantiate_plain(node: Any, **kwargs: Any) -> Any:
@@ -73,7 +70,7 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> str | None
     The file is checked for damage here, before any model is built."""
     if ckpt_path is None:
         return None
-    from cope.train.sharded_checkpoint import complete_path
+    from cope.train.fsdp.checkpoint import complete_path
 
     last = complete_path(checkpoint_dir / LAST)  # a sharded save killed between its two renames left <last>.old
     if ckpt_path in ("last", "auto"):
@@ -116,7 +113,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model_factory = build(cfg.model, "model")  # a partial: nothing is loaded yet
     if ckpt_path is not None:  # the checkpoint's base model and LoRA rank against this config's, before the build
         check_resume_matches(ckpt_path, base_model_of(model_factory, env_factory), _lora_rank(cfg.model),
-                             sharded=uses_fsdp(cfg.trainer), finetune=cfg.model.get("finetune", "lora"))
+                             sharded=can(strategy_class(cfg.trainer), "shards_weights"),
+                             finetune=cfg.model.get("finetune", "lora"))
     if cfg.model.get("adapter"):  # the adapter to start from against this config's base and rank, before the build
         from cope.models.policy import check_adapter
 

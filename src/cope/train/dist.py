@@ -15,12 +15,25 @@ The module's own epoch metrics (``rollout/*``, ``env/*`` from :attr:`cope.record
 from :attr:`cope.records.ValidationRecord.tally`) go through :func:`log_rollout_metrics` and
 :func:`log_val_metrics`. In one process the pooled tally is the rank's own, so the values are those of
 :func:`cope.rollout.metrics.episode_metrics` bit for bit.
+
+Step metrics (the optimizer steps' rows, the gradient statistics) are a rank's own values, written at once by rank
+zero with :func:`log_now`.
 """
 from __future__ import annotations
 
 import torch
 
 from cope.rollout.metrics import episode_tally, tally_metrics
+
+
+def log_now(loggers, metrics: dict, step: int) -> None:
+    """``metrics`` as one row at ``step`` in each of ``loggers``, saved at once, as Lightning's logger connector
+    saves its own rows. ``CSVLogger.log_metrics`` alone buffers a row until the next save (100 steps later, or
+    Lightning's next row): a SIGKILL between an epoch's checkpoint and that epoch's metrics row lost the epoch's
+    step rows for good (tests/test_ddp_resume.py)."""
+    for logger in loggers:
+        logger.log_metrics(metrics, step=step)
+        logger.save()
 
 
 def pool(tally: dict[str, float], strategy, device: torch.device | str = "cpu") -> dict[str, float]:

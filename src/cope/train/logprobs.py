@@ -12,7 +12,7 @@ each chunk's probabilities again. Memory is O(K * H) beyond the body's activatio
 
 The head runs inside the causal LM's own forward (:func:`head_forward`: the head's ``forward`` is replaced for the
 call), so every parameter is read where its module's forward runs: what FSDP needs to gather a sharded head and
-embedding (:mod:`cope.train.sharding`), and what any wrapper that hooks a module's forward expects.
+embedding (:mod:`cope.train.fsdp.sharding`), and what any wrapper that hooks a module's forward expects.
 
 Temperature: rollouts sample from ``softmax(z / T)``, so the policy's log-probs at action tokens
 (the PPO ratio, KL) are taken under that distribution; every other position (observations for ECHO,
@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from cope.train.prefix_tree import PrefixTree
+from cope.train.packing.prefix_tree import PrefixTree
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def causal_lm_logprobs(
         chunk_elems: logits held at once (tokens per chunk = chunk_elems // vocab).
         rows_at: (P, 2) long (row, column >= 1) of tokens whose full predictive row is wanted (CoPE's temporal
             ensemble takes a KL over the whole vocabulary there): only those P rows of logits are formed.
-        prefix_tree: the :class:`~cope.train.prefix_tree.PrefixTree` of shared-prefix rows (the model must run
+        prefix_tree: the :class:`~cope.train.packing.prefix_tree.PrefixTree` of shared-prefix rows (the model must run
             ``"cope_tree"`` attention; ``position_ids`` are the tree's), or None.
     """
     N, T = input_ids.shape

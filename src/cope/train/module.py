@@ -2,28 +2,29 @@
 
 It holds no rollout logic (the DataModule does) and no loss math (the objectives do). The forward
 pass gives every objective the per-token log-probs and entropy (:mod:`cope.train.logprobs`: chunked over
-the vocabulary, action tokens at the sampling temperature); the objectives are summed in
-:func:`cope.train.objectives.combine`. The KL reference is :meth:`cope.models.policy.Policy.reference` (the
-adapter-disabled model under LoRA, a frozen copy under full fine-tuning).
+the vocabulary, action tokens at the sampling temperature), plus what the run's objectives declare
+(:class:`cope.train.objectives.Needs`: reference log-probs, full predictive rows at the positions a batch key lists),
+filled without knowing which objective asked; the objectives are summed in :func:`cope.train.objectives.combine`.
+The reference is :meth:`cope.models.policy.Policy.reference` (the adapter-disabled model under LoRA, a frozen copy
+under full fine-tuning).
 
 One optimizer step per batch, written out here (Lightning's manual optimization): zero the gradients,
 forward + backward over micro-batches of at most ``max_tokens_per_microbatch`` tokens (rows of the
-batch; :mod:`cope.train.backward`, exact), clip, skip a non-finite step (:mod:`cope.train.step_guard`) or one
-outside the epoch's trust region (:mod:`cope.train.trust_region`), step the optimizer and the scheduler. The epoch's
-old and reference log-probs come from one scoring pass before its first step (:mod:`cope.train.scoring`).
-A batch is a rollout minibatch, or one of CoPE's separate forecast batches (kind ``forecast``: only the objectives
-of that kind, the learning rate times their ``lr_scale``, the schedule not advanced). Every batch runs through one
-path: the model forwards its packed rows (shared prefixes stored once, :mod:`cope.train.tree_batch`; a batch that packs
-nothing is its own packing) and the log-probs come back in the batch rows' shape. Step metrics go straight to the
-loggers. Checkpoints hold only trainable weights (the adapter; every weight under full fine-tuning), plus optimizer,
-scheduler, counters (in the DataModule's state), the objectives' state and the dropped-step counts; no RNG state
-(each epoch's generators are derived from the seed, the rank and the epoch); the frozen base is never written.
+batch; :mod:`cope.train.step.backward`, exact), clip, skip a non-finite step (:mod:`cope.train.step.guard`) or one
+outside the epoch's trust region (:mod:`cope.train.step.trust_region`), step the optimizer and the scheduler. The epoch's
+old and reference log-probs come from one scoring pass before its first step (:mod:`cope.train.step.scoring`).
+A batch is a rollout minibatch, or a batch source's own batch of another kind (e.g. CoPE's separate update: only
+the objectives of that kind, the learning rate times their ``lr_scale``, the schedule not advanced, its metrics under
+the prefix they declare). Every batch runs through one path: the model forwards its packed rows (shared prefixes
+stored once, :mod:`cope.train.packing.tree_batch`; a batch that packs nothing is its own packing) and the log-probs
+come back in the batch rows' shape. Step metrics go straight to the loggers. Checkpoints hold only trainable weights
+and the run's counters (:mod:`cope.train.module_checkpoint`).
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -31,20 +32,19 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from cope.models.policy import Policy
-from cope.run.loggers import log_now
-from cope.train.backward import backward_microbatched
-from cope.train.dist import log_rollout_metrics, log_val_metrics
+from cope.train.dist import log_now, log_rollout_metrics, log_val_metrics
+from cope.train.fsdp.sharding import configure_sharding, step_weights, total_grad_norm
 from cope.train.logprobs import sampler_gap
-from cope.train.objectives import ROLLOUT, ForwardOut, Objective, batch_kind
-from cope.train.scoring import score_minibatches
+from cope.train.module_checkpoint import load_state, save_state
+from cope.train.objectives import ROLLOUT, ForwardOut, Needs, Objective, TokenScores, batch_kind, check_objectives, step_prefix
+from cope.train.packing.tree_batch import packed_logprobs, packed_view
 from cope.train.seeding import seed_globals
-from cope.train.sharding import configure_sharding, step_weights, total_grad_norm
-from cope.train.step_guard import StepGuard, lr_scaled
-from cope.train.tree_batch import packed_logprobs, packed_view
-from cope.train.trust_region import TrustRegion
+from cope.train.step.backward import backward_microbatched
+from cope.train.step.guard import StepGuard, lr_scaled
+from cope.train.step.scoring import score_minibatches
+from cope.train.step.trust_region import TrustRegion, kl_stop
 
 ScoredTransform = Callable[[list[dict], list], None]
-log = logging.getLogger(__name__)
 
 
 class AgentRLModule(pl.LightningModule):
@@ -63,9 +63,9 @@ class AgentRLModule(pl.LightningModule):
             The scoring pass uses the same budget.
         max_nonfinite_steps: an optimizer step whose gradient norm is not finite is skipped (gradients dropped,
             no optimizer or scheduler step; counted in ``train/skipped_steps``); this many in a row stop the run.
-        max_approx_kl: the epoch's trust region (:mod:`cope.train.trust_region`): once a rollout minibatch's
-            ``policy/approx_kl`` exceeds this, that policy step and the epoch's later ones are not taken (CoPE's
-            separate forecast steps still run). ``train/kl_stopped`` marks the dropped steps,
+        max_approx_kl: the epoch's trust region (:mod:`cope.train.step.trust_region`): once a rollout minibatch's
+            ``policy/approx_kl`` exceeds this, that policy step and the epoch's later ones are not taken (steps on
+            batches of another kind still run). ``train/kl_stopped`` marks the dropped steps,
             ``train/kl_stopped_steps`` counts them over the run (None: no limit).
         seed: the run seed; at the start of every training epoch the process-global generators (dropout)
             are seeded from it, the rank and the epoch (:func:`cope.train.seeding.seed_globals`), so ranks
@@ -88,11 +88,7 @@ class AgentRLModule(pl.LightningModule):
         self.max_tokens_per_microbatch, self.seed = max_tokens_per_microbatch, int(seed)
         self.step_guard = StepGuard(max_nonfinite_steps)  # drops steps whose gradient norm is not finite
         self.trust_region = TrustRegion(max_approx_kl)  # drops an epoch's policy steps past max_approx_kl
-        if not objectives:
-            raise ValueError("algo.objectives is empty: at least the policy-gradient objective is needed")
-        names = [o.name for o in objectives]
-        if len(set(names)) != len(names):
-            raise ValueError(f"algo.objectives has duplicate names: {names}")
+        check_objectives(objectives)
         self.policy = policy
         self.model = policy.model  # registered so Lightning moves it and the strategy wraps it
         self.objectives = objectives
@@ -100,35 +96,28 @@ class AgentRLModule(pl.LightningModule):
         self.strict_loading = False  # checkpoints carry adapter weights only
         self.last_validation: dict[str, float] = {}  # val/* of the newest validation, with val/epoch
         self._scored_transforms: list[ScoredTransform] = []
-        self._whole = None  # trainer=fsdp: the policy's WholeWeights switch (cope.train.sharding)
+        self._whole = None  # trainer=fsdp: the policy's WholeWeights switch (cope.train.fsdp.sharding)
+
+    @property
+    def needs(self) -> Needs:
+        """What the forward gives the objectives beyond log-probs and entropy (:meth:`~cope.train.objectives.Needs.of`)."""
+        return Needs.of(self.objectives)
 
     @property
     def needs_ref(self) -> bool:
-        # on when the weight is non-zero at any step: a schedule may ramp up from 0 within an epoch,
-        # after the once-per-epoch scoring pass
-        return any(o.needs_ref and (o.weight != 0 or (o.schedule != "constant" and o.final_weight != 0))
-                   for o in self.objectives)
+        return self.needs.ref_logprobs
 
     def logprobs(self, batch: dict, rows: torch.Tensor | None = None, length: int | None = None,
-                 entropy: bool = True, te: bool = False, model=None) -> tuple[torch.Tensor, ...]:
-        """Per-token (log-probs, entropy) of ``batch`` rows ``rows`` (all: None), first ``length`` columns;
-        action tokens at the sampling temperature, entropy at action tokens only (see :mod:`cope.train.logprobs`).
-        With ``te`` and ``batch["te_position"]``, also (the full predictive rows of the positions that fall in this
-        part, their indices into ``te_position``): CoPE's temporal ensemble, from the same forward. The model sees the
-        batch's packed rows (:func:`cope.train.tree_batch.packed_view`: its own rows when it packs nothing); the
-        results have the batch rows' shape. ``model``: another model to score with (the KL reference), else the
-        policy's."""
-        at = sel = None
-        if te and "te_position" in batch:
-            te_pos = batch["te_position"].to(batch["input_ids"].device)  # (P, 2) [row, column]
-            inside = torch.ones_like(te_pos[:, 0], dtype=torch.bool) if rows is None else torch.isin(te_pos[:, 0], rows)
-            if length is not None:
-                inside &= te_pos[:, 1] < length
-            sel = inside.nonzero().squeeze(-1)  # (P_live,)
-            at = te_pos[sel]
+                 entropy: bool = True, model=None, rows_at: Sequence[str] = ()) -> TokenScores:
+        """Per-token log-probs and entropy of ``batch`` rows ``rows`` (all: None), first ``length`` columns; action
+        tokens at the sampling temperature, entropy at action tokens only (see :mod:`cope.train.logprobs`). For each
+        key of ``rows_at`` the batch has, also the full predictive rows at its listed positions that fall in this part,
+        from the same forward. The model sees the batch's packed rows (:func:`cope.train.packing.tree_batch.packed_view`:
+        its own rows when it packs nothing); the results have the batch rows' shape. ``model``: another model to score
+        with (the reference), else the policy's."""
+        at = {k: batch[k].to(batch["input_ids"].device) for k in rows_at if k in batch}  # key -> (P, 2) [row, column]
         model = model if model is not None else self.model
-        lp, ent, *te_rows = packed_logprobs(model, packed_view(batch), rows, length, at, self.temperature, entropy)
-        return (lp, ent, te_rows[0], sel) if at is not None else (lp, ent)
+        return packed_logprobs(model, packed_view(batch), rows, length, at, self.temperature, entropy)
 
     def micro_batches(self, batch: dict) -> list[tuple[torch.Tensor | None, int | None]]:
         """(rows, length) of each micro-batch under ``max_tokens_per_microbatch``: whole consecutive packed rows (a
@@ -137,9 +126,11 @@ class AgentRLModule(pl.LightningModule):
         return packed_view(batch).micro_batches(self.max_tokens_per_microbatch)
 
     def forward(self, batch: dict) -> ForwardOut:
-        lp, ent, *te = self.logprobs(batch, te=True)
-        ref = batch.get("ref_logprobs") if self.needs_ref else None
-        return ForwardOut(logprobs=lp, entropy=ent, ref_logprobs=ref, te_rows=te[0] if te else None)
+        """Every row of ``batch`` at once, with what the objectives declared (:attr:`needs`)."""
+        needs = self.needs
+        scores = self.logprobs(batch, rows_at=needs.rows_at)
+        ref = batch.get("ref_logprobs") if needs.ref_logprobs else None
+        return ForwardOut(logprobs=scores.logprobs, entropy=scores.entropy, ref_logprobs=ref, rows=scores.rows)
 
     def precision_context(self):
         """The precision plugin's training context (e.g. bf16 autocast under ``bf16-mixed``): Lightning applies it
@@ -152,12 +143,12 @@ class AgentRLModule(pl.LightningModule):
 
     def score_minibatches(self, minibatches: list[dict]) -> None:
         """Fill ``old_logprobs``, ``old_entropy`` (and ``ref_logprobs``) of each minibatch before any update, as the
-        training forward computes them (:mod:`cope.train.scoring`)."""
+        training forward computes them (:mod:`cope.train.step.scoring`)."""
         score_minibatches(self, minibatches)
 
     def configure_model(self) -> None:
         """Full fine-tuning with a KL term: the frozen reference copy, taken before any update or checkpoint load.
-        ``trainer=fsdp``: the policy's (and that copy's) layers in FSDP2 groups (:mod:`cope.train.sharding`)."""
+        ``trainer=fsdp``: the policy's (and that copy's) layers in FSDP2 groups (:mod:`cope.train.fsdp.sharding`)."""
         if self.needs_ref:
             self.policy.freeze_reference()
         self._whole = configure_sharding(self)
@@ -176,7 +167,7 @@ class AgentRLModule(pl.LightningModule):
             self._whole.gather()
 
     def on_train_start(self) -> None:
-        if self._whole is not None:  # sharded only inside optimizer steps (cope.train.sharding: "Which phase"); after
+        if self._whole is not None:  # sharded only inside optimizer steps (cope.train.fsdp.sharding: "Which phase"); after
             self._whole.gather()     # a resume's checkpoint is loaded into the shards
         # rows an earlier process logged for the epoch this fit starts at (or later) are gone from the
         # run's history: that epoch is run again (a resume after a crash) or the folder is reused
@@ -209,23 +200,24 @@ class AgentRLModule(pl.LightningModule):
         log_rollout_metrics(self, metrics, record.tally)  # rollout/*, env/*: from the tallies of all ranks
 
     def _backward(self, batch: dict) -> tuple[ForwardOut, torch.Tensor, dict]:
-        with step_weights(self, batch):  # trainer=fsdp: sharded unless the ranks' micro-batch counts differ
-            return backward_microbatched(self, batch)
+        with step_weights(self, batch) as step:  # trainer=fsdp: sharded unless the ranks' micro-batch counts differ
+            return backward_microbatched(self, batch, pad_to=step.pad_to)
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        """One optimizer step on a rollout minibatch (the objectives of kind ``rollout``) or on one of CoPE's
-        separate forecast batches (kind ``forecast``: its objectives alone, the learning rate times their
-        ``lr_scale``, the LR schedule not advanced: it counts policy steps).
+        """One optimizer step on a rollout minibatch (the objectives of kind ``rollout``) or on a batch of another kind
+        (its objectives alone, the learning rate times their ``lr_scale``, the LR schedule not advanced: it counts
+        policy steps; its metrics under their :func:`~cope.train.objectives.step_prefix`).
 
-        A rollout minibatch after the one that stopped the epoch's trust region (:meth:`_kl_stop`) is not forwarded:
-        its gradient would be dropped. Its row logs ``train/kl_stopped`` (1), ``train/kl_stopped_steps`` and
-        ``train/skipped_steps`` only: no loss, ``policy/*`` or ``train/grad_norm`` (nothing measured them); it
-        returns no ``loss``. The step that trips the limit was forwarded and logs all of its metrics. Weights,
-        optimizer moments, schedule, counts and checkpoints are those of the forward-and-drop it replaces, except
-        where something used the dropped steps' forward: ``cope.normalize=adaptive``'s loss balance now averages the
-        forwarded steps' losses only, and with LoRA dropout the epoch's later forecast steps draw other masks."""
+        A rollout minibatch after the one that stopped the epoch's trust region
+        (:func:`~cope.train.step.trust_region.kl_stop`) is not forwarded: its gradient would be dropped. Its row logs
+        ``train/kl_stopped`` (1), ``train/kl_stopped_steps`` and ``train/skipped_steps`` only: no loss, ``policy/*`` or
+        ``train/grad_norm`` (nothing measured them); it returns no ``loss``. The step that trips the limit was
+        forwarded and logs all of its metrics. Weights, optimizer moments, schedule, counts and checkpoints are those
+        of the forward-and-drop it replaces, except where something used the dropped steps' forward:
+        ``cope.normalize=adaptive``'s loss balance now averages the forwarded steps' losses only, and with LoRA
+        dropout the epoch's later steps of another kind draw other masks."""
         kind, step = batch_kind(batch), self.global_step
-        if self._kl_stop(kind):  # an earlier minibatch stopped the epoch: every rank skips this one alike
+        if kl_stop(self, kind):  # an earlier minibatch stopped the epoch: every rank skips this one alike
             skipped = {"train/skipped_steps": float(self.step_guard.skipped), "train/kl_stopped": 1.0,
                        "train/kl_stopped_steps": float(self.trust_region.stopped_steps)}
             result = {k: torch.tensor(v) for k, v in skipped.items()}
@@ -236,8 +228,8 @@ class AgentRLModule(pl.LightningModule):
         _, total, metrics = self._backward(batch)
         grads = [p.grad for p in self.policy.trainable_parameters() if p.grad is not None]
         norm = total_grad_norm(grads)  # before clipping; DDP: already synced; FSDP: the shards' global norm
-        kl_stop = self._kl_stop(kind, metrics)
-        if kl_stop:
+        stopped = kl_stop(self, kind, metrics)
+        if stopped:
             opt.zero_grad()  # weights, moments and schedule stay as they were; no step count either
         elif self.step_guard.allow(norm, self.global_step):
             if self.gradient_clip_val is not None:
@@ -253,36 +245,22 @@ class AgentRLModule(pl.LightningModule):
         if kind == ROLLOUT:
             metrics = {**metrics, "train/grad_norm": norm.detach(), "train/skipped_steps": float(self.step_guard.skipped)}
             if self.trust_region.on:
-                metrics = {**metrics, "train/kl_stopped": float(kl_stop),
+                metrics = {**metrics, "train/kl_stopped": float(stopped),
                            "train/kl_stopped_steps": float(self.trust_region.stopped_steps)}
-        else:  # its own names: loss/total and train/grad_norm stay the policy steps'
-            metrics = {("forecast/loss_total" if k == "loss/total" else k): v for k, v in metrics.items()}
-            metrics["forecast/grad_norm"] = norm.detach()
-            metrics["forecast/tokens_forwarded"] = float(batch["attention_mask"].ne(0).sum())  # shared prefixes: once
+        else:  # its objectives' own names: loss/total and train/grad_norm stay the policy steps'
+            prefix = step_prefix(self.objectives, kind)
+            metrics = {(f"{prefix}/loss_total" if k == "loss/total" else k): v for k, v in metrics.items()}
+            metrics[f"{prefix}/grad_norm"] = norm.detach()
+            metrics[f"{prefix}/tokens_forwarded"] = float(batch["attention_mask"].ne(0).sum())  # shared prefixes: once
         result = {k: (v.detach() if torch.is_tensor(v) else torch.tensor(float(v))) for k, v in metrics.items()}
         self._log_step(result, step)
         result["loss"] = total
         return result
 
-    def _kl_stop(self, kind: str, metrics: dict | None = None) -> bool:
-        """Whether this rollout step falls outside the epoch's trust region (:class:`~cope.train.trust_region.TrustRegion`):
-        asked before the forward (no ``metrics``), for the earlier steps alone (True: the step is not forwarded); after
-        it, with the step's metrics, it also measures this one, its KL averaged over ranks first, so every rank decides
-        alike (the answer before the forward reads only that decision: no collective)."""
-        region = self.trust_region
-        if not region.on or kind != ROLLOUT:
-            return False
-        if metrics is not None and region.open(self.current_epoch) and "policy/approx_kl" in metrics:
-            kl = torch.as_tensor(metrics["policy/approx_kl"], dtype=torch.float32, device=self.device).detach()
-            if self._trainer is not None and self.trainer.world_size > 1:
-                kl = self.trainer.strategy.reduce(kl, reduce_op="mean")
-            region.measure(float(kl), self.current_epoch, self.global_step)
-        return region.stops(self.current_epoch)
-
     def _log_step(self, metrics: dict[str, torch.Tensor], step: int) -> None:
         """This step's metrics, straight to the loggers at the step's index (rank zero: its own rows' values). Not
         ``self.log``: Lightning reports a key logged on an earlier step of the epoch again on every later step
-        that does not log it, so the policy steps' losses reappeared on the rows of CoPE's forecast steps."""
+        that does not log it, so the policy steps' losses reappeared on the rows of the steps of another kind."""
         if self.trainer.is_global_zero:
             # with the epoch, as Lightning adds it to its own rows: a resumed run's logger rewinds by it
             log_now(self.trainer.loggers, {**{k: float(v) for k, v in metrics.items()}, "epoch": self.current_epoch}, step)
@@ -313,31 +291,9 @@ class AgentRLModule(pl.LightningModule):
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.scheduler_factory(opt), "interval": "step"}}
 
-    # -- checkpoints -----------------------------------------------------------------------------
+    # -- checkpoints (cope.train.module_checkpoint) ----------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["objectives"] = {o.name: o.state_dict() for o in self.objectives}  # their only copy
-        checkpoint["base_model"] = self.policy.source
-        checkpoint["finetune"] = self.policy.finetune
-        checkpoint["skipped_steps"] = self.step_guard.skipped
-        checkpoint["kl_stopped_steps"] = self.trust_region.stopped_steps
-        checkpoint["world_size"] = self.trainer.world_size
+        save_state(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
-        # (a sharded checkpoint's tensors were loaded by the strategy, which asked for every trained one)
-        missing = trainable - set(checkpoint["state_dict"]) if "state_dict" in checkpoint else set()
-        if missing:
-            raise KeyError(f"checkpoint lacks {len(missing)} trainable tensors, e.g. {sorted(missing)[:3]}: another LoRA "
-                           "config, or written with another model.finetune?")
-        for o in self.objectives:
-            o.load_state_dict(checkpoint.get("objectives", {}).get(o.name, {}))
-        self.step_guard.skipped = int(checkpoint.get("skipped_steps", 0))
-        self.trust_region.stopped_steps = int(checkpoint.get("kl_stopped_steps", 0))
-        written = checkpoint.get("world_size")
-        if written is not None and int(written) != self.trainer.world_size:  # weights, moments and counters are whole
-            log.warning("resuming a checkpoint written by %d processes on %d: the weights, optimizer state and counters "
-                        "carry over, but each rank's task stream derives from (seed, rank, epoch), so the episodes "
-                        "from here on are not the ones the %d-process run would have drawn", int(written),
-                        self.trainer.world_size, int(written))
+        load_state(self, checkpoint)

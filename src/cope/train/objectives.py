@@ -1,17 +1,56 @@
-"""Objectives: named, weighted loss terms summed in one place.
+"""Objectives: named, weighted loss terms summed in one place, and the contract between them and the forward pass.
 
 Each objective wraps a pure loss function (in :mod:`cope.algos`, beside it) and reads what it needs from the
 forward output and the batch. The LightningModule holds a list of them, built from config
 (``algo.objectives``), and calls :func:`combine`; adding CoPE or ECHO is adding a list entry.
+
+Every forward gives per-token log-probs and entropy. Anything more an objective states as its :class:`Needs`
+(the reference log-probs; full predictive rows at positions a batch key of its own lists); the module fills the union
+of what the run's objectives declare (:meth:`Needs.of`) without knowing which objective asked, and one
+micro-batch's part of it comes back as :class:`TokenScores`. An objective computed on batches of its own kind (its
+own optimizer steps) also declares the prefix of those steps' metrics (:func:`step_prefix`).
 """
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
 Metrics = dict[str, float | torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What an objective needs from the forward pass beyond per-token log-probs and entropy.
+
+    Attributes:
+        ref_logprobs: the reference policy's per-token log-probs (``ForwardOut.ref_logprobs``, from the scoring pass).
+        rows_at: batch keys, each a (P, 2) long tensor of [row, column] positions: the full predictive rows there
+            (untempered logits predicting the token at [row, column], (P, V) fp32, with gradient) come back in
+            ``ForwardOut.rows[key]``, one row per listed position, in its order. A batch without the key gets none.
+
+    Later needs (hidden states, log-probs at other tokens) are further fields, filled the same way.
+    """
+
+    ref_logprobs: bool = False
+    rows_at: tuple[str, ...] = ()
+
+    def __or__(self, other: Needs) -> Needs:
+        """What both need (the keys in first-declared order)."""
+        return Needs(ref_logprobs=self.ref_logprobs or other.ref_logprobs,
+                     rows_at=tuple(dict.fromkeys((*self.rows_at, *other.rows_at))))
+
+    @classmethod
+    def of(cls, objectives: Iterable[Objective]) -> Needs:
+        """What the forward must give ``objectives``: the union of the needs of those whose weight is non-zero at some
+        step (a scheduled one that starts at 0 must find its reference log-probs from the epoch's scoring pass)."""
+        needs = cls()
+        for o in objectives:
+            if o.ever_on:
+                needs = needs | o.needs
+        return needs
 
 
 @dataclass
@@ -21,26 +60,46 @@ class ForwardOut:
     logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t]); at action tokens under the sampling
     distribution softmax(logits / temperature), elsewhere under the model's raw one; 0 at t = 0 and on
     right padding. entropy[:, t] is that predictive distribution's entropy at action tokens, 0 elsewhere.
+    The rest is there when an objective of the run declared it (:class:`Needs`).
 
     Contract for micro-batching (``module.max_tokens_per_microbatch``): an objective's loss is a sum of
-    per-row terms whose normalizers come from the batch's masks, never from other rows' log-probs (the
-    module runs it on log-probs live on one micro-batch's rows and constant elsewhere; tests/test_microbatch.py
-    checks every objective). Its ``__call__`` has no side effects (it may run several times per step).
+    per-row terms (per-position terms for ``rows``) whose normalizers come from the batch's masks, never from other
+    rows' log-probs (the module runs it on log-probs live on one micro-batch's rows and constant elsewhere;
+    tests/test_microbatch.py checks every objective). Its ``__call__`` has no side effects (it may run several times
+    per step).
     """
 
     logprobs: torch.Tensor  # (N, T)
     entropy: torch.Tensor  # (N, T), detached
-    ref_logprobs: torch.Tensor | None = None  # (N, T) from the adapter-disabled model, when needed
-    te_rows: torch.Tensor | None = None  # (P, V) untempered logits predicting the tokens at batch["te_position"] (CoPE TE)
+    ref_logprobs: torch.Tensor | None = None  # (N, T) from the reference model, when declared (Needs.ref_logprobs)
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> (P, V) untempered logits at batch[key]'s positions
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """One scoring of some rows of a batch (``AgentRLModule.logprobs``): a micro-batch's part of a :class:`ForwardOut`.
+
+    Attributes:
+        logprobs, entropy: (n, T') of the rows and columns scored (entropy 0 where not asked).
+        rows: per batch key asked for, (P', V) untempered logits at the key's positions that fall in the rows and
+            columns scored (all of them when the whole batch is scored).
+        row_index: per batch key, (P',) long: those positions' indices into ``batch[key]``.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    row_index: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 SCHEDULES = ("constant", "linear", "power", "cutoff")
-ROLLOUT, FORECAST = "rollout", "forecast"  # batch kinds: a rollout minibatch, or CoPE's separate forecast batch
+ROLLOUT = "rollout"  # the epoch's rollout minibatches: the policy steps
 
 
 def batch_kind(batch) -> str:
-    """``forecast`` for the separate-update batches of CoPE's forecast samples (``batch["kind"]``), else ``rollout``."""
-    return FORECAST if batch.get("kind") == FORECAST else ROLLOUT
+    """A batch's kind: ``batch["kind"]`` when it has one (a batch source's own batches, e.g. CoPE's separate forecast
+    batches), else ``rollout``."""
+    return batch.get("kind") or ROLLOUT
 
 
 class Objective(abc.ABC):
@@ -56,15 +115,18 @@ class Objective(abc.ABC):
         schedule_steps: length of the schedule in optimizer steps.
         power: the exponent of the ``power`` schedule, > 0.
 
-    Class attributes: ``batch_kind`` is the kind of batch the objective is computed on (``rollout``: the
-    epoch's minibatches; ``forecast``: CoPE's separate forecast batches, see :func:`batch_kind`); ``lr_scale``
-    multiplies the learning rate of the optimizer steps taken on batches of that kind (1: the policy's).
+    Class attributes: ``needs`` is what it reads from the forward beyond log-probs and entropy (:class:`Needs`);
+    ``batch_kind`` is the kind of batch the objective is computed on (``rollout``: the epoch's minibatches; another
+    kind: a batch source's own batches, each one optimizer step, see :func:`batch_kind`); ``lr_scale`` multiplies the
+    learning rate of the optimizer steps taken on batches of that kind (1: the policy's); ``metric_prefix`` names
+    those steps' own metrics (:func:`step_prefix`; None: the kind's name).
     """
 
     name: str = "objective"
-    needs_ref: bool = False  # set when the objective reads ForwardOut.ref_logprobs
+    needs: Needs = Needs()
     batch_kind: str = ROLLOUT
     lr_scale: float = 1.0
+    metric_prefix: str | None = None
 
     def __init__(self, weight: float = 1.0, schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0,
                  power: float = 2.0):
@@ -82,6 +144,22 @@ class Objective(abc.ABC):
         self.final_weight = float(final_weight)
         self.schedule_steps = int(schedule_steps)
         self.power = float(power)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "needs_ref" in cls.__dict__:  # the old declaration would silently shadow the one read from ``needs``
+            raise TypeError(f"{cls.__name__}: declare the reference log-probs as needs = Needs(ref_logprobs=True), "
+                            "not needs_ref")
+
+    @property
+    def needs_ref(self) -> bool:
+        """Whether it reads ``ForwardOut.ref_logprobs`` (``needs.ref_logprobs``)."""
+        return self.needs.ref_logprobs
+
+    @property
+    def ever_on(self) -> bool:
+        """Whether its weight is non-zero at some step (a schedule may ramp up from 0 within an epoch)."""
+        return self.weight != 0 or (self.schedule != "constant" and self.final_weight != 0)
 
     def weight_at(self, step: int) -> float:
         if self.schedule == "constant":
@@ -128,3 +206,26 @@ def combine(objectives: list[Objective], out: ForwardOut, batch: dict[str, torch
         metrics.update(m)
     metrics["loss/total"] = total.detach()
     return total, metrics
+
+
+def check_objectives(objectives: list[Objective]) -> None:
+    """The cross-objective rules of ``algo.objectives``: at least one, unique names, and one metric prefix per batch
+    kind other than ``rollout`` (:func:`step_prefix`)."""
+    if not objectives:
+        raise ValueError("algo.objectives is empty: at least the policy-gradient objective is needed")
+    names = [o.name for o in objectives]
+    if len(set(names)) != len(names):
+        raise ValueError(f"algo.objectives has duplicate names: {names}")
+    for kind in {o.batch_kind for o in objectives} - {ROLLOUT}:
+        step_prefix(objectives, kind)
+
+
+def step_prefix(objectives: Iterable[Objective], kind: str) -> str:
+    """The metric prefix of optimizer steps on batches of ``kind`` (other than ``rollout``): the ``metric_prefix``
+    the objectives of that kind declare (they must agree), else the kind's name. Such a step logs
+    ``<prefix>/loss_total``, ``<prefix>/grad_norm`` and ``<prefix>/tokens_forwarded``; ``loss/total`` and
+    ``train/grad_norm`` stay the policy steps'."""
+    declared = {o.metric_prefix for o in objectives if o.batch_kind == kind and o.metric_prefix}
+    if len(declared) > 1:
+        raise ValueError(f"the objectives of batch kind {kind!r} declare different metric prefixes: {sorted(declared)}")
+    return declared.pop() if declared else kind

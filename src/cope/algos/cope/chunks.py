@@ -22,6 +22,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+from cope.algos.cope.gate import check_gate, kept_episodes
 from cope.chat import ChatFormat
 from cope.episode import Episode
 
@@ -56,15 +57,6 @@ def check_chunk_args(K: int, anchors: str, max_anchors_per_episode: int | None) 
         raise ValueError("forecast anchors='sample' needs max_anchors_per_episode >= 1")
     if anchors == "all" and max_anchors_per_episode is not None:
         raise ValueError("forecast max_anchors_per_episode only applies to anchors='sample'")
-
-
-def qualifies(ep: Episode, success_only: bool = True, min_score: float | None = None) -> bool:
-    """Whether an episode gives forecast targets: not aborted, and successful (or score >= min_score)."""
-    if ep.aborted:
-        return False
-    if min_score is not None:
-        return ep.score >= min_score
-    return ep.success or not success_only
 
 
 def _chunk(ep: Episode, ei: int, t: int, chat: ChatFormat, K: int, mask_invalid: bool, cut_at_invalid: bool,
@@ -102,8 +94,8 @@ def build_chunks(
     cut_at_invalid: bool = False,
     anchors: str = "all",
     max_anchors_per_episode: int | None = None,
-    success_only: bool = True,
-    min_score: float | None = None,
+    gate: str = "wins",
+    success_threshold: float | None = None,
     rng: random.Random | None = None,
     indices: list[int] | None = None,
     mask_projected: bool = True,
@@ -118,8 +110,9 @@ def build_chunks(
         cut_at_invalid: stop a chunk before its first invalid action (no chunk anchors at one).
         anchors: ``all`` steps, or ``sample`` up to ``max_anchors_per_episode`` per episode.
         max_anchors_per_episode: the sample size for ``anchors='sample'``.
-        success_only: only successful episodes qualify (ignored when ``min_score`` is given).
-        min_score: episodes with ``score >= min_score`` qualify instead.
+        gate: which episodes give targets: ``wins``, ``all`` or ``mixed`` (:mod:`cope.algos.cope.gate`, the same rule
+            as the authors' samples).
+        success_threshold: a win's reward exceeds it (None: the env's success flag).
         rng: for anchor sampling (default ``random.Random(0)``).
         indices: the episode index stored in each chunk (default: position in ``episodes``).
         mask_projected: actions the env read out of free text (``Step.projected``) count as invalid
@@ -133,6 +126,7 @@ def build_chunks(
         ``forecast/supervisions``, ``forecast/action_tokens``, ``forecast/masked_tokens``).
     """
     check_chunk_args(K, anchors, max_anchors_per_episode)
+    check_gate(gate)
     rng = rng if rng is not None else random.Random(0)
     idx = list(indices) if indices is not None else list(range(len(episodes)))
     if len(idx) != len(episodes):
@@ -140,8 +134,9 @@ def build_chunks(
     chunks: list[ForecastChunk] = []
     supervised: Counter[tuple[int, int]] = Counter()
     n_eps = action_tokens = masked_tokens = 0
-    for ei, ep in zip(idx, episodes):
-        if not qualifies(ep, success_only, min_score):
+    keep, _ = kept_episodes(episodes, gate, success_threshold)
+    for ei, ep, give in zip(idx, episodes, keep):
+        if not give:
             continue
         n_eps += 1
         cands = [c for t in range(ep.num_steps)

@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch import Callback
 
 from cope.algos.cope.chunks import build_chunks, check_chunk_args
+from cope.algos.cope.gate import check_gate
 from cope.algos.cope.packing import PACKINGS
 from cope.episode import Episode
 from cope.train.dist import log_global, pool
@@ -41,8 +42,9 @@ class ForecastTargets(Callback):
             extra row per chunk; the reference).
         anchors: ``all`` steps, or ``sample`` up to ``max_anchors_per_episode`` per episode.
         max_anchors_per_episode: sample size for ``anchors='sample'``.
-        success_only: only successful episodes give targets (ignored when ``min_score`` is set).
-        min_score: episodes with ``score >= min_score`` give targets instead.
+        gate: which episodes give targets: ``wins``, ``all`` or ``mixed`` (:mod:`cope.algos.cope.gate`, the same rule
+            as the authors' samples).
+        success_threshold: a win's reward exceeds it (None: the env's success flag).
         seed: the run seed; the anchor sampler of each epoch is derived from it, the rank and the epoch
             (:mod:`cope.train.seeding`: distinct per rank, the same after a resume).
         mask_projected: actions the env read out of free text (``env.action_parsing=project``) are
@@ -59,8 +61,8 @@ class ForecastTargets(Callback):
         packing: str = "packed",
         anchors: str = "all",
         max_anchors_per_episode: int | None = None,
-        success_only: bool = True,
-        min_score: float | None = None,
+        gate: str = "wins",
+        success_threshold: float | None = None,
         seed: int = 0,
         mask_projected: bool = True,
     ):
@@ -69,9 +71,10 @@ class ForecastTargets(Callback):
         if invalid not in INVALID:
             raise ValueError(f"cope.invalid must be one of {INVALID}, got {invalid!r}")
         check_chunk_args(K, anchors, max_anchors_per_episode)
+        check_gate(gate)
         self.K, self.invalid, self.packing = int(K), invalid, packing
         self.anchors, self.max_anchors_per_episode = anchors, max_anchors_per_episode
-        self.success_only, self.min_score, self.mask_projected = success_only, min_score, mask_projected
+        self.gate, self.success_threshold, self.mask_projected = gate, success_threshold, mask_projected
         self.seed = int(seed)
         self._rng, self._stream_of = stream(self.seed, "anchors", 0, 0), (0, 0)  # (rank, epoch) of the current stream
         self._rank = 0  # the trainer's global rank, set in setup
@@ -106,8 +109,8 @@ class ForecastTargets(Callback):
             cut_at_invalid=self.invalid == "cut",
             anchors=self.anchors,
             max_anchors_per_episode=self.max_anchors_per_episode,
-            success_only=self.success_only,
-            min_score=self.min_score,
+            gate=self.gate,
+            success_threshold=self.success_threshold,
             rng=self._rng,
             indices=idx,
             mask_projected=self.mask_projected,

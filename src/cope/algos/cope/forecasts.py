@@ -9,7 +9,7 @@ prompted forecast samples (gate, look-past of invalid actions, group weights); t
   the ``forecast`` objective on them, learning rate times its ``lr_scale``). After the policy steps of the epoch,
   not of each minibatch: the authors' trainer runs its forecast pass after the policy update of a training step,
   and a training step there is one rollout batch, an epoch here. Under DDP the ranks' batch counts are evened out
-  with empty batches (:class:`cope.train.experience.BatchSource`). With ``share_prefix`` (``${data.share_prefix}``)
+  with empty batches (:class:`cope.train.collect.experience.BatchSource`). With ``share_prefix`` (``${data.share_prefix}``)
   the samples of one episode in a step are branches of one row over its transcript, forwarded once
   (:func:`cope.algos.cope.shared_prefix.collate_shared`); without it, one row per sample (the reference).
   Same samples, same order, same loss.
@@ -53,8 +53,9 @@ class CopeForecasts(Callback):
         prompt: the plan-ahead user text with ``{k}`` (None: the authors' text of ``layout``).
         invalid: ``skip`` (look past invalid actions), ``mask`` (keep, no loss) or ``cut`` (end the list).
         mask_projected: actions the env read out of free text count as invalid here.
-        gate: ``wins`` (reward > ``success_threshold``), ``all``, or ``mixed`` (wins of groups that also lost).
-        success_threshold: the reward a win needs.
+        gate: ``wins``, ``all`` or ``mixed`` (wins of groups that also lost): :mod:`cope.algos.cope.gate`, one rule
+            with the continuation targets.
+        success_threshold: a win's reward exceeds it (None: the env's success flag).
         group_weights: weight each sample 1/m_g (kept trajectories of its group), renormalized to mean 1.
         update: ``separate`` (the authors') or ``joint`` (must match the ``forecast`` objective's ``update``).
         packing: ``joint`` only: ``packed`` (segments in the transcript's row) or ``plain`` (a row per sample).
@@ -69,7 +70,7 @@ class CopeForecasts(Callback):
     """
 
     def __init__(self, K: int = 3, layout: str = "list", prompt: str | None = None, invalid: str = "skip",
-                 mask_projected: bool = True, gate: str = "wins", success_threshold: float = 0.5,
+                 mask_projected: bool = True, gate: str = "wins", success_threshold: float | None = 0.5,
                  group_weights: bool = True, update: str = "separate", packing: str = "packed",
                  minibatch_size: int = 16, share_prefix: bool = False, max_context: int | None = None, te_weight: float = 0.0,
                  te_top_m: int = 64):
@@ -81,7 +82,8 @@ class CopeForecasts(Callback):
         if minibatch_size < 1:
             raise ValueError(f"cope.minibatch_size must be >= 1, got {minibatch_size}")
         self.K, self.layout, self.prompt, self.invalid = int(K), layout, prompt, invalid
-        self.mask_projected, self.gate, self.success_threshold = mask_projected, gate, float(success_threshold)
+        self.mask_projected, self.gate, self.success_threshold = mask_projected, gate, (
+            None if success_threshold is None else float(success_threshold))
         self.group_weights, self.update, self.packing = group_weights, update, packing
         self.minibatch_size, self.max_context = int(minibatch_size), max_context
         self.share_prefix = bool(share_prefix)

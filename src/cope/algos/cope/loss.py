@@ -6,14 +6,14 @@ the mean over the samples of the batch (their reduction, at their micro-batch of
 ``update=separate`` (the authors' default) computes it on CoPE's own forecast batches, after the epoch's policy
 steps, in optimizer steps of their own (learning rate times ``lr_scale``); ``update=joint`` adds it to the
 policy-gradient loss of the rollout minibatches (the samples packed after their transcripts). The samples and
-their layout come from :mod:`cope.algos.cope.prompted`, :mod:`cope.algos.cope.chunks` and
+their packing come from :mod:`cope.algos.cope.prompted`, :mod:`cope.algos.cope.chunks` and
 :mod:`cope.algos.cope.packing`; this file only reads ``forecast_mask``, ``forecast_chunk``,
 ``forecast_actions`` and ``forecast_weight``.
 
 The variants of the earlier reading of the explainer (``cope.sample=continuation``):
     * ``per_step`` further divides each chunk's mean by its number of supervised actions.
     * The optional adaptive scale (:class:`AdaptiveScale`) keeps a magnitude of the forecast term at
-      ``target_ratio`` times an EMA of the same magnitude of the policy-gradient term. The scale is a
+      ``adaptive_ratio`` times an EMA of the same magnitude of the policy-gradient term. The scale is a
       plain float: no gradient flows through it. Two choices of magnitude:
 
       - ``adaptive``: loss values, ``scale * |L_forecast| ~= ratio * |L_pg|`` (fed after every step by
@@ -36,8 +36,9 @@ import math
 
 import torch
 
-from cope.train.objectives import FORECAST, ROLLOUT, ForwardOut, Metrics, Objective
+from cope.train.objectives import ROLLOUT, ForwardOut, Metrics, Objective
 
+FORECAST = "forecast"  # the batch kind (and metric prefix) of the separate update's batches (packing.forecast_batch)
 NORMALIZE = ("none", "per_step")  # the chunk math of forecast_nll
 UPDATES = ("separate", "joint")
 # ForecastLoss.normalize: the chunk math, or `none`'s with a scale held at a ratio of the policy-gradient term,
@@ -91,7 +92,7 @@ def forecast_nll(
 
 
 class AdaptiveScale:
-    """EMA bookkeeping for ``scale * m_forecast ~= target_ratio * EMA(m_pg)``.
+    """EMA bookkeeping for ``scale * m_forecast ~= adaptive_ratio * EMA(m_pg)``.
 
     ``m`` is a magnitude of each term: ``|loss|`` (``normalize=adaptive``) or a gradient norm
     (``normalize=gradnorm``); the math is the same, only what is fed differs. Both
@@ -100,20 +101,20 @@ class AdaptiveScale:
     first forecast measurement the scale is 1.
 
     Args:
-        target_ratio: the wanted ratio of the forecast term to the policy-gradient term; > 0.
+        adaptive_ratio: the wanted ratio of the forecast term to the policy-gradient term; > 0.
         beta: EMA decay in [0, 1).
         min_scale, max_scale: clamp of the scale.
         eps: magnitudes below it are treated as 0.
     """
 
-    def __init__(self, target_ratio: float = 0.5, beta: float = 0.9, min_scale: float = 1e-3, max_scale: float = 1e3, eps: float = 1e-8):
-        if target_ratio <= 0:
-            raise ValueError(f"AdaptiveScale.target_ratio must be > 0, got {target_ratio}")
+    def __init__(self, adaptive_ratio: float = 0.5, beta: float = 0.9, min_scale: float = 1e-3, max_scale: float = 1e3, eps: float = 1e-8):
+        if adaptive_ratio <= 0:
+            raise ValueError(f"AdaptiveScale.adaptive_ratio must be > 0, got {adaptive_ratio}")
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"AdaptiveScale.beta must be in [0, 1), got {beta}")
         if not 0 < min_scale <= max_scale:
             raise ValueError(f"AdaptiveScale needs 0 < min_scale <= max_scale, got {min_scale}, {max_scale}")
-        self.target_ratio, self.beta = float(target_ratio), float(beta)
+        self.adaptive_ratio, self.beta = float(adaptive_ratio), float(beta)
         self.min_scale, self.max_scale, self.eps = float(min_scale), float(max_scale), float(eps)
         self.ema_pg: float | None = None
         self.ema_forecast: float | None = None
@@ -136,7 +137,7 @@ class AdaptiveScale:
     def scale(self) -> float:
         if self.ema_pg is None or self.ema_forecast is None:
             return 1.0
-        s = self.target_ratio * self.ema_pg / max(self.ema_forecast, self.eps)
+        s = self.adaptive_ratio * self.ema_pg / max(self.ema_forecast, self.eps)
         return float(min(self.max_scale, max(self.min_scale, s)))
 
     def state_dict(self) -> dict:
@@ -155,12 +156,12 @@ class ForecastLoss(Objective):
     Args:
         weight: lambda, the multiplier in the total loss.
         normalize: ``none`` or ``per_step`` (see :func:`forecast_nll`); or ``none``'s per-chunk mean
-            times a scale held at ``adaptive_target`` (default 0.5) times the policy-gradient term:
+            times a scale held at ``adaptive_ratio`` (default 0.5) times the policy-gradient term:
             ``adaptive`` balances loss values (``scale * |L_forecast| ~= ratio * |L_pg|``), ``gradnorm``
             gradient norms (``scale * |grad L_forecast| ~= ratio * |grad (w_pg L_pg)|``, so the term's
             contribution to the update has norm ``weight * ratio * |grad (w_pg L_pg)|``); both are fed by
             the ``LossBalance`` callback (``algo.callbacks.loss_balance``, part of ``algo=cope``).
-        adaptive_target: the ratio of the balanced modes; the objective owns an :class:`AdaptiveScale`
+        adaptive_ratio: the ratio of the balanced modes; the objective owns an :class:`AdaptiveScale`
             with it (the only copy of that state; checkpointed through :meth:`state_dict`, per mode).
             Ignored by ``none`` / ``per_step``.
         adaptive_beta: EMA decay of the scale.
@@ -178,7 +179,7 @@ class ForecastLoss(Objective):
         self,
         weight: float = 0.1,
         normalize: str = "none",
-        adaptive_target: float | None = None,
+        adaptive_ratio: float | None = None,
         adaptive_beta: float = 0.9,
         schedule: str = "constant",
         final_weight: float = 0.0,
@@ -195,17 +196,18 @@ class ForecastLoss(Objective):
             raise ValueError(f"ForecastLoss.lr_scale must be > 0, and 1 with update=joint (one step for both terms), got {lr_scale}")
         self.update, self.lr_scale = update, float(lr_scale)
         self.batch_kind = FORECAST if update == "separate" else ROLLOUT
+        self.metric_prefix = FORECAST  # its separate steps log forecast/loss_total, forecast/grad_norm, ...
         if normalize not in (*NORMALIZE, *BALANCED):
             raise ValueError(f"ForecastLoss.normalize must be one of {(*NORMALIZE, *BALANCED)}, got {normalize!r}")
         self.mode = normalize  # as configured (`normalize` below is the chunk math)
         self.balance: str | None = BALANCED.get(normalize)  # what feeds the scale: loss | gradient | None (fixed)
         if self.balance is not None:  # chunk math of `none`, magnitude held at a ratio of the pg term
-            adaptive_target = 0.5 if adaptive_target is None else adaptive_target
+            adaptive_ratio = 0.5 if adaptive_ratio is None else adaptive_ratio
             normalize = "none"
-        else:  # `none` / `per_step` are fixed scalings: no adaptive scale, whatever adaptive_target says
-            adaptive_target = None
+        else:  # `none` / `per_step` are fixed scalings: no adaptive scale, whatever adaptive_ratio says
+            adaptive_ratio = None
         self.normalize = normalize
-        self.adaptive = AdaptiveScale(adaptive_target, adaptive_beta) if adaptive_target is not None else None
+        self.adaptive = AdaptiveScale(adaptive_ratio, adaptive_beta) if adaptive_ratio is not None else None
 
     @property
     def scale(self) -> float:

@@ -16,7 +16,7 @@ fixed before the step starts, whatever the order of the trainer's callbacks:
   parameters the step's gradient is taken at), one extra forward of the policy, live on the first
   micro-batch's rows only, and one backward per objective give ``|grad (w_ref L_ref)|`` and the raw
   (unscaled, unweighted) ``|grad L_objective|``
-  (:func:`cope.train.grad_stats.measure_gradients`, the same measurement the diagnostics callback
+  (:func:`cope.train.step.grad_stats.measure_gradients`, the same measurement the diagnostics callback
   ``cope.callbacks.grad_stats`` logs from, which is independent of this one: turning the diagnostics
   on or off does not change training). The measurement leaves the step as it was (no ``.grad``
   written, the RNG forked); the norms are reported at the step's end. A step where either objective
@@ -31,8 +31,8 @@ from collections.abc import Mapping
 import torch
 from lightning.pytorch import Callback
 
-from cope.train.grad_stats import mean_over_ranks, measure_gradients
 from cope.train.objectives import ROLLOUT, batch_kind
+from cope.train.step.grad_stats import mean_over_ranks, measure_gradients
 
 
 class LossBalance(Callback):

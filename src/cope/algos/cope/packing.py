@@ -2,14 +2,14 @@
 training batch, and the standalone batch of the separate update (:func:`collate_chunks`, one row per chunk: the
 reference of :func:`cope.algos.cope.shared_prefix.collate_shared`, ``data.share_prefix=false``).
 
-Layouts of a rollout minibatch (both return a new batch dict, see :class:`cope.train.batch.RolloutBatch` for the
+Layouts of a rollout minibatch (both return a new batch dict, see :class:`cope.batch.RolloutBatch` for the
 keys, and add ``forecast_mask`` (N, T) bool, ``forecast_chunk`` (N, T) long (index into ``chunks``, -1
 elsewhere), ``forecast_actions`` (C,) long, ``forecast_weight`` (C,) float, and set ``aux_row`` (N,) bool on rows
 that are not transcripts; both ignore chunks whose episode has no row in the batch, so they give the same loss):
     * :func:`pack_forecasts`: segments appended after their episode's row. Each row is then a two-level tree (the
       transcript, each segment a branch anchored in it): the batch carries its packed rows (``packed``, the identity
-      packing with the rows' :class:`~cope.train.prefix_tree.PrefixTree`), which the model attends through tree
-      attention or the tree's dense mask (:func:`cope.train.tree_batch.attention_kwargs`).
+      packing with the rows' :class:`~cope.train.packing.prefix_tree.PrefixTree`), which the model attends through tree
+      attention or the tree's dense mask (:func:`cope.train.packing.tree_batch.attention_kwargs`).
     * :func:`plain_forecasts`: one extra row per chunk, ``tokens[:anchor] + chunk``.
 """
 from __future__ import annotations
@@ -17,13 +17,14 @@ from __future__ import annotations
 import torch
 
 from cope.algos.cope.chunks import ForecastChunk
+from cope.algos.cope.loss import FORECAST
 from cope.episode import Episode, Role
-from cope.train.prefix_tree import PrefixTree, TreeNode
-from cope.train.tree_batch import PackedRows, branch
+from cope.train.packing.prefix_tree import PrefixTree, TreeNode
+from cope.train.packing.tree_batch import PackedRows, branch
 
-# Fill values of the known per-token keys on positions a layout adds (other (N, T) keys get 0).
+# Fill values of the known per-token keys on positions a packing adds (other (N, T) keys get 0).
 _TOKEN_FILL = {"attention_mask": 0, "position_ids": 0, "roles": int(Role.PAD), "step_ids": -1, "action_mask": False, "advantages": 0.0}
-# Fill values of the known per-row keys on the plain layout's extra rows (other (N, ...) keys get 0).
+# Fill values of the known per-row keys on plain packing's extra rows (other (N, ...) keys get 0).
 _ROW_FILL = {"aborted": False, "episode_index": -1}
 
 
@@ -34,7 +35,7 @@ def _rows_of(batch: dict) -> dict[int, int]:
 def _check_2d(batch: dict, fn: str) -> tuple[int, int]:
     am = batch["attention_mask"]
     if am.dim() != 2:
-        raise ValueError(f"{fn} needs the 2D attention mask of collate, got shape {tuple(am.shape)} (apply one forecast layout only)")
+        raise ValueError(f"{fn} needs the 2D attention mask of collate, got shape {tuple(am.shape)} (apply one forecast packing only)")
     return am.shape[0], am.shape[1]
 
 
@@ -54,12 +55,12 @@ def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastCh
     """Append each chunk after its episode's transcript in the same row, and set ``packed``: the rows as they are,
     each a tree (its transcript the root, each segment a child that sees the transcript up to the segment's anchor).
 
-    A segment is a branch (:func:`cope.train.tree_batch.branch`), ``[tokens[anchor - 1]] + chunk.tokens``: it sees
+    A segment is a branch (:func:`cope.train.packing.tree_batch.branch`), ``[tokens[anchor - 1]] + chunk.tokens``: it sees
     transcript positions < anchor - 1 and causally itself, and its position ids continue from anchor - 1, so it is
     scored exactly as the sequence ``tokens[:anchor] + chunk.tokens`` (the repeated token, a non-target, supplies the
     logits that predict the chunk's first token). Every forecast token lives in a segment, never at a transcript
     position: a forecast is a cross-entropy under the model's own distribution, while transcript action tokens are
-    scored at the sampling temperature for the policy gradient (reusing a_t's transcript positions, as this layout
+    scored at the sampling temperature for the policy gradient (reusing a_t's transcript positions, as this packing
     did before 2026-12-02, scored the a_t part of a forecast at that temperature: packed and plain differed at
     T != 1). ``attention_mask`` stays 2D (1 on transcript and segment tokens, rows right padded). When no chunk is
     appended, the batch has no ``packed``.
@@ -112,7 +113,7 @@ def _segment_tree(lengths: list[int], segs: list[tuple], length: int) -> PrefixT
 
 def plain_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
     """Each chunk as its own extra row ``tokens[:anchor] + chunk`` with a 2D mask (the reference
-    layout: simple, more compute). Extra rows are all ``roles=PAD``, so no other objective sees them."""
+    packing: simple, more compute). Extra rows are all ``roles=PAD``, so no other objective sees them."""
     N, T = _check_2d(batch, "plain_forecasts")
     rows = _rows_of(batch)
     keep = [(cid, ch) for cid, ch in enumerate(chunks) if ch.episode in rows]
@@ -180,7 +181,7 @@ def forecast_batch(ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, fma
     ``fchunk`` (N, T) and ``episode_index`` (N,); the per-chunk keys from ``chunks`` (what ``fchunk`` indexes)."""
     N, T = ids.shape
     return {
-        "kind": "forecast",
+        "kind": FORECAST,
         "input_ids": ids,
         "attention_mask": attn,
         "position_ids": pos,

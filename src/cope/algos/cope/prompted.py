@@ -31,12 +31,12 @@ import statistics
 from collections import Counter
 
 from cope.algos.cope.chunks import ForecastChunk
+from cope.algos.cope.gate import check_gate, kept_episodes
 from cope.chat import ChatFormat
 from cope.episode import Episode
 
 LAYOUTS = ("list", "turns")
 INVALID = ("skip", "mask", "cut")
-GATES = ("wins", "all", "mixed")
 PROMPTS = {
     "list": "Plan ahead: list the next {k} actions you will take to make progress on the task, starting with the "
             "action you take right now, one action per line.",
@@ -81,26 +81,7 @@ def check_prompted_args(K: int, invalid: str, gate: str) -> None:
         raise ValueError(f"forecast K must be >= 1, got {K}")
     if invalid not in INVALID:
         raise ValueError(f"forecast invalid must be one of {INVALID}, got {invalid!r}")
-    if gate not in GATES:
-        raise ValueError(f"forecast gate must be one of {GATES}, got {gate!r}")
-
-
-def _kept(episodes: list[Episode], gate: str, threshold: float) -> tuple[list[bool], int]:
-    """Which episodes give samples, and the all-win groups ``mixed`` skipped. Aborted episodes never give
-    samples and, as in GRPO's statistics, do not count in their group."""
-    win = [not ep.aborted and ep.reward > threshold for ep in episodes]
-    if gate == "wins":
-        return win, 0
-    if gate == "all":
-        return [not ep.aborted for ep in episodes], 0
-    wins: Counter[int] = Counter()
-    size: Counter[int] = Counter()
-    for ep, w in zip(episodes, win):
-        if not ep.aborted:
-            size[ep.group] += 1
-            wins[ep.group] += w
-    mixed = {g for g in size if 0 < wins[g] < size[g]}
-    return [w and ep.group in mixed for ep, w in zip(episodes, win)], sum(wins[g] == size[g] for g in size)
+    check_gate(gate)
 
 
 def _actions(ep: Episode, chat: ChatFormat, mask_projected: bool) -> list[tuple[list[int], bool]]:
@@ -178,7 +159,7 @@ def build_prompted(
     invalid: str = "skip",
     mask_projected: bool = True,
     gate: str = "wins",
-    success_threshold: float = 0.5,
+    success_threshold: float | None = 0.5,
     group_weights: bool = True,
     max_context: int | None = None,
     indices: list[int] | None = None,
@@ -197,7 +178,7 @@ def build_prompted(
         mask_projected: an action the env read out of free text (``Step.projected``) counts as invalid.
         gate: ``wins`` (reward > ``success_threshold``), ``all``, or ``mixed`` (the wins of groups holding at
             least one win and one loss). Aborted episodes never give samples.
-        success_threshold: the reward a win must exceed.
+        success_threshold: the reward a win must exceed (None: the env's success flag; :mod:`cope.algos.cope.gate`).
         group_weights: each sample of a trajectory weighs 1/m_g (m_g: trajectories of its group with
             samples), rescaled to mean 1 over the samples; off: all weights 1.
         max_context: samples longer than this (prefix included) are dropped and counted; None keeps all.
@@ -216,7 +197,7 @@ def build_prompted(
     idx = list(indices) if indices is not None else list(range(len(episodes)))
     if len(idx) != len(episodes):
         raise ValueError(f"build_prompted: {len(idx)} indices for {len(episodes)} episodes")
-    keep, skipped_groups = _kept(episodes, gate, success_threshold)
+    keep, skipped_groups = kept_episodes(episodes, gate, success_threshold)
     trajectories: list[tuple[int, list[ForecastChunk]]] = []
     dropped = looked_past = masked = 0
     for ei, ep, kept in zip(idx, episodes, keep):

@@ -5,16 +5,16 @@ anchor + the sample's own tokens" (:mod:`cope.algos.cope.prompted`). One row per
 (:func:`cope.algos.cope.packing.collate_chunks`) re-forwards the whole history for every sample: an episode of T
 steps costs about T times its own length. Here the samples of one episode in the step share one row: its trunk is
 the episode's transcript (only as far as the step's samples need it), each sample a branch anchored in it, and tree
-attention (:mod:`cope.train.tree_attention`, ``"cope_tree"``) lets every branch token attend exactly what it
+attention (:mod:`cope.train.packing.tree_attention`, ``"cope_tree"``) lets every branch token attend exactly what it
 attends in the sample's own row, at the same positions. The step trains the same samples in the same order with
 the same weights; the loss (:func:`cope.algos.cope.loss.forecast_nll`) and its gradients equal the one-row-per-sample
 batch's up to float rounding. This is Hydragen's shared-prefix idea (Juravsky et al., 2024) used for training; the
 authors' code forwards one sample per micro-batch.
 
-A sample is a branch (:func:`cope.train.tree_batch.branch`), ``[tokens[anchor - 1]] + chunk.tokens`` anchored after
+A sample is a branch (:func:`cope.train.packing.tree_batch.branch`), ``[tokens[anchor - 1]] + chunk.tokens`` anchored after
 ``anchor - 1`` trunk tokens, so the trunk ends at the largest ``anchor - 1`` of its samples: every chunk token is
 scored as in the sample's own row, not only the targets. The trees go through the one packer
-(:func:`cope.train.tree_batch.pack`); the packed rows are the batch's rows (``packed`` is their identity packing).
+(:func:`cope.train.packing.tree_batch.pack`); the packed rows are the batch's rows (``packed`` is their identity packing).
 """
 from __future__ import annotations
 
@@ -23,15 +23,15 @@ import torch
 from cope.algos.cope.chunks import ForecastChunk
 from cope.algos.cope.packing import collate_chunks, forecast_batch
 from cope.episode import Episode
-from cope.train.prefix_tree import TreeNode
-from cope.train.tree_batch import Unit, branch, pack, split_to_fit
+from cope.train.packing.prefix_tree import TreeNode
+from cope.train.packing.tree_batch import Unit, branch, pack, split_to_fit
 
 
 def collate_shared(episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int, max_row_tokens: int | None = None) -> dict:
     """A batch of kind ``forecast`` with one tree per episode of ``chunks``: the trunk and the chunks as branches,
-    ``packed`` their identity packing (:class:`~cope.train.tree_batch.PackedRows` with the trees), ``position_ids`` the
+    ``packed`` their identity packing (:class:`~cope.train.packing.tree_batch.PackedRows` with the trees), ``position_ids`` the
     trees'; the trees
-    placed side by side in as few rows as fit (:func:`cope.train.tree_batch.fill_rows`: no row longer than
+    placed side by side in as few rows as fit (:func:`cope.train.packing.tree_batch.fill_rows`: no row longer than
     ``max_row_tokens`` or the longest tree; ``episode_index`` -1 on a row of several); ``forecast_chunk`` indexes
     ``chunks`` (same order, weights and actions as :func:`~cope.algos.cope.packing.collate_chunks`).
     ``max_row_tokens`` (the module's micro-batch budget): an episode whose tree would be longer gives several trees

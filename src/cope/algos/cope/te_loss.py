@@ -3,8 +3,9 @@
 ``L = L_GRPO + lambda_TE x KL(pi_theta(. | h_t) || q_t)`` at the transcript's action tokens (the math and where we
 differ: :mod:`cope.algos.cope.temporal_ensemble`). The targets q^F come from the epoch's forecast samples, scored
 by the policy as it is at the epoch's start, with no gradient (:func:`ensemble_transform`, run by the module after
-its scoring pass, before any update); the KL reads the policy's full predictive rows at the covered tokens, which
-the module's forward forms for those positions only (``ForwardOut.te_rows``). Off by default (``cope.te.weight=0``);
+its scoring pass, before any update); the KL reads the policy's full predictive rows at the covered tokens, which the
+objective declares (``Needs(rows_at=("te_position",))``) and the module's forward forms for those positions only
+(``ForwardOut.rows["te_position"]``). Off by default (``cope.te.weight=0``);
 ``warmup_steps`` optimizer steps at weight 0 first, as in the authors' code.
 """
 from __future__ import annotations
@@ -25,9 +26,10 @@ from cope.algos.cope.temporal_ensemble import (
     topm_at_positions,
 )
 from cope.episode import Episode
-from cope.train.objectives import ForwardOut, Metrics, Objective
+from cope.train.objectives import ForwardOut, Metrics, Needs, Objective
 
-TE_KEYS = ("te_position", "te_ids", "te_probs")
+TE_POSITION = "te_position"  # (P, 2) [row, column] of the covered tokens: where the objective needs predictive rows
+TE_KEYS = (TE_POSITION, "te_ids", "te_probs")
 
 
 class TemporalEnsembleLoss(Objective):
@@ -40,6 +42,7 @@ class TemporalEnsembleLoss(Objective):
     """
 
     name = "te"
+    needs = Needs(rows_at=(TE_POSITION,))
 
     def __init__(self, weight: float = 0.0, eta: float = 0.5, warmup_steps: int = 50):
         if not 0.0 <= eta < 1.0:
@@ -52,11 +55,12 @@ class TemporalEnsembleLoss(Objective):
         self.eta = float(eta)
 
     def __call__(self, out: ForwardOut, batch: dict) -> tuple[torch.Tensor, Metrics]:
-        if out.te_rows is None or "te_ids" not in batch or batch["te_ids"].shape[0] == 0:
+        rows = out.rows.get(TE_POSITION)  # (P, V) untempered logits at the covered tokens
+        if rows is None or "te_ids" not in batch or batch["te_ids"].shape[0] == 0:
             zero = out.logprobs.flatten()[:0].sum()  # exactly 0, attached
             return zero, {"te/kl": zero.detach(), "te/positions": 0.0, "te/eta": self.eta, "te/member_share": 0.0}
-        dev = out.te_rows.device
-        return te_kl(out.te_rows, batch["te_ids"].to(dev), batch["te_probs"].to(dev), self.eta)
+        dev = rows.device
+        return te_kl(rows, batch["te_ids"].to(dev), batch["te_probs"].to(dev), self.eta)
 
 
 def ensemble_transform(model_of: Callable[[], torch.nn.Module], samples: Callable[[list[Episode]], Sequence[ForecastChunk]],
@@ -113,7 +117,7 @@ def ensemble_transform(model_of: Callable[[], torch.nn.Module], samples: Callabl
             keep = [i for i, e in enumerate(targets.episode.tolist()) if e in row_of]
             idx = torch.tensor(keep, dtype=torch.long)
             rows = torch.tensor([row_of[int(targets.episode[i])] for i in keep], dtype=torch.long)
-            mb["te_position"] = torch.stack([rows, targets.position[idx]], 1) if keep else torch.zeros(0, 2, dtype=torch.long)
+            mb[TE_POSITION] = torch.stack([rows, targets.position[idx]], 1) if keep else torch.zeros(0, 2, dtype=torch.long)
             mb["te_ids"], mb["te_probs"] = targets.ids[idx], targets.probs[idx]
 
     return transform

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from cope.algos.cope.chunks import ForecastChunk
 from cope.train.logprobs import CHUNK_ELEMS, head_forward, linear_head
 from cope.train.objectives import Metrics
-from cope.train.tree_batch import attention_kwargs
+from cope.train.packing.tree_batch import attention_kwargs
 
 TOPM = 64  # vocabulary entries kept per member token (the authors' TE_TOPM)
 
@@ -121,8 +121,8 @@ def topm_at_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         rows, positions: (L,) long, the tokens whose predictive distribution is wanted (positions >= 1).
         M: entries kept (min(M, V)).
         chunk_elems: logits held at once.
-        tree: the rows' :class:`~cope.train.prefix_tree.PrefixTree` when they are shared-prefix rows (attended as
-            :func:`cope.train.tree_batch.attention_kwargs` decides), else None.
+        tree: the rows' :class:`~cope.train.packing.prefix_tree.PrefixTree` when they are shared-prefix rows (attended as
+            :func:`cope.train.packing.tree_batch.attention_kwargs` decides), else None.
 
     Returns:
         ``ids`` (L, M) long and ``probs`` (L, M) float32, sorted by decreasing probability.

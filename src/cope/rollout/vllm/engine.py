@@ -89,6 +89,8 @@ class VLLMEngine:
 
     reports_logprobs = True  # Step.sampler_logprobs of every sampled action: the module logs rollout/logprob_gap
     overlaps = True  # several policy versions served at once (data.max_lag >= 1)
+    serves_adapters = True  # each version a LoRA adapter in the server's max_loras slots (data.max_lag >= 1 needs 2)
+    samples_in_process = False  # so it cannot train full weights, nor roll out from shards (cope.run.config_rules)
 
     def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None,
                  url: str | None = None, model: str | None = None, python: str | None = None, workdir: str | None = None,

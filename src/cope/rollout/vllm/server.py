@@ -82,9 +82,9 @@ class AttachedServer:
 
 def served_weights(model: str) -> str:
     """What the server loads for ``model`` (the trainer's ``Policy.source``, a folder or a hub id): a hub id becomes
-    its snapshot folder in this process's HF cache (:func:`cope.models.hub.resolve_model_path`, as the trainer
+    its snapshot folder in this process's HF cache (:func:`cope.hub.resolve_model_path`, as the trainer
     loaded it), so the server needs no hub lookup of its own; a folder, or an id not in the cache, as given."""
-    from cope.models.hub import resolve_model_path
+    from cope.hub import resolve_model_path
 
     try:
         return resolve_model_path(model)

@@ -20,6 +20,10 @@ checkpoint in place (the others wait at the barrier until the collective timeout
 reshards on load): a 2-process checkpoint resumes in one process. The load asks for every trained tensor and fails
 naming the missing ones (another LoRA config or training mode). ``eval.py`` reads the trained tensors in one process
 (:func:`load_trained_tensors`).
+
+**Which strategy wrote a checkpoint** (:func:`optimizer_keying`, a file or a folder's metadata): ``trainer=fsdp`` keys
+the optimizer state by parameter name, in either kind; Lightning's default (DDP, one process) by index. A resume
+across the two is refused (:func:`cope.run.checkpoint_io.check_resume_matches`, and the strategy's own load).
 """
 from __future__ import annotations
 
@@ -33,6 +37,15 @@ import torch
 META = "meta.pt"
 TMP = ".tmp-dcp"
 OLD = ".old"
+
+
+def optimizer_keying(ckpt: dict) -> str | None:
+    """How a checkpoint keys its optimizer state: ``"parameter name"`` (``trainer=fsdp``), ``"index"`` (Lightning's
+    default: DDP, one process), or None (no optimizer state)."""
+    if ckpt.get("sharded"):  # a torch distributed checkpoint (read_meta): always by name
+        return "parameter name"
+    keys = {type(k) for s in ckpt.get("optimizer_states") or [] for k in (s.get("state") or {})}
+    return None if not keys else "parameter name" if str in keys else "index"
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -120,7 +133,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     prefix = "state_dict."
     meta["state_dict"] = {k[len(prefix):]: torch.empty(tuple(m.size), device="meta")
                           for k, m in entries.items() if k.startswith(prefix) and hasattr(m, "size")}
-    meta["sharded"] = True  # its optimizer state is keyed by parameter name (cope.run.checkpoint_io.optimizer_keying)
+    meta["sharded"] = True  # its optimizer state is keyed by parameter name (optimizer_keying)
     return meta
 
 

@@ -1,4 +1,4 @@
-"""Exact attention over shared-prefix packed rows (:mod:`cope.train.prefix_tree`), as the transformers attention
+"""Exact attention over shared-prefix packed rows (:mod:`cope.train.packing.prefix_tree`), as the transformers attention
 implementation ``"cope_tree"``, computing only the blocks a query can see.
 
 Why: the dense (N, 1, T, T) mask with SDPA costs the square of the packed row, and FlexAttention, which would skip
@@ -32,6 +32,16 @@ Kernels, with a tree:
   passed a GPU training run, so a switch for it would be a production path no default test covers. Once a GPU run
   shows it faster and exact, it gets one config key.
 Not supported with a tree: sliding-window layers, softcapping, KV-cache decoding (a tree is for whole rows).
+
+Kernels on CUDA (which SDPA backend each call can take): a causal call without a mask runs on flash attention, which
+takes grouped K/V heads (``enable_gqa``). A masked tile call cannot: flash takes no mask, and the memory-efficient
+kernel takes a mask but no ``enable_gqa``, so a masked call with grouped heads falls back to the math kernel, which
+upcasts and materializes the (G, H, Lq, Lk) probabilities (slow, and at 7B with long packed rows an OOM risk). The
+rule: **a masked call gets K/V repeated to the query heads first** (a boolean (G, 1, Lq, Lk) mask, q/k/v of one dtype
+and head count): a call the memory-efficient kernel accepts. It costs (H / Hkv - 1) more copies of the tile's gathered
+keys and values, far less than the probabilities the math kernel would hold. On CPU both forms give bit-identical
+results in fp32. ``tests/test_tree_attention.py`` checks the calls' form on CPU; ``bench/gpu_check.py --phase tree``
+asserts on a GPU that they run with the math kernel disabled.
 """
 from __future__ import annotations
 
@@ -46,7 +56,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from cope.train.prefix_tree import PrefixTree
+from cope.train.packing.prefix_tree import PrefixTree
 
 NAME = "cope_tree"
 
@@ -95,7 +105,7 @@ def register() -> None:
 
 def _check(tree: object, query: torch.Tensor, key: torch.Tensor, attention_mask: object, kwargs: dict) -> None:
     if not isinstance(tree, PrefixTree):
-        raise TypeError(f"prefix_tree must be a cope.train.prefix_tree.PrefixTree, got {type(tree).__name__}")
+        raise TypeError(f"prefix_tree must be a cope.train.packing.prefix_tree.PrefixTree, got {type(tree).__name__}")
     if attention_mask is not None and not isinstance(attention_mask, DeferredMask):
         raise ValueError("tree attention got both a prefix_tree and a ready-made attention mask: pass one of them "
                          "(the tree already says who attends whom; drop the 4D mask)")
@@ -113,12 +123,14 @@ def _tile_attention(tree: PrefixTree, query: torch.Tensor, key: torch.Tensor, va
     """The tiles kernel (see the module docstring): (N, H, T, D) inputs -> (N, T, H, D)."""
     N, H, T, D = query.shape
     Hkv = key.shape[1]
-    sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout, scale=scaling, enable_gqa=H != Hkv)
+    # causal calls keep grouped K/V heads (the flash kernels take GQA with is_causal); masked calls get K/V repeated to
+    # the query heads first (_tile_groups), see "Kernels on CUDA" in the module docstring
+    sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout, scale=scaling)
     plan = tree.cached(("tiles", str(query.device)), lambda: _TileTensors.build(tree, query.device))
     pieces = []  # (tokens, H, D) each, concatenated in plan order
     for a, b, rows in plan.causal:
         q, k, v = (x[:, :, a:b] if rows is None else x.index_select(0, rows)[:, :, a:b] for x in (query, key, value))
-        pieces.append(sdpa(q, k, v, is_causal=True).transpose(1, 2).reshape(-1, H, D))  # (R*L, H, D)
+        pieces.append(sdpa(q, k, v, is_causal=True, enable_gqa=H != Hkv).transpose(1, 2).reshape(-1, H, D))  # (R*L, H, D)
     if plan.masks:
         tiles = functools.partial(_tile_groups, plan, sdpa)
         if tree.recompute and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
@@ -146,13 +158,15 @@ def _tile_groups(plan: _TileTensors, sdpa: Callable, query: torch.Tensor, key: t
         G, _, Lq, Lk = mask.shape
         q = q.view(G, Lq, H, D).transpose(1, 2)  # (G, H, Lq, D)
         k, v = (x.view(G, Lk, Hkv, D).transpose(1, 2) for x in (k, v))  # (G, Hkv, Lk, D)
+        if Hkv != H:  # a masked call with grouped heads would run on CUDA's math kernel only
+            k, v = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))  # (G, H, Lk, D)
         out.append(sdpa(q, k, v, attn_mask=mask).transpose(1, 2).reshape(-1, H, D))  # (G*Lq, H, D)
     return torch.cat(out)
 
 
 @dataclass(frozen=True)
 class _TileTensors:
-    """A tree's :class:`~cope.train.prefix_tree.Plan` as index tensors on one device (flat indices row*T+t).
+    """A tree's :class:`~cope.train.packing.prefix_tree.Plan` as index tensors on one device (flat indices row*T+t).
 
     ``causal``: (start, end, rows; None = all rows) per causal call. Tile group g has ``masks[g]`` (G, 1, Lq, Lk)
     (bottom-right causal: query i sees keys j <= Lk_tile - Lq_tile + i); its queries are the next G*Lq entries of

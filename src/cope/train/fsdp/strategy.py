@@ -1,51 +1,20 @@
-"""``trainer=fsdp``'s strategy: Lightning's ``ModelParallelStrategy`` as data-parallel FSDP2 only, with the config
-rules of what cannot be sharded. How the policy is sharded and when its weights are whole: :mod:`cope.train.sharding`;
-sharded checkpoints: :mod:`cope.train.sharded_checkpoint`.
+"""``trainer=fsdp``'s strategy: Lightning's ``ModelParallelStrategy`` as data-parallel FSDP2 only. How the policy is
+sharded and when its weights are whole: :mod:`cope.train.fsdp.sharding`; sharded checkpoints:
+:mod:`cope.train.fsdp.checkpoint`. What cannot run under it is refused by the config rules
+(:data:`cope.run.config_rules.RULES`), which read its capabilities (:mod:`cope.capabilities`), never its name.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from cope.run.checkpoint_io import optimizer_keying
-from cope.train.sharding import _roots
+from cope.train.fsdp.checkpoint import optimizer_keying
+from cope.train.fsdp.sharding import fsdp_roots
 
 MIXED_PRECISION = ("auto", "bf16", "none")
-
-
-def uses_fsdp(trainer) -> bool:
-    """Whether a ``trainer`` config block runs :class:`FSDPStrategy` (``trainer=fsdp``)."""
-    strategy = (trainer or {}).get("strategy")
-    return hasattr(strategy, "get") and strategy.get("_target_") == f"{__name__}.FSDPStrategy"
-
-
-def check_sharding(cfg, fail: Callable[[str, str], None]) -> None:
-    """What ``trainer=fsdp`` cannot take, refused before any work (``fail(key, message)``; called by
-    :func:`cope.run.config_rules.cross_field`): quantized weights, the vLLM engine, the merged export, the gradient
-    probes. Nothing under any other strategy."""
-    if not uses_fsdp(cfg.get("trainer")):
-        return
-    model, data = cfg.get("model") or {}, cfg.get("data") or {}
-    quant = model.get("quantization")
-    if quant is not None:
-        fail("model.quantization", f" = {quant!r}: trainer=fsdp cannot shard quantized weights (bitsandbytes packs them "
-             "into its own storage, which fully_shard cannot split or gather); use model.quantization=null (the bf16 "
-             "weights are sharded instead, about 1/world of them per rank) or trainer=ddp for QLoRA")
-    engine = str((data.get("engine") or {}).get("_target_", ""))
-    if engine and not engine.endswith(".HFEngine"):
-        fail("data.engine", f" = {engine}: trainer=fsdp rolls out in-process only (rollout=hf, on the gathered "
-             "weights); a server engine would be handed an adapter written from shards. Use rollout=hf, or trainer=ddp")
-    callbacks = cfg.get("callbacks") or {}
-    if (callbacks.get("adapter_export") or {}).get("merged"):
-        fail("callbacks.adapter_export.merged", " = true: trainer=fsdp does not write the merged model yet (the frozen "
-             "base is sharded): set it to false and merge the exported adapter on one process (peft's merge_and_unload), or "
-             "use trainer=ddp")
-    if ((callbacks.get("grad_stats") or {}).get("every_n_steps") or 0) > 0:
-        fail("callbacks.grad_stats.every_n_steps", ": the gradient probes are not built for trainer=fsdp (their extra "
-             "backward would run on sharded weights outside the step); set it to 0, or use trainer=ddp")
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -58,10 +27,13 @@ class FSDPStrategy(ModelParallelStrategy):
         sync_every_microbatch: reduce-scatter gradients after every micro-batch (less memory: no unsharded gradient
             accumulates) instead of once per optimizer step, at the last micro-batch (fewer collectives).
         distributed_checkpoint: write checkpoints as torch distributed checkpoints, each rank its own shards
-            (:mod:`cope.train.sharded_checkpoint`: nothing gathered; for full fine-tuning of large models) instead of
+            (:mod:`cope.train.fsdp.checkpoint`: nothing gathered; for full fine-tuning of large models) instead of
             one file gathered on rank zero. Either kind resumes, at any world size.
         **kwargs: the parent's (``timeout``, ``process_group_backend``).
     """
+
+    shards_weights = True  # cope.capabilities: each rank holds 1/world of every sharded parameter
+    gathers_for_rollouts = True  # whole weights outside the optimizer steps (cope.train.fsdp.sharding.WholeWeights)
 
     def __init__(self, mixed_precision: str = "auto", sync_every_microbatch: bool = False,
                  distributed_checkpoint: bool = False, **kwargs: Any):
@@ -85,8 +57,10 @@ class FSDPStrategy(ModelParallelStrategy):
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        """Backward without FSDP's gradient reduce-scatter (micro-batches before the last one accumulate locally)."""
-        roots = [] if self.sync_every_microbatch else _roots(self.lightning_module)
+        """Backward without FSDP's gradient reduce-scatter (micro-batches before the last one accumulate locally);
+        with ``sync_every_microbatch`` a no-op (every micro-batch reduce-scatters: in a step whose ranks cut different
+        numbers, the ranks with fewer pad theirs, :func:`cope.train.fsdp.sharding.step_weights`)."""
+        roots = [] if self.sync_every_microbatch else fsdp_roots(self.lightning_module)
         for m in roots:
             m.set_requires_gradient_sync(False)
         try:
@@ -114,20 +88,20 @@ class FSDPStrategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         """One file through the trainer's (atomic) ``CheckpointIO``, or with ``distributed_checkpoint`` a sharded folder
-        (:func:`cope.train.sharded_checkpoint.save`: atomic too, every rank writing)."""
+        (:func:`cope.train.fsdp.checkpoint.save`: atomic too, every rank writing)."""
         if not self.distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        from cope.train import sharded_checkpoint
+        from cope.train.fsdp import checkpoint as sharded_checkpoint
 
         sharded_checkpoint.save(self, checkpoint, self.broadcast(filepath))
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Reads the checkpoint on every rank and loads this rank's shards of its trainable tensors and optimizer state:
         from one file (the returned checkpoint keeps its ``state_dict``: the module's ``on_load_checkpoint`` checks
-        it), or from a sharded folder (:func:`cope.train.sharded_checkpoint.load`), whichever the path holds."""
+        it), or from a sharded folder (:func:`cope.train.fsdp.checkpoint.load`), whichever the path holds."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-        from cope.train import sharded_checkpoint
+        from cope.train.fsdp import checkpoint as sharded_checkpoint
 
         path = self.broadcast(checkpoint_path)
         if sharded_checkpoint.complete_path(path).is_dir():

@@ -44,11 +44,11 @@ its gradients are still reduce-scattered once). The gathered weights are bit-ide
 Memory per rank is therefore: whole weights (plus the KV cache) during rollouts, as DDP; shards (plus one gathered
 layer, activations, the trainable parameters' gradients and moments, all sharded) during the optimizer steps.
 
-**Checkpoints** (:class:`cope.train.fsdp_strategy.FSDPStrategy`): by default the trainable tensors and the optimizer
+**Checkpoints** (:class:`cope.train.fsdp.strategy.FSDPStrategy`): by default the trainable tensors and the optimizer
 state are gathered into one ordinary checkpoint file on rank zero, written through the trainer's (atomic)
 ``CheckpointIO``, with the DDP checkpoint's layout except that the optimizer state is keyed by parameter name; resume
 loads each rank's shard of it, exactly, at any world size. ``distributed_checkpoint=true``: a torch distributed
-checkpoint folder, each rank writing its shards (:mod:`cope.train.sharded_checkpoint`). A DDP checkpoint (optimizer
+checkpoint folder, each rank writing its shards (:mod:`cope.train.fsdp.checkpoint`). A DDP checkpoint (optimizer
 state keyed by index) is refused with the file and the fix, and the reverse.
 
 Mixed precision: fp32 on CPU (the tests); on CUDA, bf16 compute with fp32 gradient reduction
@@ -62,22 +62,25 @@ import logging
 from typing import Iterator
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
+
+from cope.capabilities import can
 
 log = logging.getLogger(__name__)
+_logged_uneven: list[bool] = []  # the uneven-step note is logged once per process
+
 
 def configure_sharding(module) -> WholeWeights | None:
-    """What ``AgentRLModule.configure_model`` does: under :class:`FSDPStrategy`, shard ``module.model``
+    """What ``AgentRLModule.configure_model`` does: under a strategy that shards the weights and gathers them for
+    rollouts (:class:`cope.train.fsdp.strategy.FSDPStrategy`, or a subclass), shard ``module.model``
     (:func:`shard_policy`) and set the policy's ``full_weights``; returns the :class:`WholeWeights` switch (None under
-    any other strategy: nothing happens)."""
-    from cope.train.fsdp_strategy import FSDPStrategy
-
+    a strategy that shards nothing: nothing happens). Another sharding strategy is refused (the config rules refuse it
+    first; this is for a direct ``Trainer`` user)."""
     strategy = module.trainer.strategy
-    if not isinstance(strategy, ModelParallelStrategy):
+    if not can(strategy, "shards_weights"):
         return None
-    if not isinstance(strategy, FSDPStrategy):
-        raise TypeError(f"{type(strategy).__name__}: the policy is sharded by cope.train.fsdp_strategy.FSDPStrategy "
-                        "(trainer=fsdp) only")
+    if not can(strategy, "gathers_for_rollouts"):
+        raise TypeError(f"{type(strategy).__name__}: shards the weights but does not gather them for rollouts; the "
+                        "policy is sharded by cope.train.fsdp.strategy.FSDPStrategy (trainer=fsdp) only")
     mesh, policy = strategy.device_mesh["data_parallel"], module.policy
     counts = shard_policy(module.model, mesh, strategy.mp_policy())
     if counts is not None:  # sharded now (not again for a fit after a validation)
@@ -95,18 +98,45 @@ def configure_sharding(module) -> WholeWeights | None:
     return policy.full_weights
 
 
-def step_weights(module, batch: dict):
+class StepWeights(contextlib.ExitStack):
+    """The context of one optimizer step's forwards and backwards (:func:`step_weights`); ``pad_to``: the number of
+    backward passes every rank must run (None: its own micro-batches)."""
+
+    pad_to: int | None = None
+
+
+def step_weights(module, batch: dict) -> StepWeights:
     """The context of one optimizer step's forwards and backwards on ``batch`` under :class:`FSDPStrategy`: sharded
     (per-layer all-gathers) when every rank cuts its batch into as many micro-batches, else gathered (no collective
-    per forward, which ranks with different micro-batch counts could not match). Other strategies: a null context.
-    One small collective under FSDP when a token budget is set."""
+    per forward, which ranks with different micro-batch counts could not match). Other strategies: an empty context.
+    One small collective under FSDP when a token budget is set.
+
+    Gradient reduce-scatters must match too. By default one runs per step, at the last micro-batch, on every rank
+    alike. With ``sync_every_microbatch`` one runs per backward pass, so in a step whose ranks cut different numbers
+    ``pad_to`` says how many passes each rank runs: the largest count; a rank with fewer adds passes that contribute
+    zero gradient (:func:`cope.train.step.backward.backward_microbatched`). Holding the sync to the last micro-batch
+    instead would bring back the whole unsharded gradient the flag exists to avoid (4 B a trained weight)."""
+    step = StepWeights()
     whole = getattr(module.policy, "full_weights", None)
     if not isinstance(whole, WholeWeights) or module.max_tokens_per_microbatch is None:
-        return contextlib.nullcontext()  # one forward per step on every rank
+        return step  # one forward per step on every rank
     n_parts = len(module.micro_batches(batch))
+    strategy = module.trainer.strategy
     n = torch.tensor([n_parts, -n_parts], dtype=torch.float64, device=module.device)
-    n = module.trainer.strategy.reduce(n, reduce_op="max")
-    return whole() if int(n[0]) != -int(n[1]) else contextlib.nullcontext()
+    n = strategy.reduce(n, reduce_op="max")
+    most, fewest = int(n[0]), -int(n[1])
+    if most == fewest:
+        return step
+    if not _logged_uneven:
+        _logged_uneven.append(True)
+        log.info("trainer=fsdp: the ranks cut one step's minibatch into %d to %d micro-batches: such steps run on "
+                 "gathered weights%s (logged once)", fewest, most,
+                 ", every rank running as many backward passes (sync_every_microbatch)"
+                 if getattr(strategy, "sync_every_microbatch", False) else "")
+    step.enter_context(whole())
+    if getattr(strategy, "sync_every_microbatch", False):
+        step.pad_to = most
+    return step
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -152,8 +182,8 @@ def parameter_counts(model: torch.nn.Module) -> dict[str, int]:
     return {"full": full, "local": local, "replicated": replicated}
 
 
-def _roots(model: torch.nn.Module | None) -> list:
-    """The outermost FSDP modules under ``model``."""
+def fsdp_roots(model: torch.nn.Module | None) -> list:
+    """The outermost FSDP modules under ``model`` (each a group whose gradient reduce-scatter can be switched off)."""
     from torch.distributed.fsdp import FSDPModule
 
     out, inner = [], set()
@@ -169,14 +199,34 @@ class WholeWeights:
     :meth:`shard` (each a collective on every rank, a no-op when already so). While gathered, a forward or backward
     runs no collective (ranks may run different numbers of forwards: rollouts, scoring, callbacks' probes); the
     gradient reduce-scatter still runs, once per optimizer step. Calling it gives a context that gathers and, on exit,
-    restores the state it found: :attr:`cope.models.policy.Policy.full_weights` under this strategy."""
+    restores the state it found: :attr:`cope.models.policy.Policy.full_weights` under this strategy.
+
+    :attr:`whole` is read off the groups themselves, never remembered: FSDP2 registers a group's parameters as plain
+    tensors while it is gathered and as sharded DTensors otherwise, and more than this class reshards (a checkpoint's
+    or an export's ``get_model_state_dict`` does). A remembered flag stayed "gathered" after a save, so the next
+    :meth:`gather` did nothing and the next forward all-gathered layer by layer: a rank with no forward right after a
+    save (an empty validation shard) left the others waiting in that all-gather.
+    """
 
     def __init__(self, model: torch.nn.Module):
         from torch.distributed.fsdp import FSDPModule
 
         self.groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        self.roots = set(_roots(model))  # gathered from forward to backward's end when sharded (FSDP's root default)
-        self.whole = False
+        self.roots = set(fsdp_roots(model))  # gathered from forward to backward's end when sharded (FSDP's root default)
+        # per group, where one parameter it manages itself sits (not a nested group's): (module, name), read afresh at
+        # each check, since FSDP2 registers another tensor object there when it gathers or reshards
+        self._probe = {m: _own_parameter(m) for m in self.groups}
+
+    def _gathered(self, group) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        owner, name = self._probe[group]
+        return not isinstance(getattr(owner, name), DTensor)
+
+    @property
+    def whole(self) -> bool:
+        """Every group gathered now (read off the groups: see the class docstring)."""
+        return all(self._gathered(m) for m in self.groups)
 
     def gather(self) -> None:
         if self.whole:
@@ -184,17 +234,15 @@ class WholeWeights:
         for m in self.groups:
             m.set_reshard_after_forward(False, recurse=False)
             m.set_reshard_after_backward(False, recurse=False)
-            m.unshard()
-        self.whole = True
+            if not self._gathered(m):
+                m.unshard()
 
     def shard(self) -> None:
-        if not self.whole:
-            return
         for m in self.groups:
-            m.reshard()
+            if self._gathered(m):
+                m.reshard()
             m.set_reshard_after_forward(m not in self.roots, recurse=False)
             m.set_reshard_after_backward(True, recurse=False)
-        self.whole = False
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
@@ -205,6 +253,19 @@ class WholeWeights:
         finally:
             if not was:
                 self.shard()
+
+
+def _own_parameter(group: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """(module, name) of a parameter ``group`` manages itself: under ``group`` but under no nested FSDP group."""
+    from torch.distributed.fsdp import FSDPModule
+
+    todo = [group]
+    while todo:
+        m = todo.pop(0)
+        for name, _ in m.named_parameters(recurse=False):
+            return m, name
+        todo += [c for c in m.children() if not isinstance(c, FSDPModule)]
+    raise ValueError(f"FSDP group {type(group).__name__} manages no parameter of its own")
 
 
 class SwappedWeights:

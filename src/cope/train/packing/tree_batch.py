@@ -1,13 +1,13 @@
 """The packed batch: the one form in which a training batch carries shared prefixes, and the one forward over it.
 
 A batch's rows (one per episode, or per forecast sample) are its *logical* rows: every objective reads them. What the
-model forwards are :class:`PackedRows`: packed rows holding trees (:class:`~cope.train.prefix_tree.PrefixTree`: a
+model forwards are :class:`PackedRows`: packed rows holding trees (:class:`~cope.train.packing.prefix_tree.PrefixTree`: a
 prefix stored once, branches continuing it), with ``index``, where each logical token sits in the packed rows. A
 batch that packs prefixes carries them as ``batch["packed"]`` (:func:`packs_prefixes`, the one predicate). Its three
 producers all go through the one packer, :func:`pack` (units placed side by side in as few rows as fit the
 micro-batch budget, :func:`fill_rows`):
 
-* GRPO groups (``data.share_prefix``): :func:`cope.train.group_prefix.pack_groups`; a side view, the logical rows
+* GRPO groups (``data.share_prefix``): :func:`cope.train.packing.group_prefix.pack_groups`; a side view, the logical rows
   stay one per episode.
 * CoPE's joint rows (``cope.packing=packed``): each row a transcript with its forecast segments as branches
   (:func:`cope.algos.cope.packing.pack_forecasts`), rows packed as they are (:meth:`PackedRows.of_rows`), then
@@ -26,13 +26,14 @@ cells a query sees; any other model gets the tree's dense (N, 1, T, T) mask, the
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from cope.train.prefix_tree import PrefixTree, TreeNode
-from cope.train.tree_attention import NAME, register
+from cope.train.objectives import TokenScores
+from cope.train.packing.prefix_tree import PrefixTree, TreeNode
+from cope.train.packing.tree_attention import NAME, register
 
 _ROW_KEYS = ("input_ids", "attention_mask", "position_ids", "action_mask")
 
@@ -80,7 +81,7 @@ class PackedRows:
     @classmethod
     def of_rows(cls, batch: dict, tree: PrefixTree | None = None) -> PackedRows:
         """The identity packing: the packed rows are ``batch``'s rows (with ``tree``, or plain)."""
-        from cope.train.batch import row_lengths
+        from cope.batch import row_lengths
 
         ids, mask = batch["input_ids"], batch["attention_mask"]
         N, T = ids.shape
@@ -106,7 +107,7 @@ class PackedRows:
     def micro_batches(self, budget: int | None) -> list[tuple[torch.Tensor | None, int | None]]:
         """(logical rows, their longest length) per micro-batch: whole consecutive packed rows whose count times their
         longest length fits ``budget`` tokens (one row at least); [(None, None)]: all at once."""
-        from cope.train.batch import microbatch_plan
+        from cope.batch import microbatch_plan
 
         if budget is None:
             return [(None, None)]
@@ -134,7 +135,7 @@ class PackedRows:
         part = {k: getattr(self, k)[a:b, :n] for k in _ROW_KEYS if k != "attention_mask"}
         mask = self.attention_mask[a:b]
         part["attention_mask"] = mask[:, :n] if mask.dim() == 2 else mask[..., :n, :n]
-        tree = None if self.tree is None else replace(self.tree, rows=self.tree.rows[a:b], length=n)  # recompute kept
+        tree = None if self.tree is None else self.tree.replace(rows=self.tree.rows[a:b], length=n)  # recompute kept
         return part, tree
 
     def local_index(self, a: int, width: int, rows: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
@@ -242,7 +243,7 @@ def attention_kwargs(model, attention_mask: torch.Tensor, tree: PrefixTree | Non
     impl = getattr(model.config, "_attn_implementation", "sdpa")
     if tree is not None and impl == NAME:
         recompute = tree.recompute and not getattr(model, "is_activation_checkpointing", False)
-        return {"attention_mask": attention_mask, "prefix_tree": tree if recompute else replace(tree, recompute=False)}
+        return {"attention_mask": attention_mask, "prefix_tree": tree if recompute else tree.replace(recompute=False)}
     if tree is not None:
         keep = tree.dense_mask(attention_mask.device)  # (N, 1, T, T) bool
         if impl == "sdpa":
@@ -254,31 +255,42 @@ def attention_kwargs(model, attention_mask: torch.Tensor, tree: PrefixTree | Non
     return {"attention_mask": attention_mask}
 
 
-def packed_logprobs(model, pack: PackedRows, rows: torch.Tensor | None, length: int | None, at: torch.Tensor | None,
-                    temperature: float, entropy: bool) -> tuple[torch.Tensor, ...]:
+def packed_logprobs(model, pack: PackedRows, rows: torch.Tensor | None, length: int | None, at: Mapping[str, torch.Tensor],
+                    temperature: float, entropy: bool) -> TokenScores:
     """:func:`cope.train.logprobs.causal_lm_logprobs` of logical rows ``rows`` (all: None), first ``length`` columns,
-    computed on their packed rows and gathered back to the logical rows' shape: (log-probs, entropy[, TE rows]).
-    ``at``: (P, 2) [logical row, column] of the TE positions (None: none). Padding scores 0."""
+    computed on their packed rows and gathered back to the logical rows' shape. ``at``: per key, (P, 2) [logical row,
+    column] positions whose full predictive rows are wanted; those inside the rows and columns scored come back under
+    the key, with their indices into ``at[key]``. Padding scores 0."""
     from cope.train.logprobs import causal_lm_logprobs
 
     a, b = pack.span(rows)
     part, tree = pack.part(a, b)
     width = part["input_ids"].shape[1]
     local = pack.local_index(a, width, rows, length)  # (n, T')
+    index = {k: _inside(pos, rows, length) for k, pos in at.items()}  # key -> (P_k,) positions in this part
     at_packed = None
-    if at is not None:
-        flat = pack.local_index(a, width)[at[:, 0], at[:, 1]]  # (P,)
+    if at:
+        live = torch.cat([at[k][i] for k, i in index.items()])  # (P', 2) [logical row, column]
+        flat = pack.local_index(a, width)[live[:, 0], live[:, 1]]  # (P',)
         at_packed = torch.stack([flat // width, flat % width], 1)
     act = part["action_mask"]
     kw = attention_kwargs(model, part["attention_mask"], tree)
-    lp, ent, *te = causal_lm_logprobs(model, part["input_ids"], kw["attention_mask"], part["position_ids"], tempered=act,
-                                      temperature=temperature, entropy_mask=act if entropy else None, rows_at=at_packed,
-                                      prefix_tree=kw.get("prefix_tree"))
+    lp, ent, *found = causal_lm_logprobs(model, part["input_ids"], kw["attention_mask"], part["position_ids"], tempered=act,
+                                         temperature=temperature, entropy_mask=act if entropy else None,
+                                         rows_at=at_packed, prefix_tree=kw.get("prefix_tree"))
     # column 0 holds 0 (the log-prob convention): in a packed row a tree placed after another would read it off that
     # tree's last token
     drop = local < 0
     drop[:, 0] = True
-    return (_gather(lp, local).masked_fill(drop, 0.0), _gather(ent, local).masked_fill(drop, 0.0), *te)
+    split = found[0].split([len(i) for i in index.values()]) if at else ()  # key by key, (P_k, V)
+    return TokenScores(_gather(lp, local).masked_fill(drop, 0.0), _gather(ent, local).masked_fill(drop, 0.0),
+                       dict(zip(index, split)), index)
+
+
+def _inside(pos: torch.Tensor, rows: torch.Tensor | None, length: int | None) -> torch.Tensor:
+    """Indices of the (P, 2) [row, column] positions ``pos`` in logical ``rows`` (all: None), first ``length`` columns."""
+    inside = torch.ones_like(pos[:, 0], dtype=torch.bool) if rows is None else torch.isin(pos[:, 0], rows)
+    return (inside & (pos[:, 1] < length) if length is not None else inside).nonzero().squeeze(-1)  # (P_live,)
 
 
 def _gather(values: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,12 @@ class RolloutBatch(TypedDict, total=False):
         aborted (N,) bool: the episode was aborted (env error); ECHO leaves such rows out.
         episode_index (N,) long: index into the epoch's episode list (-1: a row a transform appended).
         aux_row (N,) bool: rows that are not episode transcripts (all False here; CoPE's plain forecast
-            layout appends such rows): transcript-level objectives (ECHO, EMPG) skip them.
+            packing appends such rows): transcript-level objectives (ECHO, EMPG) skip them.
         behaviour_logprobs (N, T) float32, only with ``collate(..., behaviour=True)`` (``data.max_lag`` >= 1): the
             sampler's own log-prob of each ACTION token of a non-aborted episode (``Step.sampler_logprobs``, the
             behaviour policy that sampled it), 0 elsewhere. The policy gradient weights each token by
             pi_old / pi_behaviour (:func:`cope.algos.grpo.clipped_pg_loss`). A transform that moves or adds tokens
-            keeps it aligned with ``action_mask`` (the forecast layouts pad every (N, T) key with 0, where
+            keeps it aligned with ``action_mask`` (the forecast packings pad every (N, T) key with 0, where
             ``action_mask`` is False).
 
     Added by CoPE (:mod:`cope.algos.cope.packing`): ``forecast_mask`` (N, T) bool, ``forecast_chunk`` (N, T)
@@ -40,10 +40,10 @@ class RolloutBatch(TypedDict, total=False):
     The temporal ensemble's scored transform adds ``te_position`` (P, 2) long [row, column], ``te_ids`` (P, M) long
     and ``te_probs`` (P, M) float.
 
-    Shared prefixes: ``packed``, a :class:`cope.train.tree_batch.PackedRows` (not a tensor): the rows the model
+    Shared prefixes: ``packed``, a :class:`cope.train.packing.tree_batch.PackedRows` (not a tensor): the rows the model
     forwards, trees of a prefix stored once and its branches, with ``index`` from every token of the batch's rows to
     its place in them. The one form for all three producers: GRPO groups (``data.share_prefix``,
-    :func:`cope.train.group_prefix.pack_groups`), CoPE's packed joint rows (each row a transcript and its forecast
+    :func:`cope.train.packing.group_prefix.pack_groups`), CoPE's packed joint rows (each row a transcript and its forecast
     segments, :func:`cope.algos.cope.packing.pack_forecasts`) and CoPE's separate forecast steps with
     ``data.share_prefix`` (:func:`cope.algos.cope.shared_prefix.collate_shared`: the packed rows are the batch's
     rows, identity index). Every other key keeps the batch rows' shape, and so do the module's log-probs.
@@ -72,7 +72,7 @@ class RolloutBatch(TypedDict, total=False):
     te_position: torch.Tensor
     te_ids: torch.Tensor
     te_probs: torch.Tensor
-    packed: object  # cope.train.tree_batch.PackedRows (not imported here: tree_batch imports this module)
+    packed: object  # cope.train.packing.tree_batch.PackedRows (not imported here: tree_batch imports this module)
     old_logprobs: torch.Tensor
     old_entropy: torch.Tensor
     ref_logprobs: torch.Tensor

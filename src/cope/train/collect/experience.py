@@ -1,13 +1,14 @@
 """One epoch's episodes -> training experience: advantages, minibatches, collate transforms.
 
-Plain functions the DataModule calls after its rollouts (it owns the task stream and the RNG; these
-own nothing). The order is fixed and part of what makes a run reproducible:
+Plain functions the epoch builder (:mod:`cope.train.collect.epoch_builder`) calls on a collector's episodes (the
+epoch's task stream, whose RNG orders the minibatches, comes with them; these own nothing). The order is fixed and
+part of what makes a run reproducible:
 
 1. :func:`assign_advantages`: group-relative advantages from the episodes' rewards
    (:func:`cope.train.advantages.group_advantages`; aborted episodes get 0 and leave their group's
    statistics), written to ``Episode.advantage``;
 2. :func:`cut_minibatches`: the episodes shuffled with the caller's RNG, cut into minibatches of
-   ``minibatch_size``, each collated (:func:`cope.train.batch.collate`) and passed through the collate
+   ``minibatch_size``, each collated (:func:`cope.batch.collate`) and passed through the collate
    transforms in registration order (CoPE's forecast targets; a transform may widen or extend a batch).
 
 :func:`epoch_metrics` gives the epoch's ``rollout/*``, ``env/*``, ``perf/*`` and ``data/*`` values on this rank, and
@@ -22,11 +23,11 @@ from typing import Protocol
 
 import torch
 
+from cope.batch import RolloutBatch, collate
 from cope.episode import Episode
 from cope.rollout.loop import RolloutStats
 from cope.rollout.metrics import episode_metrics, episode_tally
 from cope.train.advantages import Metrics, group_advantages, zero_signal_groups
-from cope.train.batch import RolloutBatch, collate
 
 CollateTransform = Callable[[RolloutBatch, list[Episode]], RolloutBatch]
 
@@ -98,7 +99,7 @@ def cut_minibatches(episodes: list[Episode], minibatch_size: int, pad_id: int, r
                     transforms: Sequence[CollateTransform] = (), behaviour: bool = False) -> list[RolloutBatch]:
     """The episodes in an order drawn from ``rng`` (one shuffle), cut into collated minibatches of at most
     ``minibatch_size`` episodes; every minibatch passes through ``transforms`` in order. ``behaviour``: each
-    minibatch carries the sampler's log-probs (``behaviour_logprobs``, :func:`cope.train.batch.collate`)."""
+    minibatch carries the sampler's log-probs (``behaviour_logprobs``, :func:`cope.batch.collate`)."""
     order = list(range(len(episodes)))
     rng.shuffle(order)
     minibatches = []

@@ -2,11 +2,11 @@
 
 The episodes of one GRPO group start with the same tokens: the system prompt, the task, the first observation. A
 minibatch normally forwards that prefix once per episode. :func:`pack_groups` (the DataModule's last collate step)
-adds the packed rows (``batch["packed"]``, :class:`cope.train.tree_batch.PackedRows`): per group of the minibatch,
+adds the packed rows (``batch["packed"]``, :class:`cope.train.packing.tree_batch.PackedRows`): per group of the minibatch,
 one tree holding the prefix once (the trunk) and every episode's remainder as a branch anchored in it
-(:func:`cope.train.tree_batch.branch`: ``[prefix[-1]] + episode[P:]`` after ``P - 1`` trunk tokens); such trees and
+(:func:`cope.train.packing.tree_batch.branch`: ``[prefix[-1]] + episode[P:]`` after ``P - 1`` trunk tokens); such trees and
 the rows that share nothing are then placed side by side in fewer rows by the one packer
-(:func:`cope.train.tree_batch.pack`). Every other row (an episode alone in its group in this minibatch, an extra
+(:func:`cope.train.packing.tree_batch.pack`). Every other row (an episode alone in its group in this minibatch, an extra
 row a transform added) is a unit of its own.
 
 The batch contract does not change: ``input_ids``, ``roles``, ``advantages`` and every other key stay one row per
@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from cope.episode import Episode, Role
-from cope.train.prefix_tree import TreeNode
-from cope.train.tree_batch import Unit, branch, pack, split_to_fit
+from cope.train.packing.prefix_tree import TreeNode
+from cope.train.packing.tree_batch import Unit, branch, pack, split_to_fit
 
 
 def pack_groups(batch: dict, episodes: list[Episode], max_row_tokens: int | None = None) -> dict:
@@ -72,7 +72,7 @@ def pack_groups(batch: dict, episodes: list[Episode], max_row_tokens: int | None
 
 def _fit(rows: list[int], ids: torch.Tensor, roles: torch.Tensor, lengths: list[int], cap: int | None) -> list[list[int]]:
     """``rows`` (one group) cut into consecutive subgroups whose shared tree (prefix once, then each member's rest
-    and one repeated token) fits ``cap`` tokens (:func:`cope.train.tree_batch.split_to_fit`)."""
+    and one repeated token) fits ``cap`` tokens (:func:`cope.train.packing.tree_batch.split_to_fit`)."""
     if cap is None or len(rows) < 2:
         return [rows]
     P = _prefix(ids, roles, rows, lengths)

@@ -13,7 +13,7 @@ This is the cascade/shared-prefix idea of Hydragen (Juravsky et al., 2024) and t
 decoding (SpecInfer), used here for training: exact forward and backward, no cache. Where it differs: no
 log-sum-exp merge. Each branch's queries run against the gathered keys of its visible ancestors plus its own
 keys in one masked call (:meth:`PrefixTree.plan` cuts the work into such calls); see
-:mod:`cope.train.tree_attention` for the kernels.
+:mod:`cope.train.packing.tree_attention` for the kernels.
 
 Rules (checked at construction): spans are non-empty, inside the row and disjoint, in any order in memory; a
 node's parent is listed before it (a smaller index), which rules out cycles; ``0 <= anchor <= len(parent)``; a
@@ -21,7 +21,7 @@ root's anchor is 0. A row may hold several roots (several independent trees, e.g
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -92,9 +92,13 @@ class Plan:
     padding: tuple[tuple[int, int], ...]
 
 
-@dataclass(frozen=True)
 class PrefixTree:
     """For each of N packed rows of length T, its tree of nodes (see the module docstring).
+
+    Immutable, compared by value (``rows``, ``length``, ``recompute``), and deliberately not a dataclass: a tree holds
+    no tensors, and the generic walkers that run over a forward's inputs (FSDP2's cast of forward inputs under a
+    mixed-precision policy, Lightning's device transfer) rebuild a dataclass field by field. Here they hand back the
+    same object, whose kernel tensors (:meth:`cached`) are then built once and reused by every layer.
 
     Args:
         rows: per row, its nodes; node ``i``'s parent must have an index below ``i``.
@@ -103,20 +107,42 @@ class PrefixTree:
             rather than kept: only q, k, v stay alive, not each tile's copy of its ancestors' keys and values (the
             step's activation peak 15-28% lower where tree rows set it, in ``bench/cope_update_cost.py``'s runs, for one more forward
             of those calls). False keeps them. A model that checkpoints its layers (the 7B preset) gets False
-            from :func:`cope.train.tree_batch.attention_kwargs`: its layer is recomputed anyway.
+            from :func:`cope.train.packing.tree_batch.attention_kwargs`: its layer is recomputed anyway.
     """
 
+    __slots__ = ("rows", "length", "recompute", "_cache")
     rows: tuple[tuple[TreeNode, ...], ...]
     length: int
-    recompute: bool = True
-    # The plan and the per-device tensors the kernels build once per tree and reuse in every layer.
-    _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    recompute: bool
 
-    def __post_init__(self) -> None:
-        if not self.rows:
+    def __init__(self, rows: tuple[tuple[TreeNode, ...], ...], length: int, recompute: bool = True) -> None:
+        if not rows:
             raise ValueError("PrefixTree needs at least one row")
-        for r, nodes in enumerate(self.rows):
-            _validate_row(r, nodes, self.length)
+        for r, nodes in enumerate(rows):
+            _validate_row(r, nodes, length)
+        for name, value in (("rows", rows), ("length", length), ("recompute", recompute)):
+            object.__setattr__(self, name, value)
+        # The plan and the per-device tensors the kernels build once per tree and reuse in every layer.
+        object.__setattr__(self, "_cache", {})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"PrefixTree is immutable: use replace({name}=...)")
+
+    def _key(self) -> tuple:
+        return self.rows, self.length, self.recompute
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PrefixTree) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return f"PrefixTree(rows={self.rows!r}, length={self.length}, recompute={self.recompute})"
+
+    def replace(self, **changes: Any) -> PrefixTree:
+        """A new tree with ``changes`` (``rows``, ``length``, ``recompute``) and its own, empty cache."""
+        return PrefixTree(**{"rows": self.rows, "length": self.length, "recompute": self.recompute, **changes})
 
     @classmethod
     def from_lists(cls, rows: list[list[tuple[int, int, int, int]]], length: int | None = None) -> PrefixTree:
@@ -171,8 +197,7 @@ class PrefixTree:
         ]
 
     def to(self, device: torch.device | str | None = None, **kwargs) -> PrefixTree:
-        """Itself: a tree holds no tensors (kernels build theirs per device). Lightning moves a batch with ``.to``
-        and, without this, would try to rebuild this frozen dataclass field by field and fail."""
+        """Itself: a tree holds no tensors (kernels build theirs per device); what Lightning calls to move a batch."""
         return self
 
     def cached(self, key: object, build: Callable[[], Any]) -> Any:

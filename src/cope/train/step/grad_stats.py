@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from cope.train.objectives import ForwardOut, Objective, batch_kind
+from cope.train.step.backward import Spliced
 
 
 class ObjectiveGradient(NamedTuple):
@@ -124,18 +125,14 @@ def first_microbatch_forward(pl_module: Any, batch: Mapping[str, torch.Tensor]) 
 
     Without micro-batches (``module.max_tokens_per_microbatch`` unset, or the minibatch fits) that is the whole
     forward. Otherwise the rows of the first micro-batch are live and the others are held at ``old_logprobs``
-    (entropy 0), so a gradient of it is that micro-batch's share of the step's gradient: every objective's
-    share alike, which keeps norms comparable and cosines meaningful at a fraction of the cost."""
+    (entropy 0; the predictive rows the objectives declared, 0 outside it), so a gradient of it is that micro-batch's
+    share of the step's gradient: every objective's share alike, which keeps norms comparable and cosines meaningful
+    at a fraction of the cost (:class:`~cope.train.step.backward.Spliced`)."""
     rows, n = pl_module.micro_batches(batch)[0]
     if rows is None:
         return pl_module(batch)
-    live_lp, live_ent = pl_module.logprobs(batch, rows, n)  # (R, n) each
-    old = batch.get("old_logprobs")  # a forecast batch is not scored: any constant stands in (its loss reads its rows)
-    lp = (old.to(pl_module.device, torch.float32).clone() if old is not None
-          else torch.zeros(batch["input_ids"].shape, device=pl_module.device))  # (N, T), constant elsewhere
-    ent = torch.zeros_like(lp)  # (N, T)
-    lp[rows, :n], ent[rows, :n] = live_lp, live_ent
-    return ForwardOut(lp, ent, batch.get("ref_logprobs") if pl_module.needs_ref else None)
+    scores = pl_module.logprobs(batch, rows, n, rows_at=pl_module.needs.rows_at)  # (R, n) each
+    return Spliced(pl_module, batch).live(rows, n, scores)
 
 
 def measure_gradients(

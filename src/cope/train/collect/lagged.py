@@ -1,18 +1,20 @@
 """Rollouts that overlap training (``data.max_lag = L >= 1``): a background thread collects later epochs' episodes.
 
-The schedule is fixed: **epoch e trains on episodes sampled by the policy as it was at the start of epoch
-max(0, e - L)** (its *version*: the epoch whose starting weights sampled it). At the start of epoch e the DataModule
-syncs the engine to the current weights, queues the collection of epoch e + L under that version, and takes epoch e's
-collection (queued at the start of epoch e - L), waiting for it if it is still running. So:
+The collector of :mod:`cope.train.collect.collector` for ``L >= 1`` (:class:`LaggedCollector`; the schedule and its
+thread: :class:`LaggedRollouts`). The schedule is fixed: **epoch e trains on episodes sampled by the policy as it was
+at the start of epoch max(0, e - L)** (their *sampled epoch*; the engine serves those weights as the *version* named
+by the optimizer step count at their sync). At the start of epoch e the collector syncs the engine to the current
+weights, queues the collection of epoch e + L under that version, and takes epoch e's collection (queued at the
+start of epoch e - L), waiting for it if it is still running. So:
 
 * **the lag is bounded by construction**: a collection is only ever queued under the newest weights, and only L
-  epochs ahead; nothing is sampled by a policy more than L versions old;
+  epochs ahead; nothing is sampled by a policy more than L epochs old;
 * **admission is paced, never dropped**: collection runs ahead of training by at most L epochs and then waits (the
   queue is full); a slow, long episode is waited for, never discarded, so the batch is not biased toward short ones;
 * **GRPO groups stay within one version**: a collection is one engine call under one version, and every group lives
   inside one collection;
-* **the first L epochs** of a fresh run are sampled by version 0 (lag e < L), as is every collection queued before
-  the first update.
+* **the first L epochs** of a fresh run are sampled by the weights of epoch 0 (lag e < L), as is every collection
+  queued before the first update.
 
 Only the engine call runs in the thread (``RolloutEngine.rollout(..., version=v)`` on its own env slots): task
 sampling happens when a collection is queued, advantages, minibatches, the counters' all-reduces and the
@@ -25,7 +27,9 @@ Resume: collections are not checkpointed. A checkpoint written at the end of epo
 e+1 .. e+L queued or running; a resumed run discards them, counts them (``rollout/discarded_episodes``, cumulative,
 summed over ranks) and collects those epochs again under its first version, then goes on with the schedule. No
 episode is trained twice and none is trained without being counted; a resumed lagged run is not bit-identical to
-the uninterrupted one (its first L epochs after the resume have a smaller lag). Lag 0 never starts the thread.
+the uninterrupted one (its first L epochs after the resume have a smaller lag). The checkpoint carries
+``in_flight_episodes`` (what a resume from it discards) and ``discarded_episodes`` (the running total). Lag 0 never
+starts the thread (:class:`~cope.train.collect.sync.SyncCollector`).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cope.envs.base import Task
+from cope.train.collect.collector import Collected, CollectorHost
 
 log = logging.getLogger(__name__)
 THREAD = "cope-lagged-rollouts"  # the collector thread's name
@@ -78,14 +83,14 @@ class Cancelled(Exception):
 class Collection:
     """One epoch's rollouts, queued under one policy version.
 
-    epoch: the epoch that trains on it; version: the epoch whose starting weights sample it; step: the engine's
-    version of those weights (the optimizer step count at the sync); tasks, groups, rng, seed: the epoch's task
-    stream (:meth:`cope.train.datamodule.RolloutDataModule.sample_tasks`), whose ``rng`` goes on to order the
+    epoch: the epoch that trains on it; sampled_epoch: the epoch whose starting weights sample it; version: the
+    engine's version of those weights (the optimizer step count at the sync); tasks, groups, rng, seed: the epoch's
+    task stream (:meth:`cope.train.datamodule.RolloutDataModule.sample_tasks`), whose ``rng`` goes on to order the
     minibatches; episodes, stats, seconds: set when it finished (``error`` when it failed)."""
 
     epoch: int
+    sampled_epoch: int
     version: int
-    step: int
     tasks: list[Task]
     groups: list[int]
     rng: random.Random
@@ -123,14 +128,14 @@ class LaggedRollouts:
         """Collections not yet taken (queued, running or finished), by epoch."""
         return [self._jobs[e] for e in sorted(self._jobs)]
 
-    def take(self, epoch: int, step: int, max_epochs: int | None = None) -> tuple[Collection, float]:
+    def take(self, epoch: int, version: int, max_epochs: int | None = None) -> tuple[Collection, float]:
         """Epoch ``epoch``'s collection and the seconds spent syncing: the engine synced to the weights as they are now
-        (optimizer step ``step``), the collections of epochs ``epoch .. epoch + max_lag`` (none past ``max_epochs``)
-        queued under them where not queued yet (all of them on a process's first epoch), then this epoch's waited for.
-        Its episodes carry their ``policy_version``; a failed collection's error is raised here (SIGTERM as
-        Lightning's ``SIGTERMException``)."""
+        (``version``: the optimizer step count), the collections of epochs ``epoch .. epoch + max_lag`` (none past
+        ``max_epochs``) queued under them where not queued yet (all of them on a process's first epoch), then this
+        epoch's waited for. Its episodes carry their ``sampled_epoch``; a failed collection's error is raised here
+        (SIGTERM as Lightning's ``SIGTERMException``)."""
         t0 = time.perf_counter()
-        self.engine.sync(step)
+        self.engine.sync(version)
         synced = time.perf_counter() - t0
         last = epoch + self.max_lag
         if max_epochs is not None and max_epochs >= 0:  # nothing is collected for epochs the fit will not run
@@ -138,9 +143,9 @@ class LaggedRollouts:
         for k in range(epoch, last + 1):
             if k not in self._jobs:
                 tasks, groups, rng = self._task_stream(k)
-                self.engine.hold(step)
-                self._submit(Collection(epoch=k, version=epoch, step=step, tasks=tasks, groups=groups, rng=rng,
-                                        seed=rng.randrange(2**31)))
+                self.engine.hold(version)
+                self._submit(Collection(epoch=k, sampled_epoch=epoch, version=version, tasks=tasks, groups=groups,
+                                        rng=rng, seed=rng.randrange(2**31)))
         job = self._jobs.pop(epoch)
         try:
             while not job.done.wait(timeout=1.0):
@@ -153,15 +158,15 @@ class LaggedRollouts:
             if job.error is not None:
                 raise job.error
         finally:
-            self.engine.release(job.step)
+            self.engine.release(job.version)
         for e in job.episodes:
-            e.policy_version = job.version
+            e.sampled_epoch = job.sampled_epoch
         return job, synced
 
     @staticmethod
     def metrics(epoch: int, job: Collection) -> dict[str, float]:
         """``rollout/lag_mean`` and ``rollout/lag_max`` (epochs between the sampling weights and the training epoch)."""
-        lags = [epoch - e.policy_version for e in job.episodes]
+        lags = [epoch - e.sampled_epoch for e in job.episodes]
         return {"rollout/lag_mean": sum(lags) / max(len(lags), 1), "rollout/lag_max": float(max(lags, default=0))}
 
     def _submit(self, job: Collection) -> None:
@@ -181,7 +186,7 @@ class LaggedRollouts:
 
         turn_done(0)
         return self.engine.rollout(job.tasks, job.groups, dataclasses.replace(self.sampling, seed=job.seed),
-                                   progress=turn_done, version=job.step)
+                                   progress=turn_done, version=job.version)
 
     def _loop(self) -> None:
         while True:
@@ -194,7 +199,8 @@ class LaggedRollouts:
             except BaseException as e:  # noqa: B036 - handed to the main thread by take()
                 job.error = e
                 if not isinstance(e, Cancelled):
-                    log.error("lagged collection of epoch %d (version %d) failed: %r", job.epoch, job.version, e)
+                    log.error("lagged collection of epoch %d (sampled epoch %d, version %d) failed: %r", job.epoch,
+                              job.sampled_epoch, job.version, e)
             job.seconds = time.perf_counter() - t0
             job.done.set()
 
@@ -209,6 +215,56 @@ class LaggedRollouts:
         self._thread = None
         self._queue = queue.Queue()
         for job in dropped:
-            self.engine.release(job.step)
+            self.engine.release(job.version)
         self._jobs.clear()
         return dropped
+
+
+class LaggedCollector:
+    """``data.max_lag = L >= 1`` as a collector: :class:`LaggedRollouts` driven once per epoch, its lag metrics, and
+    the episodes a resume discards.
+
+    Args:
+        host: what the DataModule lends (:class:`~cope.train.collect.collector.CollectorHost`): the engine, which must
+            overlap (:func:`check_lag`, raised here naming the key), the sampling, the task stream.
+        max_lag: L >= 1.
+    """
+
+    off_policy = True  # an episode sampled L epochs ago is scored by today's weights: the behaviour correction
+
+    def __init__(self, *, host: CollectorHost, max_lag: int):
+        check_lag(max_lag, host.engine, host.sampling)
+        self.host = host
+        self.rollouts = LaggedRollouts(host.engine, max_lag, host.sampling, host.task_stream, host.stopping)
+        self.discarded_episodes = 0  # of collections dropped unused by a resume; summed over ranks
+
+    def collect(self, epoch: int) -> Collected:
+        """The epoch's collection, queued ``max_lag`` epochs ago, with ``rollout/lag_mean``, ``rollout/lag_max``,
+        ``rollout/discarded_episodes`` and ``perf/rollout_wait_seconds``."""
+        t0 = time.perf_counter()
+        job, synced = self.rollouts.take(epoch, self.host.version(), self.host.max_epochs())
+        waited = time.perf_counter() - t0 - synced  # training waited for the rollouts this long (0: fully overlapped)
+        job.stats.sync_seconds += synced
+        metrics = {**self.rollouts.metrics(epoch, job), "rollout/discarded_episodes": float(self.discarded_episodes),
+                   "perf/rollout_wait_seconds": waited}
+        return Collected(job.episodes, job.groups, job.stats, job.rng, job.seconds, metrics)
+
+    def cancel(self) -> None:
+        dropped = self.rollouts.cancel()
+        if dropped:
+            log.info("data.max_lag: %d queued collection(s) (epochs %s) dropped at teardown", len(dropped),
+                     [c.epoch for c in dropped])
+
+    def state_dict(self) -> dict:
+        """The discarded-episode count and the episodes of the collections queued now, on all ranks (the same count on
+        each), which a resume from this checkpoint discards and collects again."""
+        in_flight = sum(len(c.tasks) for c in self.rollouts.pending) * self.host.world()
+        return {"discarded_episodes": self.discarded_episodes, "in_flight_episodes": in_flight}
+
+    def load_state_dict(self, state: dict) -> None:
+        in_flight = int(state.get("in_flight_episodes", 0))
+        self.discarded_episodes = int(state.get("discarded_episodes", 0)) + in_flight
+        if in_flight:
+            log.warning("data.max_lag: the checkpoint had %d episodes in flight (collected, not yet trained); they are "
+                        "discarded (rollout/discarded_episodes) and their epochs collected again with the resumed weights",
+                        in_flight)

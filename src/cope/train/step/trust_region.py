@@ -5,13 +5,18 @@ now against the one that sampled the epoch, mean over ranks) exceeds the limit, 
 ones are not taken: the importance ratios are trusted only near the sampler. CoPE's separate forecast steps (no ratio)
 are not the trust region's. The demo's collapse came from such excursions (README: "The demo's collapse").
 
-The module asks :meth:`TrustRegion.stops` before a minibatch's forward (an earlier step tripped it: the step is not
-forwarded) and, after the forward, hands it the step's KL (:meth:`TrustRegion.measure`, already averaged over ranks,
-so every rank decides alike) before asking again. The dropped steps are counted over the run and checkpointed.
+The module asks :func:`kl_stop` before a minibatch's forward (an earlier step tripped it: the step is not forwarded)
+and, after the forward, with the step's metrics: its KL is averaged over ranks and handed to :meth:`TrustRegion.measure`
+(so every rank decides alike) before :meth:`TrustRegion.stops` answers. The dropped steps are counted over the run and
+checkpointed.
 """
 from __future__ import annotations
 
 import logging
+
+import torch
+
+from cope.train.objectives import ROLLOUT
 
 log = logging.getLogger(__name__)
 
@@ -47,3 +52,20 @@ class TrustRegion:
             return False
         self.stopped_steps += 1
         return True
+
+
+def kl_stop(module, kind: str, metrics: dict | None = None) -> bool:
+    """Whether this step of ``module`` (a batch of ``kind``) falls outside the epoch's trust region
+    (``module.trust_region``; only rollout steps are its): asked before the forward (no ``metrics``), for the earlier
+    steps alone (True: the step is not forwarded); after it, with the step's metrics, it also measures this one, its
+    ``policy/approx_kl`` averaged over ranks first, so every rank decides alike (the answer before the forward reads
+    only that decision: no collective)."""
+    region, epoch = module.trust_region, module.current_epoch
+    if not region.on or kind != ROLLOUT:
+        return False
+    if metrics is not None and region.open(epoch) and "policy/approx_kl" in metrics:
+        kl = torch.as_tensor(metrics["policy/approx_kl"], dtype=torch.float32, device=module.device).detach()
+        if module._trainer is not None and module.trainer.world_size > 1:
+            kl = module.trainer.strategy.reduce(kl, reduce_op="mean")
+        region.measure(float(kl), epoch, module.global_step)
+    return region.stops(epoch)
