@@ -13,6 +13,8 @@ It does not measure what a rollout holds (the whole model on every rank under bo
 
 Usage: ``python -m bench.fsdp_memory [--layers 24] [--tokens 128] [--steps 3] [--out bench/results/fsdp_memory.json]``
 (at the full 24 layers, full fine-tuning under DDP holds ~8 GB per rank: 16 GB for the two ranks).
+``--host-setup``: only the host RAM a full-fine-tuning rank takes while its model is built (the fp32 model and the
+reference's deep copy), measured against the formula ``8P`` (:mod:`cope.train.fsdp.memory`), in seconds.
 """
 from __future__ import annotations
 
@@ -112,13 +114,50 @@ def _worker(rank: int, world: int, init: str, args, results) -> None:
         dist.destroy_process_group()
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_setup(layers: int) -> dict:
+    """Host RAM a full-fine-tuning rank takes while its model is built, measured in this process (RSS), against
+    :meth:`cope.train.fsdp.memory.MemoryPlan.host_setup`: the fp32 model (``4P``), then the reference's deep copy
+    (``4P`` more), as :meth:`cope.models.policy.Policy.freeze_reference` makes it before sharding."""
+    import copy
+
+    from cope.train.fsdp.memory import MemoryPlan, ModelShape
+
+    cfg = {**QWEN25_05B, "num_hidden_layers": layers}
+    shape = ModelShape(vocab=cfg["vocab_size"], hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
+                       layers=layers, heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"], tied=True)
+    before = _rss_bytes()
+    model = _build("full", layers)
+    built = _rss_bytes()
+    reference = copy.deepcopy(model).requires_grad_(False)
+    copied = _rss_bytes()
+    predicted = MemoryPlan(shape, finetune="full", kl=True).host_setup()["per_rank"]
+    measured = copied - before
+    del model, reference
+    return {"params": shape.params(), "model_bytes": built - before, "reference_bytes": copied - built,
+            "measured_bytes": measured, "predicted_bytes": predicted, "ratio": measured / predicted}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B has 24)")
     p.add_argument("--tokens", type=int, default=128, help="tokens per row (2 rows per rank)")
     p.add_argument("--steps", type=int, default=3, help="timed optimizer steps (after one warm-up)")
     p.add_argument("--out", type=Path, default=None, help="JSON of the results (default: print only)")
+    p.add_argument("--host-setup", action="store_true", help="only the host RAM of a full-fine-tuning setup, against "
+                   "the formula (seconds; no ranks)")
     args = p.parse_args(argv)
+    if args.host_setup:
+        got = host_setup(args.layers)
+        print(f"host RAM at setup, full fine-tuning, Qwen2.5-0.5B shape ({args.layers} layers, P = {got['params']:,}): "
+              f"measured {got['measured_bytes'] / 2**30:.3f} GiB (model {got['model_bytes'] / 2**30:.3f}, reference "
+              f"copy {got['reference_bytes'] / 2**30:.3f}), formula 8P = {got['predicted_bytes'] / 2**30:.3f} GiB, "
+              f"ratio {got['ratio']:.3f}")
+        return got
     world = 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:

@@ -1,4 +1,5 @@
-"""GPU-only paths: bf16-mixed training, 4-bit QLoRA (bitsandbytes) on CUDA, NCCL DDP over 2 GPUs.
+"""GPU-only paths: bf16-mixed training, 4-bit QLoRA (bitsandbytes) on CUDA, NCCL DDP over 2 GPUs, the tree kernel
+at 7B's attention on the flash and memory-efficient kernels (bench/gpu_tree.py).
 
 Their CPU twins run in the default suite (fp32 training everywhere, ``tests/test_policy.py`` 4-bit on
 CPU, ``tests/test_ddp.py`` gloo DDP with 2 CPU processes). These are marked ``gpu``, deselected by
@@ -154,3 +155,17 @@ def test_ddp_two_gpus_nccl(train_script, read_metrics, tmp_path):
     cols = read_metrics(run_dir / "csv" / "metrics.csv")
     assert cols["counters/episodes"] == [2 * TASKS * GROUP * (e + 1) for e in range(EPOCHS)], _report(proc)
     assert proc.stdout.count("=== cope-trainer run summary ===") == 1, _report(proc)
+
+
+@needs_cuda
+def test_tree_kernel_at_7b_attention_runs_without_the_math_kernel():
+    """bench/gpu_check.py's `tree` phase on CUDA (seconds): the tiles kernel at Qwen2.5-7B's attention (28 query heads,
+    4 key/value heads, head dim 128, bf16) inside sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION]): its causal calls
+    ran on flash attention, its masked tile calls on the memory-efficient kernel, and its output and gradients are
+    within bf16 rounding of the dense-mask SDPA in fp32."""
+    from bench import gpu_tree
+
+    res = gpu_tree.run_tree(torch.device("cuda", 0), smoke=False)
+    assert res["checks_ok"] and res["exactness"]["exact"], res
+    assert res["kernels"] == {"causal": [gpu_tree.CUDA_KERNELS["causal"]], "masked": [gpu_tree.CUDA_KERNELS["masked"]]}
+    assert (res["heads"], res["kv_heads"], res["head_dim"]) == (28, 4, 128) and res["peak_mem_gib"] > 0

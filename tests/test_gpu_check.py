@@ -1,7 +1,9 @@
-"""bench/gpu_check.py, the prepared GPU check: its CPU smoke run from a bare checkout (no editable
-install, hydra-core and omegaconf absent, as on the GPU image) reports every phase; it refuses to start
-the full run without CUDA; its shim for transformers releases before the ``cache=`` rename translates
-both ways. The full run (Qwen2.5-7B's shape) is marked ``gpu``."""
+"""bench/gpu_check.py, the prepared GPU check: its plan (phases by name, the card each needs, estimated minutes; the
+default plan within about 5 minutes; an unknown phase refused naming the valid ones), its CPU smoke run from a bare
+checkout (no editable install, hydra-core and omegaconf absent, as on the GPU image) reporting every phase, the
+training phases through a Lightning Trainer in trainer=gpu's bf16-mixed precision (on CPU), the tree phase's checks of
+the kernel's calls and of its exactness (each shown to fail on a broken kernel); it refuses to start without CUDA. The
+full run (Qwen2.5-7B's shape) is marked ``gpu``."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from bench import gpu_tree
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "gpu_check.py"
@@ -52,37 +56,127 @@ def _summary(proc: subprocess.CompletedProcess) -> dict:
 
 
 def _check(summary: dict, smoke: bool) -> None:
+    """Every phase the run names reported what it measured; the comparisons between phases where both ran."""
     assert summary["ok"] and summary["smoke"] is smoke
     assert summary["cope_path"] == str(REPO / "src" / "cope")  # this checkout, through the script's own finder
     assert summary["imported_hydra_or_omegaconf"] == []
+    ran = set(summary["phases"])
     model = summary["model"]
     assert model["trainable"] == model["trainable_expected"] and model["lora_targets_complete"]
-    for name in ("grpo", "cope", "cope_tree", "grpo_shared"):
+    for name in ran & {"grpo", "cope", "cope_tree", "grpo_shared"}:
         r = summary[name]
         assert PHASE_KEYS <= r.keys(), (name, r)
         assert r["finite"] and r["adapter_moved"] and r["step_s"] > 0 and r["tokens_per_s"] > 0
         assert len(r["step_s_all"]) >= 1 and r["microbatches"] >= 2  # the token budget split the minibatch
         assert (r["peak_mem_gib"] is None) is smoke
-    assert summary["cope"]["chunks"] > 0 and summary["cope"]["width"] > summary["grpo"]["width"]  # forecast segments appended
-    assert summary["cope"]["tokens"] == summary["grpo"]["tokens"] == sum(summary["episode_tokens"])
-    assert summary["forecast_overhead"] == pytest.approx(summary["cope"]["step_s"] / summary["grpo"]["step_s"], rel=1e-2)
-    # the shared-prefix rows: the same transcripts and steps, the group prompts forwarded once
-    assert summary["cope_tree"]["shared"] and summary["cope_tree"]["width"] == summary["cope"]["width"]
-    assert summary["grpo_shared"]["tokens_forwarded"] < summary["grpo"]["tokens"] == summary["grpo_shared"]["tokens"]
-    assert summary["cope_tree_vs_cope"] > 0 and summary["grpo_shared_vs_grpo"] > 0
-    gen = summary["generation"]
-    assert GEN_KEYS <= gen.keys() and gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0
-    assert (gen["peak_mem_gib"] is None) is smoke
+        assert r["precision"] == "bf16-mixed" and r["adapter_dtype"] == ["float32"]  # trainer=gpu's autocast, peft's fp32 adapter
+        assert len(r["loss"]) == summary["sizes"]["warmup"] + len(r["step_s_all"])  # the Trainer ran warm-up + timed steps
+    if {"grpo", "cope"} <= ran:
+        assert summary["cope"]["chunks"] > 0 and summary["cope"]["width"] > summary["grpo"]["width"]  # forecast segments appended
+        assert summary["cope"]["tokens"] == summary["grpo"]["tokens"] == sum(summary["episode_tokens"])
+        assert summary["forecast_overhead"] == pytest.approx(summary["cope"]["step_s"] / summary["grpo"]["step_s"], rel=1e-2)
+    if {"cope", "cope_tree", "grpo", "grpo_shared"} <= ran:  # the shared-prefix rows: same transcripts, prompts forwarded once
+        assert summary["cope_tree"]["shared"] and summary["cope_tree"]["width"] == summary["cope"]["width"]
+        assert summary["grpo_shared"]["tokens_forwarded"] < summary["grpo"]["tokens"] == summary["grpo_shared"]["tokens"]
+        assert summary["cope_tree_vs_cope"] > 0 and summary["grpo_shared_vs_grpo"] > 0
+    if "tree" in ran:
+        t = summary["tree"]
+        assert t["checks_ok"] and t["exactness"]["exact"] and t["step_s"] > 0
+        assert t["calls_per_layer"]["causal"] > 0 and t["calls_per_layer"]["masked"] > 0
+        assert (t["heads"], t["kv_heads"]) == ((4, 2) if smoke else (28, 4)) and (t["peak_mem_gib"] is None) is smoke
+        if not smoke:
+            assert t["kernels"] == {"causal": [gpu_tree.CUDA_KERNELS["causal"]], "masked": [gpu_tree.CUDA_KERNELS["masked"]]}
+    if "generation" in ran:
+        gen = summary["generation"]
+        assert GEN_KEYS <= gen.keys() and gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0
+        assert (gen["peak_mem_gib"] is None) is smoke
+
+
+ALL = ["grpo", "cope", "cope_tree", "grpo_shared", "tree", "generation"]
 
 
 @pytest.mark.long
 def test_smoke_run_from_a_bare_checkout(tmp_path):
-    proc = _run(["--smoke"], cwd=tmp_path, timeout=180, OUT=str(tmp_path))
+    proc = _run(["--smoke", "--phase", *ALL], cwd=tmp_path, timeout=180, OUT=str(tmp_path))
     summary = _summary(proc)
+    assert summary["phases"] == ALL
     _check(summary, smoke=True)
     assert summary["sizes"]["episodes"] == 4 and summary["settings"]["lora"]["r"] == 32  # the 7B preset's LoRA, tiny shapes
+    assert summary["settings"]["trainer"]["precision"] == "bf16-mixed"  # conf/trainer/gpu.yaml's, read without hydra
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == summary  # $OUT/gpu_check.json
-    assert "| grpo |" in proc.stdout and "forecast overhead" in proc.stdout
+    assert "| grpo |" in proc.stdout and "forecast overhead" in proc.stdout and "| tree kernel" in proc.stdout
+    assert proc.stdout.index("gpu_check: plan") < proc.stdout.index("| grpo |")  # the plan printed first
+
+
+def test_plan_lists_phases_cards_and_estimates_and_exits(tmp_path):
+    proc = _run(["--dry-run"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    default = [n for n, p in gpu_check_phases().items() if p.default]
+    assert default == ["grpo", "cope", "tree", "generation"]
+    for name in default:
+        assert f"| {name} | 80GB |" in proc.stdout and "est." in proc.stdout
+    assert "| cope_tree |" not in proc.stdout and "total: 3.9 min estimated, on the 80 GB card" in proc.stdout
+    listed = _run(["--list"], cwd=tmp_path, timeout=60)
+    assert listed.returncode == 0 and all(f"| {n} |" in listed.stdout for n in ALL)
+    one = _run(["--dry-run", "--phase", "tree"], cwd=tmp_path, timeout=60)  # the tree phase alone builds no model
+    assert one.returncode == 0 and "| tree |" in one.stdout and "imports, CUDA init (no model)" in one.stdout
+
+
+def test_default_plan_fits_about_five_minutes_on_the_80gb_card():
+    from bench.gpu_plan import CARD_MIN_GIB
+
+    phases = gpu_check_phases()
+    from bench.gpu_check import SETUP
+
+    total = SETUP.minutes + sum(p.minutes for p in phases.values() if p.default)
+    assert total <= 5.0 and all(p.card == "80GB" for p in phases.values()), total
+    assert CARD_MIN_GIB["80GB"] < 79.6 < CARD_MIN_GIB["141GB"] < 140.4  # an H100 reports 79.6 GiB, an H200 140.4
+    assert all(p.basis and p.measured is None for p in phases.values())  # estimates, each with its arithmetic
+
+
+def test_an_unknown_phase_is_refused_naming_the_valid_ones(tmp_path):
+    proc = _run(["--phase", "grpo", "warp"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2 and "invalid choice: 'warp'" in proc.stderr
+    assert all(f"'{n}'" in proc.stderr for n in ALL)
+
+
+def gpu_check_phases():
+    before = list(sys.meta_path)
+    try:
+        from bench.gpu_check import PHASES
+    finally:
+        sys.meta_path[:] = before  # the script's checkout finder is for its own process
+    return PHASES
+
+
+def test_the_tree_phase_flags_calls_the_cuda_kernels_would_refuse():
+    """The kernel-choice rules, on recorded calls: a masked call keeping grouped heads (enable_gqa: only the math kernel
+    takes it on CUDA) and, on CUDA, a call that ran on another kernel are each reported."""
+    good = [{"kind": "causal", "is_causal": True, "gqa": True, "heads": (28, 4, 4), "dtypes": ["torch.bfloat16"], "mask": None,
+             "kernel": gpu_tree.CUDA_KERNELS["causal"]},
+            {"kind": "masked", "is_causal": False, "gqa": False, "heads": (28, 28, 28), "dtypes": ["torch.bfloat16"],
+             "mask": "torch.bool", "kernel": gpu_tree.CUDA_KERNELS["masked"]}]
+    assert gpu_tree.kernel_problems(good, cuda=True) == []
+    gqa = {**good[1], "gqa": True, "heads": (28, 4, 4)}
+    assert "memory-efficient kernel's form" in " ".join(gpu_tree.kernel_problems([good[0], gqa], cuda=False))
+    math = {**good[1], "kernel": "BmmBackward0"}
+    assert "masked calls ran on ['BmmBackward0']" in " ".join(gpu_tree.kernel_problems([good[0], math], cuda=True))
+    assert gpu_tree.kernel_problems([good[0], math], cuda=False) == []  # CPU: the form only
+    assert "both causal and masked" in " ".join(gpu_tree.kernel_problems(good[:1], cuda=False))
+
+
+def test_the_tree_phase_runs_on_cpu_and_fails_on_a_kernel_off_the_reference(monkeypatch):
+    from cope.train.packing import tree_attention
+
+    res = gpu_tree.run_tree(torch.device("cpu"), smoke=True)
+    assert res["checks_ok"] and res["calls_per_layer"]["masked"] > 0 and res["cells"]["tree"] < res["cells"]["dense"]
+    errs = res["exactness"]["tiles_bf16_rel_err"]
+    assert max(errs.values()) < 0.02 and max(errs.values()) <= 2 * max(res["exactness"]["dense_bf16_rel_err"].values())
+    original = tree_attention._tile_groups
+    monkeypatch.setattr(tree_attention, "_tile_groups", lambda *a: original(*a) * 1.1)  # tile outputs 10% off
+    with pytest.raises(gpu_tree.PhaseFailed, match="off the dense fp32 reference") as caught:
+        gpu_tree.run_tree(torch.device("cpu"), smoke=True)
+    assert not caught.value.result["exactness"]["exact"] and caught.value.result["step_s"] > 0  # what it measured, kept
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -127,7 +221,9 @@ def test_the_gpu_shape_is_qwen25_7b(gpu_check):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
 def test_full_run_on_cuda(tmp_path):
-    """The prepared run itself: Qwen2.5-7B's shape, 16 x 8k tokens, batch-64 generation (minutes on one H200)."""
-    summary = _summary(_run(["--json", str(tmp_path / "gpu_check.json")], cwd=tmp_path, timeout=900))
+    """The prepared run itself, every phase: Qwen2.5-7B's shape, 16 x 8k tokens, the tree kernel at 7B's attention,
+    batch-64 generation (about 7 minutes estimated on one H100 or H200)."""
+    summary = _summary(_run(["--phase", *ALL, "--max-seconds", "800", "--json", str(tmp_path / "gpu_check.json")], cwd=tmp_path,
+                            timeout=900))
     _check(summary, smoke=False)
     assert summary["model"]["params"] > 7.6e9 and summary["sizes"]["episodes"] == 16

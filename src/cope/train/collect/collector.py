@@ -19,9 +19,10 @@ weights sampled it; a *version* is the optimizer step count of the weights an en
 """
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Protocol
+from typing import Callable, ContextManager, NamedTuple, Protocol
 
 from cope.envs.base import Task
 from cope.episode import Episode
@@ -79,6 +80,8 @@ class CollectorHost:
         max_epochs: the epochs the fit runs (None: unbounded or no trainer); nothing past them should be collected.
         world: the number of ranks (each collects its own episodes).
         stopping: True once the run received SIGTERM (a collection off the main thread stops after its turn).
+        precision: ``precision()`` -> the context a rollout runs under in whichever thread samples (the training
+            step's precision, :func:`cope.train.collect.sync.sampling_precision`); a null context by default.
     """
 
     engine: RolloutEngine
@@ -89,6 +92,7 @@ class CollectorHost:
     max_epochs: Callable[[], int | None]
     world: Callable[[], int]
     stopping: Callable[[], bool]
+    precision: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 class Collector(Protocol):

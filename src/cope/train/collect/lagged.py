@@ -33,6 +33,7 @@ starts the thread (:class:`~cope.train.collect.sync.SyncCollector`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -40,7 +41,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 from cope.envs.base import Task
 from cope.train.collect.collector import Collected, CollectorHost
@@ -115,9 +116,10 @@ class LaggedRollouts:
     """
 
     def __init__(self, engine: Any, max_lag: int, sampling: Any,
-                 task_stream: Callable[[int], tuple[list[Task], list[int], random.Random]], stopping: Callable[[], bool]):
+                 task_stream: Callable[[int], tuple[list[Task], list[int], random.Random]], stopping: Callable[[], bool],
+                 precision: Callable[[], ContextManager] = contextlib.nullcontext):
         self.engine, self.max_lag, self.sampling = engine, int(max_lag), sampling
-        self._task_stream, self._stopping = task_stream, stopping
+        self._task_stream, self._stopping, self._precision = task_stream, stopping, precision
         self._queue: queue.Queue[Collection | None] = queue.Queue()
         self._jobs: dict[int, Collection] = {}  # by epoch: queued, running or finished, not yet taken
         self._cancel = threading.Event()
@@ -185,8 +187,9 @@ class LaggedRollouts:
                 raise Cancelled
 
         turn_done(0)
-        return self.engine.rollout(job.tasks, job.groups, dataclasses.replace(self.sampling, seed=job.seed),
-                                   progress=turn_done, version=job.version)
+        with self._precision():  # autocast is per thread: entered here, in the collector's thread
+            return self.engine.rollout(job.tasks, job.groups, dataclasses.replace(self.sampling, seed=job.seed),
+                                       progress=turn_done, version=job.version)
 
     def _loop(self) -> None:
         while True:
@@ -235,7 +238,8 @@ class LaggedCollector:
     def __init__(self, *, host: CollectorHost, max_lag: int):
         check_lag(max_lag, host.engine, host.sampling)
         self.host = host
-        self.rollouts = LaggedRollouts(host.engine, max_lag, host.sampling, host.task_stream, host.stopping)
+        self.rollouts = LaggedRollouts(host.engine, max_lag, host.sampling, host.task_stream, host.stopping,
+                                       host.precision)
         self.discarded_episodes = 0  # of collections dropped unused by a resume; summed over ranks
 
     def collect(self, epoch: int) -> Collected:

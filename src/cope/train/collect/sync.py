@@ -23,6 +23,18 @@ from cope.rollout.loop import RolloutStats
 from cope.train.collect.collector import Collected, CollectorHost
 
 
+def sampling_precision(trainer: Any):
+    """The training step's precision context (bf16 autocast under ``trainer.precision=bf16-mixed``; nothing in fp32),
+    entered around every in-process rollout, in whichever thread samples: the sampler then computes what the scoring
+    pass computes (it runs under the same context), so its log-probs and the scorer's differ by sampling alone, not by
+    precision (the behaviour weights of ``data.max_lag``, ``rollout/logprob_gap``). Lightning applies it to
+    ``training_step`` only, and autocast is per thread. A no-op without a trainer."""
+    try:
+        return trainer.precision_plugin.train_step_context() if trainer is not None else contextlib.nullcontext()
+    except (AttributeError, RuntimeError):
+        return contextlib.nullcontext()
+
+
 def rollout_now(engine: RolloutEngine, tasks: list[Task], groups: list[int], sampling: Sampling, *, trainer: Any,
                 policy: Any, progress: bool, desc: str) -> tuple[list[Episode], RolloutStats]:
     """A rollout in this thread under the weights as they are now: the engine synced to the trainer's step (its time
@@ -48,7 +60,7 @@ def rollout_now(engine: RolloutEngine, tasks: list[Task], groups: list[int], sam
         if trainer is not None:
             engine.sync(trainer.global_step)
         synced = time.perf_counter() - t0
-        with policy.full_weights() if policy is not None else contextlib.nullcontext():  # trainer=fsdp
+        with policy.full_weights() if policy is not None else contextlib.nullcontext(), sampling_precision(trainer):
             eps, stats = engine.rollout(tasks, groups, sampling, progress=turn_done)
         stats.sync_seconds += synced
         return eps, stats
