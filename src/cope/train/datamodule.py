@@ -42,7 +42,7 @@ from cope.train.collect.counters import RunCounters, reduce_over_ranks
 from cope.train.collect.epoch_builder import EpochBuilder
 from cope.train.collect.experience import BatchSource, CollateTransform
 from cope.train.collect.lagged import LaggedCollector
-from cope.train.collect.sync import SyncCollector, rollout_now, sampling_precision
+from cope.train.collect.sync import SyncCollector, rollout_now, training_precision
 from cope.train.collect.validation import HeldOutPanel
 from cope.train.packing.tree_batch import use_tree_attention
 from cope.train.seeding import derive_seed, stream
@@ -160,7 +160,7 @@ class RolloutDataModule(pl.LightningDataModule):
             version=lambda: self.trainer.global_step if self.trainer is not None else 0,
             max_epochs=lambda: getattr(self.trainer, "max_epochs", None), world=self._world,
             stopping=lambda: bool(getattr(self.trainer, "received_sigterm", False)),
-            precision=lambda: sampling_precision(self.trainer)))
+            precision=lambda: training_precision(self.trainer)))
         self.counters = RunCounters()  # reads as a dict of the totals
         self.builder = EpochBuilder(advantage_mode=advantage_mode, minibatch_size=minibatch_size, ppo_epochs=ppo_epochs,
                                     share_prefix=self.share_prefix, engine=self.engine, counters=self.counters,

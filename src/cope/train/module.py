@@ -22,7 +22,6 @@ and the run's counters (:mod:`cope.train.module_checkpoint`).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -32,6 +31,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from cope.models.policy import Policy
+from cope.train.collect.sync import training_precision
 from cope.train.dist import log_now, log_rollout_metrics, log_val_metrics
 from cope.train.fsdp.sharding import configure_sharding, step_weights, total_grad_norm
 from cope.train.logprobs import sampler_gap
@@ -135,11 +135,9 @@ class AgentRLModule(pl.LightningModule):
     def precision_context(self):
         """The precision plugin's training context (e.g. bf16 autocast under ``bf16-mixed``): Lightning applies it
         to ``training_step`` only; the scoring pass must compute under the same numerics, or the first PPO ratio
-        of an update is not 1. A no-op without a trainer (tests drive the module directly)."""
-        try:
-            return self.trainer.precision_plugin.train_step_context()
-        except RuntimeError:  # not attached to a Trainer
-            return contextlib.nullcontext()
+        of an update is not 1 (the rollouts sample under it too). A no-op without a trainer (tests drive the module
+        directly)."""
+        return training_precision(self._trainer)
 
     def score_minibatches(self, minibatches: list[dict]) -> None:
         """Fill ``old_logprobs``, ``old_entropy`` (and ``ref_logprobs``) of each minibatch before any update, as the

@@ -81,7 +81,7 @@ class CollectorHost:
         world: the number of ranks (each collects its own episodes).
         stopping: True once the run received SIGTERM (a collection off the main thread stops after its turn).
         precision: ``precision()`` -> the context a rollout runs under in whichever thread samples (the training
-            step's precision, :func:`cope.train.collect.sync.sampling_precision`); a null context by default.
+            step's precision, :func:`cope.train.collect.sync.training_precision`); a null context by default.
     """
 
     engine: RolloutEngine

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from cope.capabilities import can
 from cope.episode import Episode
 from cope.records import EpochRecord
 from cope.train.collect.collector import Collected
@@ -84,7 +85,7 @@ class EpochBuilder:
         m.update(got.metrics)
         return EpochRecord(epoch=epoch, episodes=eps, minibatches=minibatches, extra_batches=extra, metrics=m,
                            counters=dict(self.counters), tally=tally,
-                           sampler_logprobs=bool(getattr(self.engine, "reports_logprobs", False)) or off_policy)
+                           sampler_logprobs=can(self.engine, "reports_logprobs") or off_policy)
 
     def _extra_batches(self, episodes: list[Episode]) -> list:
         """Every batch source's batches, each source's count evened out over ranks (the maximum, padded with empties)."""

@@ -23,12 +23,13 @@ from cope.rollout.loop import RolloutStats
 from cope.train.collect.collector import Collected, CollectorHost
 
 
-def sampling_precision(trainer: Any):
+def training_precision(trainer: Any):
     """The training step's precision context (bf16 autocast under ``trainer.precision=bf16-mixed``; nothing in fp32),
-    entered around every in-process rollout, in whichever thread samples: the sampler then computes what the scoring
-    pass computes (it runs under the same context), so its log-probs and the scorer's differ by sampling alone, not by
-    precision (the behaviour weights of ``data.max_lag``, ``rollout/logprob_gap``). Lightning applies it to
-    ``training_step`` only, and autocast is per thread. A no-op without a trainer."""
+    entered by the scoring pass (:meth:`cope.train.module.AgentRLModule.precision_context`) and around every in-process
+    rollout, in whichever thread samples: the sampler then computes what the scoring pass computes, so its log-probs
+    and the scorer's differ by sampling alone, not by precision (the behaviour weights of ``data.max_lag``,
+    ``rollout/logprob_gap``). Lightning applies it to ``training_step`` only, and autocast is per thread. A no-op
+    without a trainer."""
     try:
         return trainer.precision_plugin.train_step_context() if trainer is not None else contextlib.nullcontext()
     except (AttributeError, RuntimeError):
@@ -60,7 +61,7 @@ def rollout_now(engine: RolloutEngine, tasks: list[Task], groups: list[int], sam
         if trainer is not None:
             engine.sync(trainer.global_step)
         synced = time.perf_counter() - t0
-        with policy.full_weights() if policy is not None else contextlib.nullcontext(), sampling_precision(trainer):
+        with policy.full_weights() if policy is not None else contextlib.nullcontext(), training_precision(trainer):
             eps, stats = engine.rollout(tasks, groups, sampling, progress=turn_done)
         stats.sync_seconds += synced
         return eps, stats

@@ -37,7 +37,7 @@ fragmentation and CUDA's context (about 0.5-1 GiB) come on top.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 GIB = 2**30
 
@@ -116,7 +116,6 @@ class MemoryPlan:
     live_tokens: int = 0
     ranks_per_node: int = 1
     held_versions: int = 0
-    notes: list[str] = field(default_factory=list, compare=False)
 
     def __post_init__(self):
         if self.finetune not in ("lora", "full"):

@@ -79,8 +79,8 @@ def backward_microbatched(module, batch: dict, pad_to: int | None = None) -> tup
         with (blocker() if blocker is not None and not last else contextlib.nullcontext()):  # DDP: sync once
             module.manual_backward(total)
         spliced.keep(rows, n, scores)
+    first = parts[0][0][:1]  # a token budget is set whenever passes are padded: parts carry their rows
     for j in range(len(parts), passes):  # padding passes: every parameter's gradient gets + 0
-        first = parts[0][0][:1] if parts[0][0] is not None else torch.zeros(1, dtype=torch.long)
         zero = module.logprobs(batch, first, 2, entropy=False).logprobs.sum() * 0.0
         with (blocker() if blocker is not None and j != passes - 1 else contextlib.nullcontext()):
             module.manual_backward(zero)
