@@ -24,6 +24,8 @@ class RolloutBatch(TypedDict, total=False):
         action_mask (N, T) bool: policy-gradient targets, the ACTION tokens of non-aborted episodes.
         advantages (N, T) float: the episode's advantage on its action tokens, 0 elsewhere.
         aborted (N,) bool: the episode was aborted (env error); ECHO leaves such rows out.
+        invalid_steps (N,) long: the episode's actions the env refused (``Step.valid`` False); ECHO's clean-rollout
+            filter (``clean_only``) leaves rows with any out.
         episode_index (N,) long: index into the epoch's episode list (-1: a row a transform appended).
         aux_row (N,) bool: rows that are not episode transcripts (all False here; CoPE's plain forecast
             packing appends such rows): transcript-level objectives (ECHO, EMPG) skip them.
@@ -62,6 +64,7 @@ class RolloutBatch(TypedDict, total=False):
     action_mask: torch.Tensor
     advantages: torch.Tensor
     aborted: torch.Tensor
+    invalid_steps: torch.Tensor
     episode_index: torch.Tensor
     aux_row: torch.Tensor
     behaviour_logprobs: torch.Tensor
@@ -110,6 +113,7 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
         "action_mask": action_mask,
         "advantages": advantages,
         "aborted": aborted,
+        "invalid_steps": torch.tensor([sum(not s.valid for s in e.steps) for e in episodes], dtype=torch.long),
         "episode_index": torch.tensor(indices if indices is not None else list(range(n)), dtype=torch.long),
         "aux_row": torch.zeros(n, dtype=torch.bool),
         **extra,

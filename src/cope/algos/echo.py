@@ -11,6 +11,12 @@ action tokens (this term has none of them); it applies to every non-aborted roll
 lambda defaults to 0.05 (the published Qwen3-8B config); it can be scheduled because another lab
 reported collapse at 0.05 on a larger model and stability at 0.005.
 
+Without a verifier (``algo=echo_only``, ECHO's section on training past the verifier): the observation loss alone,
+every other objective at weight 0 (``alone``, checked before any work by :mod:`cope.run.config_rules`), so action
+tokens get exactly zero gradient and the env's reward is never read; optionally only clean rollouts (``clean_only``:
+no action the env refused, the paper's "no malformed tool calls"), on any split (``data.train_split=test``: the
+paper trains on held-out tasks). The paper starts it from its best ECHO checkpoint (``model.adapter=...``).
+
 Deliberate choices:
     * Aborted episodes (env crash or timeout) and packed CoPE forecast rows are left out: their
       observations are not a faithful transcript of an env turn.
@@ -62,22 +68,33 @@ def observation_nll(logprobs: torch.Tensor, roles: torch.Tensor, valid_rows: tor
 class ObservationLoss(Objective):
     """ECHO's environment-modelling term (``loss/echo``).
 
-    Rows used: ``~batch["aborted"]``, minus rows that are not transcripts (``batch["aux_row"]``, when present).
+    Rows used: ``~batch["aborted"]``, minus rows that are not transcripts (``batch["aux_row"]``, when present), and
+    with ``clean_only`` minus rows with an action the env refused (``batch["invalid_steps"] > 0``).
 
     Args:
         weight: lambda, the multiplier in the total loss (>= 0; ECHO's published value 0.05).
         schedule: ``constant`` or ``linear`` from ``weight`` to ``final_weight``.
         final_weight: end point of the linear schedule (>= 0).
         schedule_steps: length of the linear schedule in optimizer steps.
+        clean_only: only rollouts with no invalid action (ECHO's verifier-free run trains on clean rollouts).
+        alone: the run's only objective (ECHO without a verifier, ``algo=echo_only``): every other objective of
+            ``algo.objectives`` must have weight 0 (and final weight 0), refused before any work otherwise.
     """
 
     name = "echo"
 
-    def __init__(self, weight: float = 0.05, schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0):
+    def __init__(self, weight: float = 0.05, schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0,
+                 clean_only: bool = False, alone: bool = False):
         super().__init__(weight=weight, schedule=schedule, final_weight=final_weight, schedule_steps=schedule_steps)
+        self.clean_only, self.alone = bool(clean_only), bool(alone)
 
     def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
         valid = ~batch["aborted"].bool()  # (N,)
         if "aux_row" in batch:
             valid = valid & ~batch["aux_row"].bool()  # (N,)
-        return observation_nll(out.logprobs, batch["roles"], valid)
+        if self.clean_only:
+            valid = valid & (batch["invalid_steps"] == 0)  # (N,)
+        loss, metrics = observation_nll(out.logprobs, batch["roles"], valid)
+        if self.clean_only:
+            metrics["echo/clean_rows"] = valid.sum().float()
+        return loss, metrics

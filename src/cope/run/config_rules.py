@@ -18,7 +18,8 @@ under another name, follows the same rules (``tests/test_config_rules.py`` prove
 * overlapped rollouts (``data.max_lag >= 1``): an engine that overlaps, no top-p
   (:func:`cope.train.collect.lagged.lag_problem`); from an engine that samples in process, a sampler copy per held
   version: no full fine-tuning, no sharded weights; from one that serves adapters, two LoRA slots;
-* attention: flash attention cannot take CoPE's packed forecast rows (a 4D mask); shared prefixes need SDPA.
+* attention: flash attention cannot take CoPE's packed forecast rows (a 4D mask); shared prefixes need SDPA;
+* an objective that trains ``alone`` (``algo=echo_only``): every other objective at weight 0.
 
 Besides the table (:func:`cross_field`): ``data.max_context`` against the model's positions
 (:mod:`cope.run.context_limits`), a GPU trainer needs a GPU (``trainer=gpu`` on a machine without CUDA names
@@ -199,6 +200,19 @@ def attention_fits_packing(s: Resolved) -> Problem:
                 " (2D masks only) or model.attn_implementation=sdpa")
 
 
+def objective_alone(s: Resolved) -> Problem:
+    objectives = {name: node for name, node in (s.cfg.get("algo") or {}).get("objectives", {}).items() if node is not None}
+    for name, node in objectives.items():
+        if not node.get("alone", False):
+            continue
+        for other, o in objectives.items():
+            if other != name and (o.get("weight", 1.0) != 0 or o.get("final_weight", 0.0) != 0):
+                key = "weight" if o.get("weight", 1.0) != 0 else "final_weight"
+                yield f"algo.objectives.{other}.{key}", (
+                    f" = {o.get(key)}: algo.objectives.{name} trains alone (alone=true: ECHO without a verifier, "
+                    f"algo=echo_only, where action tokens get no gradient and the reward is not used); set it to 0")
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("model.attn_implementation", "data.share_prefix", "callbacks.*.packing", "callbacks.*.update"),
          "sdpa attention for shared prefixes and CoPE's packed forecast rows (4D masks)", attention_fits_packing),
@@ -225,6 +239,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("model.finetune", "callbacks.*.merged"), "full fine-tuning: no adapter to merge", finetune_merged),
     Rule(("model.finetune", "trainer.precision"), "full fine-tuning: fp32 master weights (no *-true half precision)",
          finetune_precision),
+    Rule(("algo.objectives.*.alone", "algo.objectives.*.weight", "algo.objectives.*.final_weight"),
+         "an objective that trains alone (ECHO without a verifier): every other objective at weight 0", objective_alone),
 )
 
 

@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from cope.envs.base import Env, Task, env_facts
+from cope.envs.base import SPLITS, Env, Task, env_facts
 from cope.episode import Episode
 from cope.records import EpochRecord, ValidationRecord
 from cope.rollout.engine import EnvRuntime, HFEngine, RolloutEngine, Sampling
@@ -93,6 +93,8 @@ class RolloutDataModule(pl.LightningDataModule):
             collected while earlier epochs train (:mod:`cope.train.collect.lagged`); 0: collect, then train.
         collector: a collector factory (:mod:`cope.train.collect.collector`, a Hydra ``_partial_`` called once as
             ``collector(host=...)``) in place of the one ``max_lag`` chooses (which must then be 0).
+        train_split: the split the training tasks are drawn from (``train``; ``test`` trains on the held-out tasks,
+            as ECHO's verifier-free run does, ``algo=echo_only``: the panel is then among the training tasks).
 
     Handed to the rollout engine (typed records, each read by the class that uses it):
         sampling: :class:`cope.rollout.engine.Sampling` of training rollouts (``data.sampling.*``: temperature,
@@ -127,6 +129,7 @@ class RolloutDataModule(pl.LightningDataModule):
         engine: Callable[..., RolloutEngine] | None = None,
         max_lag: int = 0,
         collector: CollectorFactory | None = None,
+        train_split: str = "train",
     ):
         super().__init__()
         make_collector = choose_collector(max_lag, collector)
@@ -146,7 +149,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self.val_sampling = Sampling(temperature=0.0, top_p=1.0, max_action_tokens=self.sampling.max_action_tokens)
         runtime = env_runtime or EnvRuntime()
         facts = env_facts(env)  # one instance built and closed, no episode and no engine started
-        self.env_name, self.num_train_tasks, self.num_test_tasks = facts.name, facts.train_tasks, facts.test_tasks
+        self.env_name, self.num_test_tasks = facts.name, facts.test_tasks
+        if train_split not in SPLITS:
+            raise ValueError(f"data.train_split must be one of {SPLITS}, got {train_split!r}")
+        self.train_split = train_split
+        self.num_train_tasks = facts.train_tasks if train_split == "train" else facts.test_tasks
         if runtime.max_live_episodes is None and facts.max_instances:
             runtime = dataclasses.replace(runtime, max_live_episodes=facts.max_instances)  # memory-heavy env: waves
             log.info("%s: at most %d live episodes at once (the env's max_instances; "
@@ -219,7 +226,7 @@ class RolloutDataModule(pl.LightningDataModule):
         rng = stream(self.seed, "tasks", self.rank, epoch)
         tasks, groups = [], []
         for g in range(self.tasks_per_epoch):
-            t = Task(self.env_name, "train", rng.randrange(self.num_train_tasks))
+            t = Task(self.env_name, self.train_split, rng.randrange(self.num_train_tasks))
             tasks += [t] * self.group_size
             groups += [g] * self.group_size
         return TaskStream(tasks, groups, rng)

@@ -119,10 +119,12 @@ class Objective(abc.ABC):
     ``batch_kind`` is the kind of batch the objective is computed on (``rollout``: the epoch's minibatches; another
     kind: a batch source's own batches, each one optimizer step, see :func:`batch_kind`); ``lr_scale`` multiplies the
     learning rate of the optimizer steps taken on batches of that kind (1: the policy's); ``metric_prefix`` names
-    those steps' own metrics (:func:`step_prefix`; None: the kind's name).
+    those steps' own metrics (:func:`step_prefix`; None: the kind's name); ``alone`` says it must be the run's only
+    objective that is ever on (ECHO without a verifier: :func:`check_objectives`).
     """
 
     name: str = "objective"
+    alone: bool = False
     needs: Needs = Needs()
     batch_kind: str = ROLLOUT
     lr_scale: float = 1.0
@@ -209,8 +211,9 @@ def combine(objectives: list[Objective], out: ForwardOut, batch: dict[str, torch
 
 
 def check_objectives(objectives: list[Objective]) -> None:
-    """The cross-objective rules of ``algo.objectives``: at least one, unique names, and one metric prefix per batch
-    kind other than ``rollout`` (:func:`step_prefix`)."""
+    """The cross-objective rules of ``algo.objectives``: at least one, unique names, one metric prefix per batch
+    kind other than ``rollout`` (:func:`step_prefix`), and an objective that trains ``alone`` has no other one on
+    (the config check refuses the same before any work: :mod:`cope.run.config_rules`)."""
     if not objectives:
         raise ValueError("algo.objectives is empty: at least the policy-gradient objective is needed")
     names = [o.name for o in objectives]
@@ -218,6 +221,11 @@ def check_objectives(objectives: list[Objective]) -> None:
         raise ValueError(f"algo.objectives has duplicate names: {names}")
     for kind in {o.batch_kind for o in objectives} - {ROLLOUT}:
         step_prefix(objectives, kind)
+    for o in objectives:
+        others = [p.name for p in objectives if p is not o and p.ever_on]
+        if o.alone and others:
+            raise ValueError(f"algo.objectives.{o.name} trains alone (alone=true), but algo.objectives.{others[0]} is on: "
+                             f"set algo.objectives.{others[0]}.weight=0")
 
 
 def step_prefix(objectives: Iterable[Objective], kind: str) -> str:
