@@ -9,7 +9,7 @@ epoch's experience is collected by then), this callback reads the epoch record a
   None in ``zero_signal_epochs`` epochs in a row stops the run. Auxiliary objectives may still train then
   (ECHO on observations, CoPE forecasts from all-win groups): a cold start that is meant to wait longer sets a
   larger count, or null.
-* ``health/invalid_rate``: the share of the epoch's steps whose action the env refused. A collapse of the action
+* ``health/invalid_rate``: the share of the epoch's steps with an env feedback turn whose action the env refused. A collapse of the action
   format (seen in a demo run: ``westwestwest...`` until the token cap, every action invalid, no reward spread ever again) is
   a regression: once an epoch was at or below ``healthy_invalid_rate`` (``health/format_learned``), the rate above
   ``max_invalid_rate`` for ``invalid_epochs`` epochs in a row stops the run. A cold start (a model that has not
@@ -81,7 +81,10 @@ class RunHealth(Callback):
         for e in record.episodes:
             if not e.aborted:
                 groups.setdefault(e.group, set()).add(float(e.reward))
-        steps = [s for e in record.episodes if not e.aborted for s in e.steps]
+        # the steps with an env feedback turn in the transcript (obs_start >= 0; a last step whose feedback did not fit
+        # the context is left out too): a collector's own one-step episodes (RWML's world-model predictions, always
+        # valid, no feedback) would otherwise count as a learned format
+        steps = [s for e in record.episodes if not e.aborted for s in e.steps if s.obs_start >= 0]
         local = torch.tensor([sum(e.aborted for e in record.episodes), len(record.episodes),
                               sum(len(r) > 1 for r in groups.values()), sum(not s.valid for s in steps), len(steps)],
                              dtype=torch.float64)

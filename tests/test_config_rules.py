@@ -32,6 +32,12 @@ class Server(VLLMEngine):
     """A server engine under another name: serves each version as a LoRA adapter, as its parent."""
 
 
+class NoCompletions(HFEngine):
+    """An in-process engine that declares it cannot complete token contexts."""
+
+    completes = False
+
+
 class Sharded(FSDPStrategy):
     """The project's sharding strategy under another name."""
 
@@ -166,3 +172,12 @@ def test_full_finetuning_refuses_a_precision_that_casts_the_master_weights(compo
     problems = _problems(compose, tmp_path, ["model.finetune=full", f"trainer.precision={precision}"])
     assert ("trainer.precision" in _keys(problems)) is refused, problems
     assert "trainer.precision" not in _keys(_problems(compose, tmp_path, [f"trainer.precision={precision}"]))
+
+
+def test_a_collector_that_needs_completions_refuses_an_engine_that_cannot(compose, tmp_path):
+    """algo=rwml's collector samples world-model predictions with engine.complete: the rule reads the collector's
+    needs_completions and the engine's `completes` capability (an in-process subclass declaring it cannot)."""
+    assert can(HFEngine, "completes") and can(VLLMEngine, "completes") and not can(NoCompletions, "completes")
+    problems = _problems(compose, tmp_path, ["algo=rwml", "data.engine._target_=test_config_rules.NoCompletions"])
+    assert "data.engine" in _keys(problems), problems
+    assert _problems(compose, tmp_path, ["algo=rwml", "data.engine._target_=test_config_rules.InProcess"]) == []

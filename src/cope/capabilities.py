@@ -14,7 +14,9 @@ Rollout engines (``data.engine``; the protocol :class:`cope.rollout.engine.Rollo
   sampler copy of the trainable tensors (:mod:`cope.rollout.sampler_copy`). Full fine-tuning and sharded weights
   need such an engine;
 * ``serves_adapters``: a server samples each policy version as a LoRA adapter loaded into it, in a limited number of
-  slots (the engine's ``max_loras`` argument).
+  slots (the engine's ``max_loras`` argument);
+* ``completes``: samples plain continuations of token contexts, no env (``engine.complete``: RWML's world-model
+  predictions).
 
 Strategies (``trainer.strategy``):
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-ENGINE = ("overlaps", "reports_logprobs", "samples_in_process", "serves_adapters")
+ENGINE = ("overlaps", "reports_logprobs", "samples_in_process", "serves_adapters", "completes")
 STRATEGY = ("shards_weights", "gathers_for_rollouts")
 
 

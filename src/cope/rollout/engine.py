@@ -37,7 +37,7 @@ from cope.envs.base import Env, Task
 from cope.envs.runtime.batch import STATS, EnvBatch, InProcessEnvs
 from cope.envs.runtime.pool import EnvWorkerPool
 from cope.episode import Episode
-from cope.rollout.loop import RolloutStats, run_episodes
+from cope.rollout.loop import RolloutStats, Sampled, run_episodes
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,14 @@ class RolloutEngine(Protocol):
     def env_stats(self) -> dict[str, int]:
         """Cumulative env-runtime events (restarts, timeouts, ...; :data:`cope.envs.runtime.batch.STATS`)."""
 
+    # Optional (class attribute ``completes = True``): plain completions of token contexts, no env (RWML's
+    # world-model predictions, cope.algos.rwml). Engines without it are refused by algo=rwml.
+    def complete(self, contexts: list[list[int]], sampling: Sampling, n: int = 1,
+                 batch_size: int | None = None) -> list[list[Sampled | BaseException]]:
+        """``n`` continuations of each context (token ids in, sampled ids out, each ending with a stop id when one
+        was sampled), from the newest version: ``out[i]`` holds those of ``contexts[i]``; an item is an exception
+        where generation failed for it (a server's request). ``batch_size``: rows sampled at once (None: all)."""
+
     def close(self) -> None:
         """Release env instances and worker processes; the engine may be used again afterwards. A server
         engine may keep its server up (validation then fit must not reload the model; it ends with the process)."""
@@ -142,6 +150,7 @@ class HFEngine:
     overlaps = True  # a held version is sampled from its own snapshot (cope.rollout.sampler_copy), the newest from the model
     samples_in_process = True  # the training model's own weights (full fine-tuning and trainer=fsdp need it)
     serves_adapters = False
+    completes = True  # plain completions of token contexts (complete): RWML's world-model predictions
 
     def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None):
         if max_context < 1:
@@ -249,6 +258,40 @@ class HFEngine:
         finally:
             model.train(was_training)
         return eps, stats
+
+    def complete(self, contexts: list[list[int]], sampling: Sampling, n: int = 1,
+                 batch_size: int | None = None) -> list[list[Sampled]]:
+        """``n`` continuations of each context from the training model as it is now (the newest version), token-in /
+        token-out (:meth:`RolloutEngine.complete`): each row a fresh ``CachedSamplingActor`` call of at most
+        ``sampling.max_action_tokens`` ids, ``batch_size`` rows at once (the ``n`` copies of a context are rows of
+        their own; None: all rows at once), seeded from ``sampling.seed`` (one generator for the whole call, so the
+        same contexts and seed give the same samples). Under the policy's whole weights (``trainer=fsdp``); the caller
+        enters the training precision. No log-probs (the scoring pass computes them)."""
+        from cope.rollout.hf_actor import CachedSamplingActor
+
+        if self.policy is None:
+            raise RuntimeError("HFEngine.connect(policy) must be called before complete")
+        if n < 1 or (batch_size is not None and batch_size < 1):
+            raise ValueError(f"HFEngine.complete: n and batch_size must be >= 1, got n={n}, batch_size={batch_size}")
+        rows = [list(c) for c in contexts for _ in range(n)]
+        if any(not r for r in rows):
+            raise ValueError("HFEngine.complete: every context needs at least one token")
+        model, chat = self.policy.model, self.policy.chat
+        actor = CachedSamplingActor(model, self.policy.pad_id, chat.stop_ids, sampling.max_action_tokens,
+                                    sampling.temperature, sampling.top_p,
+                                    seed=sampling.seed if sampling.temperature > 0 else None)
+        was_training = model.training
+        model.eval()
+        out: list[list[int]] = []
+        step = batch_size or max(len(rows), 1)
+        try:
+            with self.policy.full_weights():
+                for s in range(0, len(rows), step):
+                    actor.reset()  # each batch its own cache; the generator goes on
+                    out += actor(rows[s: s + step], keys=list(range(len(rows[s: s + step]))))
+        finally:
+            model.train(was_training)
+        return [[Sampled(ids) for ids in out[i * n: (i + 1) * n]] for i in range(len(contexts))]
 
     def env_stats(self) -> dict[str, int]:
         """Summed over every env batch, open or closed."""

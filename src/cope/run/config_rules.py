@@ -19,6 +19,8 @@ under another name, follows the same rules (``tests/test_config_rules.py`` prove
   (:func:`cope.train.collect.lagged.lag_problem`); from an engine that samples in process, a sampler copy per held
   version: no full fine-tuning, no sharded weights; from one that serves adapters, two LoRA slots;
 * attention: flash attention cannot take CoPE's packed forecast rows (a 4D mask); shared prefixes need SDPA;
+* a collector that samples plain completions (``needs_completions``: RWML's world-model predictions): an engine that
+  ``completes``;
 * an objective that trains ``alone`` (``algo=echo_only``): every other objective at weight 0.
 
 Besides the table (:func:`cross_field`): ``data.max_context`` against the model's positions
@@ -35,7 +37,7 @@ from typing import Callable, Iterator
 from omegaconf import DictConfig
 
 from cope.capabilities import can
-from cope.run.config_classes import Resolved, argument_default
+from cope.run.config_classes import Resolved, argument_default, resolve
 from cope.run.context_limits import context_fits_model
 from cope.run.launch import check_launch
 
@@ -200,6 +202,14 @@ def attention_fits_packing(s: Resolved) -> Problem:
                 " (2D masks only) or model.attn_implementation=sdpa")
 
 
+def collector_engine(s: Resolved) -> Problem:
+    collector = resolve((s.data.get("collector") or {}).get("_target_"))
+    if getattr(collector, "needs_completions", False) and not can(s.engine, "completes"):
+        yield "data.engine", (f" = {s.engine_target}: data.collector ({collector.__name__}) samples plain completions of "
+                              "token contexts (engine.complete), which this engine cannot (no `completes` capability); "
+                              "use rollout=hf or rollout=vllm")
+
+
 def objective_alone(s: Resolved) -> Problem:
     objectives = {name: node for name, node in (s.cfg.get("algo") or {}).get("objectives", {}).items() if node is not None}
     for name, node in objectives.items():
@@ -239,6 +249,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("model.finetune", "callbacks.*.merged"), "full fine-tuning: no adapter to merge", finetune_merged),
     Rule(("model.finetune", "trainer.precision"), "full fine-tuning: fp32 master weights (no *-true half precision)",
          finetune_precision),
+    Rule(("data.collector", "data.engine"), "a collector that samples completions (needs_completions): an engine that "
+         "completes (completes)", collector_engine),
     Rule(("algo.objectives.*.alone", "algo.objectives.*.weight", "algo.objectives.*.final_weight"),
          "an objective that trains alone (ECHO without a verifier): every other objective at weight 0", objective_alone),
 )

@@ -91,6 +91,7 @@ class VLLMEngine:
     overlaps = True  # several policy versions served at once (data.max_lag >= 1)
     serves_adapters = True  # each version a LoRA adapter in the server's max_loras slots (data.max_lag >= 1 needs 2)
     samples_in_process = False  # so it cannot train full weights, nor roll out from shards (cope.run.config_rules)
+    completes = True  # plain completions of token contexts (complete): RWML's world-model predictions
 
     def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None,
                  url: str | None = None, model: str | None = None, python: str | None = None, workdir: str | None = None,
@@ -272,6 +273,33 @@ class VLLMEngine:
                 eps += e
                 stats.add(st)
         return eps, stats
+
+    def complete(self, contexts: list[list[int]], sampling: Sampling, n: int = 1,
+                 batch_size: int | None = None) -> list[list]:
+        """``n`` continuations of each context from the newest version (:meth:`cope.rollout.engine.RolloutEngine.complete`):
+        one ``/v1/completions`` request per row with the ids as the prompt, as a rollout turn asks
+        (:class:`~cope.rollout.vllm.actor.ServerActor`: the stop ids, ``logprobs=1``, a seed per row derived from
+        ``sampling.seed``), ``batch_size`` requests in flight at once (None: all). An item is a
+        :class:`~cope.rollout.loop.Sampled` with the server's log-probs, or the exception of its failed request."""
+        if self.policy is None:
+            raise RuntimeError("VLLMEngine.connect(policy) must be called before complete")
+        if n < 1 or (batch_size is not None and batch_size < 1):
+            raise ValueError(f"VLLMEngine.complete: n and batch_size must be >= 1, got n={n}, batch_size={batch_size}")
+        if self.server.managed and self.server.url is None:  # shut down earlier: start again
+            with self.versions.lock:
+                if self.server.url is None:
+                    self.server.start()
+                    self._client()
+                    self.versions.reload()
+        rows = [list(c) for c in contexts for _ in range(n)]
+        seed = request_seed(sampling.seed, "complete") if self.seeded and sampling.seed is not None else None
+        out: list = []
+        step = batch_size or max(len(rows), 1)
+        with self.versions.using(None) as name:
+            actor = ServerActor(self._complete, name, list(self.policy.chat.stop_ids), sampling, seed)
+            for s in range(0, len(rows), step):  # row r's seed: (seed, r, turn 0), whatever the batching
+                out += actor(rows[s: s + step], keys=list(range(s, s + len(rows[s: s + step]))))
+        return [out[i * n: (i + 1) * n] for i in range(len(contexts))]
 
     # -- accounting and shutdown ----------------------------------------------------------------
     def env_stats(self) -> dict[str, int]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import random
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, NamedTuple, Protocol
+from typing import Any, Callable, ContextManager, NamedTuple, Protocol
 
 from cope.envs.base import Task
 from cope.episode import Episode
@@ -82,6 +82,7 @@ class CollectorHost:
         stopping: True once the run received SIGTERM (a collection off the main thread stops after its turn).
         precision: ``precision()`` -> the context a rollout runs under in whichever thread samples (the training
             step's precision, :func:`cope.train.collect.sync.training_precision`); a null context by default.
+        policy: ``policy()`` -> the policy bound at ``connect`` (tokenizer, chat scaffold), None before it.
     """
 
     engine: RolloutEngine
@@ -93,6 +94,7 @@ class CollectorHost:
     world: Callable[[], int]
     stopping: Callable[[], bool]
     precision: Callable[[], ContextManager] = contextlib.nullcontext
+    policy: Callable[[], Any] = lambda: None
 
 
 class Collector(Protocol):

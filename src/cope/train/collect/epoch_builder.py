@@ -73,7 +73,9 @@ class EpochBuilder:
         minibatches = cut_minibatches(eps, self.minibatch_size, pad_id, got.rng, transforms, behaviour=off_policy)
         extra = self._extra_batches(eps)
         tokens = train_tokens(minibatches, pad_id, self.ppo_epochs) + train_tokens(extra, pad_id)
-        self.counters.add(self.reduce, episodes=len(eps), env_steps=stats.env_steps,
+        # episodes: the env episodes the collection ran (stats), which a collector may turn into other training
+        # episodes (RWML's world-model predictions, cope.algos.rwml) or filter (SFT's demonstrations that do not fit)
+        self.counters.add(self.reduce, episodes=stats.episodes, env_steps=stats.env_steps,
                           generated_tokens=stats.generated_tokens, train_tokens=tokens)
         m = {**epoch_metrics(eps, stats, got.seconds, self._env_stats_delta(), minibatches if self.share_prefix else ()),
              **adv_metrics}

@@ -1,0 +1,85 @@
+"""World-model triplets cut from an epoch's own episodes: (history up to a_t, a_t, the observation s_{t+1}).
+
+Follows RWML (arXiv 2602.05842, self-supervised world-model RL): every transition the policy produced in its own
+rollouts is a question "what does the environment answer to this action?", with the env's real answer as the key.
+Token-in/token-out: the history is ``Episode.tokens[:steps[t].action_end]`` (the system prompt, every earlier turn and
+a_t exactly as sampled), and the next observation is the OBSERVATION-role ids of step t's feedback span, as the
+transcript holds them (tokenized once, never re-encoded). The chat scaffold around them and HARNESS text (the adapter's
+warnings, "Invalid action...") are never part of the target: they are not the environment's dynamics.
+
+Which steps give a triplet (deliberate choices; the paper does not spell them out):
+    * aborted episodes give none (their last transition may be an env crash, not an answer);
+    * a step whose feedback turn was dropped (the episode ran out of context) or whose feedback holds no
+      OBSERVATION token (the maze answers a malformed action with harness text only) gives none: there is nothing
+      to predict;
+    * invalid steps are kept by default (``skip_invalid=False``): what the environment answers to an action it
+      refuses ("Nothing happens.", "Wall. ...") is part of its dynamics, and a world model that knows which
+      actions fail is what a planner needs. RWML's too-easy filter (:mod:`cope.algos.rwml.easy_filter`) already
+      thins out the answers that are trivially predictable. ``skip_invalid=True`` drops them;
+    * the last step of a finished episode is kept (its feedback, "You reached the goal.", is an observation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cope.chat import ChatFormat
+from cope.episode import Episode, Role
+
+
+@dataclass(frozen=True)
+class Triplet:
+    """One transition of an episode as a world-model question.
+
+    Attributes:
+        episode: index of the episode in the list it was cut from (or the caller's ``indices``).
+        step: t, the action's step.
+        history_end: ``steps[t].action_end``: history and a_t are ``Episode.tokens[:history_end]``.
+        anchor: where the world-model prompt continues the transcript: ``history_end`` plus the scaffold that follows
+            an action (``ChatFormat.after_action``: the turn end the engine added when the action hit its cap, the
+            newline, the user turn's opening), which the transcript holds there too.
+        observation: s_{t+1}: the OBSERVATION-role ids of step t's feedback span.
+        valid: whether the env accepted a_t.
+    """
+
+    episode: int
+    step: int
+    history_end: int
+    anchor: int
+    observation: tuple[int, ...]
+    valid: bool
+
+
+def extract_triplets(episodes: list[Episode], chat: ChatFormat, skip_invalid: bool = False,
+                     indices: list[int] | None = None) -> list[Triplet]:
+    """The triplets of ``episodes`` in episode order, then step order (see the module doc for which steps give one).
+
+    Args:
+        episodes: the epoch's episodes.
+        chat: the chat scaffold the transcripts were built with.
+        skip_invalid: drop the steps the env refused (``Step.valid`` False).
+        indices: the episode index stored in each triplet (default: position in ``episodes``).
+
+    Raises:
+        ValueError: a feedback span that does not open with the scaffold the rollout loop writes after an action.
+    """
+    idx = list(indices) if indices is not None else list(range(len(episodes)))
+    if len(idx) != len(episodes):
+        raise ValueError(f"extract_triplets: {len(idx)} indices for {len(episodes)} episodes")
+    out = []
+    for ei, ep in zip(idx, episodes):
+        if ep.aborted:
+            continue
+        for t, s in enumerate(ep.steps):
+            if s.obs_start < 0 or (skip_invalid and not s.valid):
+                continue
+            obs = tuple(tok for tok, role in zip(ep.tokens[s.obs_start: s.obs_end], ep.roles[s.obs_start: s.obs_end])
+                        if role == Role.OBSERVATION)
+            if not obs:
+                continue
+            opening = chat.after_action(s.closed)
+            anchor = s.action_end + len(opening)
+            if s.obs_start != s.action_end or ep.tokens[s.action_end: anchor] != opening:
+                raise ValueError(f"step {t} of episode {ei}: its feedback turn does not open with the scaffold after an "
+                                 f"action ({opening}), got {ep.tokens[s.action_end: anchor]}")
+            out.append(Triplet(ei, t, s.action_end, anchor, obs, bool(s.valid)))
+    return out

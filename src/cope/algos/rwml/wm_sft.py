@@ -1,0 +1,143 @@
+"""WM-SFT's samples in training (``algo=wm_sft``): a collate transform that appends them to each rollout minibatch.
+
+Each epoch, from the episodes the DataModule collected, every triplet (:mod:`cope.algos.rwml.triplets`: history, a_t,
+the observation s_{t+1}) becomes a world-model sample (:func:`cope.algos.rwml.prompt.sft_sample`: the transcript up
+to a_t, the world-model user turn, the assistant header, then s_{t+1}'s ids and the turn end as the target). Each
+minibatch gets the samples of its own episodes as extra rows (``tokens[:anchor] + sample``, right padded, 2D mask,
+``aux_row`` True, ``roles`` PAD: no other objective sees them) and ``wm_mask`` marks their targets;
+:class:`cope.algos.rwml.wm_loss.WorldModelNLL` adds ``weight x`` their mean token NLL to the policy-gradient loss of
+the same step.
+
+Why extra rows of the rollout minibatch (CoPE's ``update=joint`` with ``packing=plain``), not batches of their own
+(``update=separate``, the authors' recommended world-model path): the coefficient (0.01; their range 1e-4 .. 0.01)
+then means what it says, a weight in the summed loss, where in an Adam step of its own it is mostly normalized away;
+the run takes exactly GRPO's optimizer steps (same count, same LR schedule), so a comparison with GRPO at equal steps
+holds; and each sample is trained in the step of the episode it comes from. The cost is longer minibatches
+(``module.max_tokens_per_microbatch`` bounds each forward). Plain rows, not segments packed after their transcript:
+one row per sample is the reference layout, and with ``data.share_prefix`` the DataModule places them beside the
+shared-prefix trees (:func:`cope.train.packing.group_prefix.pack_groups` treats them as rows of their own).
+
+Which samples: every triplet of every non-aborted episode, failed episodes too (no success gate: dynamics are learned
+from any transition; their builder takes whatever trajectories it is handed, one sample per env turn), the last
+``max_per_episode`` of an episode when that is set (their ``max_samples_per_trajectory`` keeps the last ones), dropped
+and counted when longer than ``max_context``.
+"""
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Callback
+
+from cope.algos.rwml.prompt import WorldModelPrompt, WorldModelSample, sft_sample
+from cope.algos.rwml.triplets import extract_triplets
+from cope.algos.rwml.wm_loss import WM_MASK
+from cope.episode import Episode, Role
+
+# fill of the known keys on the appended rows (other (N, ...) keys get 0): no policy-gradient target, no transcript
+_FILL = {"roles": int(Role.PAD), "step_ids": -1, "action_mask": False, "advantages": 0.0, "aborted": False,
+         "episode_index": -1}
+
+
+def append_samples(batch: dict, episodes: list[Episode], samples: list[WorldModelSample], pad_id: int) -> dict:
+    """A new batch: ``batch`` (2D attention mask, as :func:`cope.batch.collate` gives it) with one row per sample
+    whose episode has a row in it, ``Episode.tokens[:anchor] + sample.tokens``; adds ``wm_mask`` (N + M, T') bool and
+    sets ``aux_row`` (N + M,) True on the new rows. Every (N, T) key is right padded to T' columns."""
+    am = batch["attention_mask"]
+    if am.dim() != 2:
+        raise ValueError(f"wm_sft: needs the 2D attention mask of collate, got shape {tuple(am.shape)}")
+    N, T = am.shape
+    rows = {int(e) for e in batch["episode_index"].tolist() if e >= 0}
+    mine = [s for s in samples if s.episode in rows]
+    seqs = [episodes[s.episode].tokens[: s.anchor] + s.tokens for s in mine]
+    M, T2 = len(mine), max([T, *(len(q) for q in seqs)])
+    ids = torch.full((M, T2), pad_id, dtype=torch.long)  # (M, T2)
+    attn = torch.zeros(M, T2, dtype=am.dtype)  # (M, T2)
+    mask = torch.zeros(N + M, T2, dtype=torch.bool)  # (N + M, T2)
+    for m, (s, q) in enumerate(zip(mine, seqs)):
+        ids[m, : len(q)] = torch.tensor(q, dtype=torch.long)
+        attn[m, : len(q)] = 1
+        mask[N + m, s.anchor: len(q)] = torch.tensor(s.target, dtype=torch.bool)
+    new = {"input_ids": ids, "attention_mask": attn, "position_ids": (attn.long().cumsum(-1) - 1).clamp(min=0)}
+    out = dict(batch)
+    for k, v in batch.items():
+        if not torch.is_tensor(v) or v.dim() < 1 or v.shape[0] != N:
+            continue
+        if v.dim() >= 2 and v.shape[1] == T and T2 > T:  # (N, T, ...) -> (N, T2, ...)
+            fill = pad_id if k == "input_ids" else _FILL.get(k, 0)
+            v = torch.cat([v, torch.full((N, T2 - T, *v.shape[2:]), fill, dtype=v.dtype)], dim=1)
+        extra = new.get(k)
+        if extra is None:
+            extra = torch.full((M, *v.shape[1:]), _FILL.get(k, 0), dtype=v.dtype)
+        out[k] = torch.cat([v, extra.to(v.dtype)], dim=0)  # (N + M, ...)
+    out["aux_row"] = torch.cat([batch.get("aux_row", torch.zeros(N, dtype=torch.bool)), torch.ones(M, dtype=torch.bool)])
+    out[WM_MASK] = mask
+    return out
+
+
+def build_samples(episodes: list[Episode], chat, prompt: WorldModelPrompt, skip_invalid: bool = False,
+                  max_per_episode: int | None = None,
+                  max_context: int | None = None) -> tuple[list[WorldModelSample], dict[str, float]]:
+    """The epoch's WM-SFT samples (see the module doc) and their metrics: ``wm/samples``, ``wm/target_tokens``,
+    ``wm/dropped_long``."""
+    out, dropped = [], 0
+    by_episode: dict[int, list[WorldModelSample]] = {}
+    for tr in extract_triplets(episodes, chat, skip_invalid):
+        by_episode.setdefault(tr.episode, []).append(sft_sample(tr, chat, prompt))
+    for ei in sorted(by_episode):
+        mine = by_episode[ei][-max_per_episode:] if max_per_episode else by_episode[ei]
+        for s in mine:
+            if max_context is not None and len(s) > max_context:
+                dropped += 1
+            else:
+                out.append(s)
+    return out, {"wm/samples": float(len(out)), "wm/target_tokens": float(sum(sum(s.target) for s in out)),
+                 "wm/dropped_long": float(dropped)}
+
+
+class WorldModelSFT(Callback):
+    """Registers WM-SFT's collate transform and logs its ``wm/*`` epoch metrics (see the module doc).
+
+    Args:
+        prompt: the world-model instruction (None: :data:`cope.algos.rwml.prompt.DEFAULT_INSTRUCTION`).
+        skip_invalid: no samples from steps the env refused.
+        max_per_episode: keep the last N samples of an episode (None: all).
+        max_context: samples longer than this are dropped and counted (None: no limit).
+    """
+
+    def __init__(self, prompt: str | None = None, skip_invalid: bool = False, max_per_episode: int | None = None,
+                 max_context: int | None = None):
+        if max_per_episode is not None and max_per_episode < 1:
+            raise ValueError(f"wm_sft.max_per_episode must be null (all) or >= 1, got {max_per_episode}")
+        self.prompt_text, self.skip_invalid, self.max_per_episode = prompt, bool(skip_invalid), max_per_episode
+        self.max_context = max_context
+        self._prompt: WorldModelPrompt | None = None
+        self._chat, self._pad_id, self._datamodule = None, 0, None
+        self._built: tuple[list, list, dict] | None = None  # (the epoch's episode list, its samples, their metrics)
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        dm = trainer.datamodule
+        if dm is None or not hasattr(dm, "add_collate_transform"):
+            raise TypeError("WorldModelSFT needs the RolloutDataModule (cope.train.datamodule), which collates its samples")
+        if not any(o.name == "wm" for o in pl_module.objectives):
+            raise ValueError("algo.callbacks.wm_sft builds world-model samples, but algo.objectives has no `wm` entry "
+                             "(cope.algos.rwml.wm_loss.WorldModelNLL) to train them")
+        policy = pl_module.policy
+        self._chat, self._pad_id = policy.chat, policy.pad_id
+        self._prompt = WorldModelPrompt(policy.tokenizer, self.prompt_text)
+        if dm is not self._datamodule:  # setup runs once per stage
+            dm.add_collate_transform(self.transform)
+            self._datamodule = dm
+
+    def samples(self, episodes: list[Episode]) -> tuple[list[WorldModelSample], dict[str, float]]:
+        """The epoch's samples (built once per epoch) and their metrics."""
+        if self._built is None or self._built[0] is not episodes:  # the list object, not its id (ids are reused)
+            got = build_samples(episodes, self._chat, self._prompt, self.skip_invalid, self.max_per_episode,
+                                self.max_context)
+            self._built = (episodes, *got)
+        return self._built[1], self._built[2]
+
+    def transform(self, batch: dict, episodes: list[Episode]) -> dict:
+        return append_samples(batch, episodes, self.samples(episodes)[0], self._pad_id)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self._built is not None:
+            pl_module.log_dict(self._built[2], on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
