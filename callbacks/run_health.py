@@ -8,7 +8,8 @@ epoch's experience is collected by then), this callback reads the epoch record a
 * ``health/signal_groups``: GRPO groups with a reward spread (the only groups whose policy gradient is not 0).
   None in ``zero_signal_epochs`` epochs in a row stops the run. Auxiliary objectives may still train then
   (ECHO on observations, CoPE forecasts from all-win groups): a cold start that is meant to wait longer sets a
-  larger count, or null.
+  larger count, or null. A run with no objective on that reads the advantages (``Objective.reads_advantages``: the
+  policy gradient; off in ``algo=sft`` and ``algo=echo_only``) never has a signal to lose: the rule is off there.
 * ``health/invalid_rate``: the share of the epoch's steps with an env feedback turn whose action the env refused. A collapse of the action
   format (seen in a demo run: ``westwestwest...`` until the token cap, every action invalid, no reward spread ever again) is
   a regression: once an epoch was at or below ``healthy_invalid_rate`` (``health/format_learned``), the rate above
@@ -100,7 +101,9 @@ class RunHealth(Callback):
         aborted, episodes, signal, invalid, steps = self._totals(trainer, record)
         frac = aborted / max(episodes, 1.0)
         self.aborted_streak = self.aborted_streak + 1 if frac > self.max_aborted_frac else 0
-        self.zero_signal_streak = self.zero_signal_streak + 1 if signal == 0 else 0
+        objectives = getattr(pl_module, "objectives", None)  # None: not this project's module, the rule stays on
+        learns_from_rewards = objectives is None or any(o.reads_advantages and o.ever_on for o in objectives)
+        self.zero_signal_streak = self.zero_signal_streak + 1 if signal == 0 and learns_from_rewards else 0
         rate = invalid / steps if steps else 0.0
         if self.format_learned is None and steps and rate <= self.healthy_invalid_rate:
             self.format_learned = record.epoch

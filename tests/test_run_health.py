@@ -39,6 +39,8 @@ def test_no_reward_spread_stops_the_run(run_train, tmp_path):
     # and off means off
     run_train([*overrides[:-3], "callbacks.run_health.zero_signal_epochs=null", "trainer.max_epochs=3",
                "validate_before_fit=false"], tmp_path / "off")
+    # a run with no objective that reads the advantages (ECHO alone) has no signal to lose: the rule does not apply
+    run_train([*overrides[:-2], "algo=echo_only", "trainer.max_epochs=3", "validate_before_fit=false"], tmp_path / "echo")
 
 
 @pytest.mark.long

@@ -27,7 +27,6 @@ from cope.batch import collate
 from cope.envs.base import Task
 from cope.envs.maze import MazeEnv
 from cope.episode import Role
-from cope.extras import available
 from cope.rollout.engine import EnvRuntime, HFEngine, Sampling
 from cope.rollout.loop import RolloutStats, Sampled, _encode, run_episodes
 from cope.train.collect.collector import CollectorHost, TaskStream
@@ -149,10 +148,34 @@ def test_sentence_transformer_embedder_names_the_path_and_the_extra(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match=rf"rwml\.reward\.embedder\.path = '{missing}': no such folder"):
         SentenceTransformerEmbedder(str(missing))
-    if available("sentence_transformers"):
-        pytest.skip("sentence-transformers is installed: the missing-extra message cannot show")
-    with pytest.raises(ImportError, match=r"cope-trainer\[rwml\]"):
-        SentenceTransformerEmbedder(str(tmp_path))
+    with pytest.MonkeyPatch.context() as mp:  # the extra missing (it is installed by `make install`)
+        mp.setattr("cope.extras.available", lambda module: module != "sentence_transformers")
+        with pytest.raises(ImportError, match=r"cope-trainer\[rwml\]"):
+            SentenceTransformerEmbedder(str(tmp_path))
+
+
+def test_sentence_transformer_embedder_on_a_local_model(tmp_path):
+    """The GPU machines' embedder, end to end on a tiny BERT saved locally (built from config, nothing downloaded):
+    unit-norm embeddings, the same text at cosine 1, and the reward it feeds at its threshold."""
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "you", "see", "a", "wall", "door", "north", "is", "open"]
+    bert = tmp_path / "bert"
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(words)}).save_pretrained(bert)
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32)).save_pretrained(bert)
+    body = models.Transformer(str(bert))
+    SentenceTransformer(modules=[body, models.Pooling(body.get_word_embedding_dimension())]).save(str(tmp_path / "st"))
+    embed = SentenceTransformerEmbedder(str(tmp_path / "st"), device="cpu")
+    e = embed(["you see a wall", "you see a wall", "the door is open"])  # (3, 16)
+    assert e.shape == (3, 16) and torch.allclose(e.norm(dim=-1), torch.ones(3), atol=1e-5)
+    assert float(e[0] @ e[1]) == pytest.approx(1.0, abs=1e-5) and float(e[0] @ e[2]) < 1.0 - 1e-4  # another text
+    far = 1.0 - float(e[0] @ e[2])  # the cosine distance of the two texts: the reward's threshold either side of it
+    assert EmbeddingCosine(embedder=embed, tau_d=far * 1.01)(["you see a wall"], ["the door is open"]) == [1.0]
+    assert EmbeddingCosine(embedder=embed, tau_d=far * 0.99)(["you see a wall"], ["the door is open"]) == [0.0]
 
 
 def test_the_config_refuses_tau_d_and_a_missing_embedder_path(compose, tmp_path):

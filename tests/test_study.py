@@ -88,3 +88,27 @@ def test_study_smoke_smollm2(tmp_path):
     assert test["grpo"]["val/projected_actions"] is not None and "projected answers" in text
     assert "| CoPE (authors', turns) | CoPE (authors') |" in text  # the two layouts against each other
     assert "| ECHO | CoPE (authors') |" in text and "Final evaluation" in text and "Smallest effect" not in text  # 1 seed
+
+
+def test_study_smoke_baselines(tmp_path):
+    """The papers' comparison set (`baselines`, issue 54) in miniature on the tiny model: one fixed setting per arm,
+    one seed; GRPO on SFT trains from its prerequisite SFT run's adapter (relative path, so its record names no
+    machine), the report has every arm and the share of the SFT gain line; a second call reuses everything."""
+    out = tmp_path / "study"
+    proc = _study(out, "baselines_tiny")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "study.json").read_text())
+    test = report["test"]["baselines_tiny"]
+    assert set(test) == {"grpo", "rwml_grpo", "wm_sft", "echo", "grpo_sft"} and all(r["seeds"] == [0] for r in test.values())
+    pre = out / "baselines_tiny/pre/sft/expert/seed0"
+    assert (pre / "done").exists() and (pre / "csv/adapter/adapter_model.safetensors").exists()
+    run = out / "baselines_tiny/test/grpo_sft" / test["grpo_sft"]["setting"] / "seed0"
+    overrides = (run / ".hydra/overrides.yaml").read_text()
+    assert "model.adapter=" in overrides and "pre/sft/expert/seed0/csv/adapter" in overrides
+    rwml = out / "baselines_tiny/test/rwml_grpo" / test["rwml_grpo"]["setting"] / "seed0"
+    with (rwml / "csv/metrics.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert any(r.get("rwml/triplets") for r in rows), "the RWML stage logged no triplets"
+    assert "Share of the SFT gain ECHO recovers" in (out / "study.md").read_text()
+    again = _study(out, "baselines_tiny")
+    assert again.returncode == 0 and "(ok)" not in again.stdout, again.stdout[-2000:]

@@ -20,6 +20,9 @@ NAMES = {
     "cope_authors": "CoPE (authors')",
     "echo": "ECHO",
     "cope_turns": "CoPE (authors', turns)",
+    "rwml_grpo": "RWML+GRPO",
+    "wm_sft": "WM-SFT+GRPO",
+    "grpo_sft": "GRPO on SFT",
 }
 AUX = {"cope": "forecast", "cope_authors": "forecast", "cope_turns": "forecast", "echo": "echo"}  # the arm's grad/* name
 
@@ -140,6 +143,7 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
     final = summary.get("final", {}).get(regime, {})
     lines += _final(final, info)
     lines += _detectable(arms, between, final)
+    lines += _sft_gain(summary.get("sft_gain", {}).get(regime))
     lines += [
         "",
         "Mechanism (gradients: means over the steps where both are non-zero, then over seeds; groups without a reward "
@@ -252,6 +256,18 @@ def _detectable(arms: dict, between: list[dict], final: dict) -> list[str]:
         return []
     return ["", "Smallest effect these seeds could detect (the paired t 95% half-width of Δ final success: an observed "
                 "mean difference smaller than it does not separate): " + "; ".join(parts) + "."]
+
+
+def _sft_gain(gain: dict | None) -> list[str]:
+    """ECHO's "share of the SFT gain recovered" (bench.study.stages.sft_gain), when the regime has the three arms."""
+    if not gain or not gain["seeds"]:
+        return []
+    per = ", ".join(f"seed {s} {v:+.2f}" for s, v in sorted(gain["shares"].items()))
+    mean = "–" if gain["mean"] is None else f"{gain['mean']:+.2f}"
+    flat = f"; {gain['no_gain_seeds']} seed(s) where SFT gained nothing have no share" if gain["no_gain_seeds"] else ""
+    return ["", f"Share of the SFT gain ECHO recovers, (ECHO − GRPO) / (GRPO on SFT − GRPO) in final held-out success, per "
+                f"seed: {per or 'none'}; mean {mean}{flat}. GRPO on SFT also spent its SFT run's demonstrations (env "
+                "steps of the expert, not counted in its curve)."]
 
 
 def _seeds_line(ran: list[int], info: dict) -> str:

@@ -22,11 +22,12 @@ import json
 import math
 from pathlib import Path
 
-from bench.study import final_eval
+from bench.study import final_eval, stages
 from bench.study.markdown import AUX, NAMES, STABILITY, markdown, mean_of
 from bench.study.stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t
 
-COLORS = {"grpo": "C0", "cope": "C1", "echo": "C2", "cope_authors": "C3", "cope_turns": "C4"}  # an arm's colour in every panel
+COLORS = {"grpo": "C0", "cope": "C1", "echo": "C2", "cope_authors": "C3", "cope_turns": "C4", "rwml_grpo": "C5", "wm_sft": "C6",
+          "grpo_sft": "C7"}  # an arm's colour in every panel
 DIAG = ("grad/cos_{aux}_pg", "grad/ratio_{aux}_pg")
 PROBES = ("probe/forecast_action_acc", "probe/obs_nll")
 VAL_LAST = ("val/multi_action", "val/strict_valid", "val/projected_actions")  # held-out answer forms at the last validation
@@ -273,7 +274,10 @@ def summarize(results: list[dict], meta: dict) -> dict:
     for arms in table.values():
         for row in arms.values():
             row.pop("size_runs", None)  # summarized in by_size
-    return {"test": table, "tuning": tuning, "by_size": by_size, "between": between, "final": final_eval.summarize(results)}
+    gain = {r: stages.sft_gain({a: {s: c["final"] for s, c in row["runs"].items() if c["final"] is not None}
+                                for a, row in arms.items()}) for r, arms in table.items()}
+    return {"test": table, "tuning": tuning, "by_size": by_size, "between": between, "final": final_eval.summarize(results),
+            "sft_gain": {r: g for r, g in gain.items() if g}}
 
 
 def _between(arms: dict) -> list[dict]:

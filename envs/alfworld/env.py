@@ -178,6 +178,8 @@ class AlfWorldEnv(TaskEnv):
         self._loaded: str | None = None
         self._state: Any = None
         self._task_type = ""
+        self._plan: tuple[str | None, list[str]] = (None, [])  # (game file, its stored walkthrough), read on demand
+        self._taken: list[str | None] = []  # this episode's commands as sent (None: malformed, not sent)
 
     @property
     def instructions(self) -> str:
@@ -220,6 +222,7 @@ class AlfWorldEnv(TaskEnv):
                 self._loaded = path
             self._state = self._engine.reset()
         self._episode_started()
+        self._taken = []
         self._task_type = _task_type(path)
         text = self._state["feedback"]
         observation, harness = self._cap(text)
@@ -243,6 +246,7 @@ class AlfWorldEnv(TaskEnv):
             won = bool(self._state["won"])
             observation, cut = self._cap(self._state["feedback"])
             notes += [cut] if cut else []
+        self._taken.append(command)
         timeout = self._step_ended(won)
         notes += [HARNESS_TIMEOUT] if timeout else []
         return EnvStep(
@@ -263,6 +267,20 @@ class AlfWorldEnv(TaskEnv):
             raise RuntimeError("AlfWorldEnv.expert_plan called before reset")
         with open(self._loaded) as f:
             return list(json.load(f).get("walkthrough") or [])
+
+    def expert_action(self) -> str | None:
+        """The stored walkthrough's next command while this episode has followed it (the optional expert capability
+        of `cope.envs.base.Env`, a plan expert: expert demonstrations, ``algo=sft``); None once a command left the
+        walkthrough (compared lower-cased, as the engine gets them), once it is used up, or when the episode is over.
+        Reads the game file once per game, never the engine: asking does not change the episode."""
+        self._require_episode("expert_action")
+        if self._plan[0] != self._loaded:
+            self._plan = (self._loaded, self.expert_plan())
+        plan, taken = self._plan[1], self._taken
+        if self.episode_over or len(taken) >= len(plan) or any(
+                t != single_line(p, lower=True) for t, p in zip(taken, plan)):
+            return None
+        return plan[len(taken)]
 
     def close(self) -> None:
         """Hands the engine to this process's idle pool (``cope.envs.alfworld.engine``); safe to call twice."""

@@ -136,6 +136,8 @@ class ScienceWorldEnv(TaskEnv):
         self._task: Task | None = None
         self._pair: tuple[str, int] = ("", 0)
         self._score, self._menu = 0.0, None
+        self._sent: list[str | None] = []  # this episode's commands as the simulator got them (None: malformed, not sent)
+        self._gold: dict[tuple[str, int], list[str]] = {}  # gold action sequences read so far (expert_action)
 
     # -- protocol -------------------------------------------------------------------------------
     @property
@@ -157,7 +159,7 @@ class ScienceWorldEnv(TaskEnv):
         description = server.getTaskDescription()
         look = server.step("look around")
         self._task, self._pair = task, (name, variation)
-        self._score, self._menu = 0.0, None
+        self._score, self._menu, self._sent = 0.0, None, []
         self._episode_started()
         observation, cut = self._cap(f"{description}\n\n{look}")
         return EnvReset(
@@ -177,14 +179,17 @@ class ScienceWorldEnv(TaskEnv):
         if command is None:
             observation, valid = "", False
             notes.append(refused or HARNESS_MALFORMED)
+            self._sent.append(None)
         else:
             server = self._sim.server
             observation = server.step(command)
+            self._sent.append(command)
             menu = sw_text.parse_menu(observation)
             ambiguous = menu is not None
             if ambiguous and self.ambiguity == "first":
                 notes.append(f"(Ambiguous command: the harness chose option 0, '{menu[0]}'.)")
                 observation, menu = server.step("0"), None
+                self._sent.append("0")  # the gold path lists the menu's answer as a step of its own
             self._menu = menu
             valid = menu is not None or not (
                 sw_text.is_parse_failure(observation) or (self.no_effect_invalid and sw_text.is_no_effect(observation))
@@ -230,10 +235,30 @@ class ScienceWorldEnv(TaskEnv):
     def gold_actions(self, task: Task) -> list[str]:
         """The simulator's gold action sequence for ``task``. Loading with the gold path runs it to its end,
         so the episode in progress is over: call ``reset`` before stepping again."""
-        self._load(task, gold=True)
+        gold = self._read_gold(task)
         self._task = None
         self._no_episode()
-        return [str(a) for a in self._sim.server.getGoldActionSequence()]
+        return gold
+
+    def expert_action(self) -> str | None:
+        """The gold action sequence's next action while this episode has followed it (the optional expert capability
+        of `cope.envs.base.Env`, a plan expert: expert demonstrations, ``algo=sft``); None once a command left the
+        gold path, once it is used up, or when the episode is over. With ``ambiguity="first"`` the menu answer the
+        adapter gave (``0``) counts as the gold path's next step, which lists it. The first call of a task reads its
+        gold path (loading the task with it runs it to its end), then reloads the task and replays this episode's
+        commands, so asking does not change the episode (the simulator is deterministic: ``-XX:hashCode=2``)."""
+        self._require_episode("expert_action")
+        if self.episode_over:
+            return None
+        if self._pair not in self._gold:
+            self._gold[self._pair] = self._read_gold(self._task)
+            self._load(self._task, gold=False)  # back to the episode: the reset's look, then its commands
+            for command in ["look around", *(c for c in self._sent if c is not None)]:
+                self._sim.server.step(command)
+        plan, sent = self._gold[self._pair], self._sent
+        if len(sent) >= len(plan) or any(c != single_line(p) for c, p in zip(sent, plan)):
+            return None
+        return plan[len(sent)]
 
     @property
     def jvm_pid(self) -> int | None:
@@ -244,6 +269,11 @@ class ScienceWorldEnv(TaskEnv):
         return self._sim.start_seconds if self._sim is not None else None
 
     # -- internals --------------------------------------------------------------------------------
+    def _read_gold(self, task: Task) -> list[str]:
+        """``task``'s gold action sequence; the simulator is left at the gold path's end."""
+        self._load(task, gold=True)
+        return [str(a) for a in self._sim.server.getGoldActionSequence()]
+
     def _load(self, task: Task, gold: bool) -> tuple[str, int]:
         name, variation = self.task_pair(task)
         if self._sim is None or not self._sim.alive:  # first use, or the JVM died: (re)start it

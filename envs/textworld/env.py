@@ -204,6 +204,8 @@ class TextWorldEnv(TaskEnv):
         self._path: str | None = None  # game file loaded into it
         self._patterns: re.Pattern | None = None  # the game's action patterns (fast path)
         self._state = None
+        self._plan: list[str] = []  # the game's walkthrough (read at reset): expert_action follows it
+        self._taken: list[str | None] = []  # this episode's commands as sent (None: refused before the game)
         self.games_generated = 0  # games this instance had to generate (cache misses)
 
     @property
@@ -227,6 +229,7 @@ class TextWorldEnv(TaskEnv):
         if self._patterns is None:
             self._patterns = action_patterns(state["game"])
         self._state = state
+        self._plan, self._taken = list(state.get("extra.walkthrough") or []), []
         self._episode_started()
         obs, notice = self._cap(tidy(state["feedback"], first=True))
         return EnvReset(
@@ -249,6 +252,7 @@ class TextWorldEnv(TaskEnv):
             valid = self._traced_action(state[TRACED_KEY])
             obs, harness = self._cap(tidy(_TRACE_TAG.sub("", state["feedback"])))
         self._state = state
+        self._taken.append(None if refusal else command)
         won, lost = bool(state["won"]), bool(state["lost"])
         timeout = self._step_ended(won or lost)
         if timeout:
@@ -274,6 +278,18 @@ class TextWorldEnv(TaskEnv):
         """The game's own winning command sequence from the start (tests/benchmarks only)."""
         self._require_episode("walkthrough")
         return list(self._state["extra.walkthrough"])
+
+    def expert_action(self) -> str | None:
+        """The walkthrough's next command while this episode has followed it (the optional expert capability of
+        `cope.envs.base.Env`, a plan expert: expert demonstrations, ``algo=sft``); None once a command left the
+        walkthrough (compared lower-cased, as the game gets them), once it is used up, or when the episode is over.
+        Reads nothing from the game: asking does not change the episode."""
+        self._require_episode("expert_action")
+        plan, taken = self._plan, self._taken
+        if self.episode_over or len(taken) >= len(plan) or any(
+                t != single_line(p, lower=True) for t, p in zip(taken, plan)):
+            return None
+        return plan[len(taken)]
 
     def example_actions(self) -> list[str]:
         """Well-formed commands of the current game (warm start only; see `cope.envs.base`): the

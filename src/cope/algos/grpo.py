@@ -221,6 +221,7 @@ class PolicyGradient(Objective):
     """
 
     name = "pg"
+    reads_advantages = True  # learns nothing from an epoch without a reward spread (callbacks/run_health.py)
 
     def __init__(
         self,

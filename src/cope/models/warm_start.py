@@ -17,11 +17,10 @@ Actions come back as token ids ending with the stop id, as the rollout engine ex
 """
 from __future__ import annotations
 
-import functools
 import random
 from typing import Callable, get_args
 
-from cope.envs.base import Env, Task
+from cope.envs.base import Env, Task, env_declares
 from cope.models.choices import WarmStartPolicy
 from cope.rollout.loop import run_episodes
 
@@ -124,13 +123,7 @@ def check_warm_start(policy: str, expert_prob: float, env_factory: Callable[[], 
     check_expert_prob(expert_prob)
     if policy != "expert":
         return
-    target = env_factory.func if isinstance(env_factory, functools.partial) else env_factory
-    if isinstance(target, type):
-        has, name = hasattr(target, "expert_action"), target.__name__
-    else:
-        probe = env_factory()
-        has, name = hasattr(probe, "expert_action"), type(probe).__name__
-        probe.close()
+    has, name = env_declares(env_factory, "expert_action")
     if not has:
         raise ValueError(f"model.warm_start_policy=expert needs an env with an expert_action() method "
                          f"(see cope.envs.base.Env); {name} has none: use model.warm_start_policy=random")

@@ -167,7 +167,7 @@ class RolloutDataModule(pl.LightningDataModule):
             version=lambda: self.trainer.global_step if self.trainer is not None else 0,
             max_epochs=lambda: getattr(self.trainer, "max_epochs", None), world=self._world,
             stopping=lambda: bool(getattr(self.trainer, "received_sigterm", False)),
-            precision=lambda: training_precision(self.trainer), policy=lambda: self._policy))
+            precision=lambda: training_precision(self.trainer), policy=lambda: self._policy, rank=lambda: self.rank))
         self.counters = RunCounters()  # reads as a dict of the totals
         self.builder = EpochBuilder(advantage_mode=advantage_mode, minibatch_size=minibatch_size, ppo_epochs=ppo_epochs,
                                     share_prefix=self.share_prefix, engine=self.engine, counters=self.counters,

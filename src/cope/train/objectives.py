@@ -120,11 +120,14 @@ class Objective(abc.ABC):
     kind: a batch source's own batches, each one optimizer step, see :func:`batch_kind`); ``lr_scale`` multiplies the
     learning rate of the optimizer steps taken on batches of that kind (1: the policy's); ``metric_prefix`` names
     those steps' own metrics (:func:`step_prefix`; None: the kind's name); ``alone`` says it must be the run's only
-    objective that is ever on (ECHO without a verifier: :func:`check_objectives`).
+    objective that is ever on (ECHO without a verifier: :func:`check_objectives`); ``reads_advantages`` says its
+    gradient comes from the episodes' advantages, so it learns nothing from an epoch without a reward spread (the
+    run-health rule about such epochs applies only when such an objective is on).
     """
 
     name: str = "objective"
     alone: bool = False
+    reads_advantages: bool = False
     needs: Needs = Needs()
     batch_kind: str = ROLLOUT
     lr_scale: float = 1.0

@@ -83,6 +83,7 @@ class CollectorHost:
         precision: ``precision()`` -> the context a rollout runs under in whichever thread samples (the training
             step's precision, :func:`cope.train.collect.sync.training_precision`); a null context by default.
         policy: ``policy()`` -> the policy bound at ``connect`` (tokenizer, chat scaffold), None before it.
+        rank: ``rank()`` -> this process's global rank (0 without a trainer).
     """
 
     engine: RolloutEngine
@@ -95,6 +96,7 @@ class CollectorHost:
     stopping: Callable[[], bool]
     precision: Callable[[], ContextManager] = contextlib.nullcontext
     policy: Callable[[], Any] = lambda: None
+    rank: Callable[[], int] = lambda: 0
 
 
 class Collector(Protocol):
