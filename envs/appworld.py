@@ -27,6 +27,10 @@ or after ``max_steps`` actions (``info["timeout"]``); then AppWorld's hidden tes
 ``success`` = all tests pass; ``score`` = fraction of tests passed. Reward at the end only:
 ``reward_mode=sparse`` pays 1.0 on success, ``pass_rate`` pays the score.
 
+Native tool calls (``action_format=native``): one tool, ``python(code)`` (:data:`NATIVE_TOOLS`, also in
+``EnvReset.info["tools"]``), called in the model's own format; the code is the argument as given. A turn without a
+call, and a call the rollout loop refused, are invalid (not run; harness notice).
+
 Each instance writes its AppWorld outputs under its own experiment name
 (``<experiment_name>/<random id>``: episodes of one task run concurrently) and deletes them after
 the evaluation unless ``keep_outputs``.
@@ -44,6 +48,7 @@ from pathlib import Path
 from cope.envs.actions import unencodable
 from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.runtime.remote import RemoteEnv
+from cope.envs.tool_calls import check_action_format, function_tool, read_action, refusal_notice
 
 DATASETS = ("train", "dev", "test_normal", "test_challenge")
 REWARD_MODES = ("sparse", "pass_rate")
@@ -60,6 +65,11 @@ print(apis.api_docs.show_api_doc(app_name='spotify', api_name='login'))
 Apps need a login first; your supervisor's passwords: apis.supervisor.show_account_passwords().
 When the task is done, call apis.supervisor.complete_task() (with answer=... if the task asks a question).
 That ends the episode."""
+NATIVE_INSTRUCTIONS = INSTRUCTIONS.replace(
+    "Each turn, answer with Python code only. It runs in a persistent Python shell; you see what it prints.",
+    "Each turn, call the python tool with code. It runs in a persistent Python shell; you see what it prints.")
+NATIVE_TOOLS = [function_tool("python", "Run Python code in the persistent shell (the `apis` object is defined); "
+                              "returns what it prints.", {"code": {"type": "string"}}, ["code"])]
 _FENCE = re.compile(r"^```[A-Za-z0-9_+-]*[ \t]*\n(.*?)\n?```$", re.DOTALL)
 
 
@@ -107,12 +117,14 @@ class AppWorldEnv(TaskEnv):
         timeout_seconds: AppWorld's limit on one code execution.
         keep_outputs: Keep AppWorld's output folder (logs, final databases) after an episode.
         name: Env name used in task ids.
+        action_format: ``text`` (code as the turn's text) or ``native`` (the ``python`` tool in the model's own
+            tool-call format; needs a chat template with tool support).
     """
 
     def __init__(self, train_dataset: str = "train", test_dataset: str = "dev", root: str | None = None,
                  experiment_name: str = "cope", max_steps: int = 40, max_observation_chars: int = 6000,
                  reward_mode: str = "sparse", timeout_seconds: int = 100, keep_outputs: bool = False,
-                 name: str = "appworld") -> None:
+                 name: str = "appworld", action_format: str = "text") -> None:
         for arg, value in (("train_dataset", train_dataset), ("test_dataset", test_dataset)):
             if value not in DATASETS:
                 raise ValueError(f"{arg} must be one of {DATASETS}, got {value!r}")
@@ -124,6 +136,7 @@ class AppWorldEnv(TaskEnv):
                 raise ValueError(f"{arg} must be >= 1, got {value!r}")
         if not experiment_name or not name:
             raise ValueError("experiment_name and name must be non-empty strings")
+        self.action_format = check_action_format(action_format, "action_format")
         self.datasets = {"train": train_dataset, "test": test_dataset}
         self.root = os.path.abspath(root or os.environ.get("APPWORLD_ROOT") or os.getcwd())
         self.experiment = f"{experiment_name}/{uuid.uuid4().hex[:12]}"
@@ -134,7 +147,12 @@ class AppWorldEnv(TaskEnv):
 
     @property
     def instructions(self) -> str:
-        return INSTRUCTIONS
+        return NATIVE_INSTRUCTIONS if self.action_format == "native" else INSTRUCTIONS
+
+    @property
+    def tools(self) -> list[dict] | None:
+        """The ``python`` tool in the native format (None in the text format)."""
+        return NATIVE_TOOLS if self.action_format == "native" else None
 
     def _task_ids(self, split: str) -> list[str]:
         if split not in self._ids:
@@ -169,12 +187,16 @@ class AppWorldEnv(TaskEnv):
         observation = (f"Task: {t.instruction}\nSupervisor: {s.first_name} {s.last_name}, email {s.email}, "
                        f"phone {s.phone_number}")
         return EnvReset(observation=observation, task_description=t.instruction,
-                        info={"task_id": t.id, "dataset": self.datasets[task.split]})
+                        info={"task_id": t.id, "dataset": self.datasets[task.split],
+                              **({"tools": NATIVE_TOOLS} if self.tools else {})})
 
     def step(self, action: str) -> EnvStep:
         self._step_started()
         refused = unencodable(action)
-        code = "" if refused else strip_code(action)
+        if refused is None and self.action_format == "native":
+            code, refused = native_code(action)
+        else:
+            code = "" if refused else strip_code(action)
         harness, valid = "", bool(code)
         if code:
             output = self._world.execute(code)
@@ -213,6 +235,16 @@ class AppWorldEnv(TaskEnv):
                 shutil.rmtree(Path(self.root, "experiments", "outputs", self.experiment), ignore_errors=True)
 
 
+def native_code(action: str) -> tuple[str, str | None]:
+    """``(code, refused)`` of a native-format action: the ``python`` call's code, or the harness text of a refusal."""
+    a = read_action(action)
+    if a.kind == "call" and a.name == "python" and isinstance(a.arguments.get("code"), str):
+        return a.arguments["code"].strip("\n").rstrip(), None
+    if a.kind == "message":
+        return "", "Invalid action: call the python tool with code to run."
+    return "", refusal_notice(a.text if a.kind == "refused" else f"unknown tool {a.name!r} or bad arguments")
+
+
 def _find_python(python: str) -> str:
     """``python`` as given, else relative to the project root; a clear error with the venv recipe."""
     for candidate in (Path(python), Path(__file__).resolve().parents[1] / python):
@@ -236,8 +268,8 @@ class RemoteAppWorldEnv(RemoteEnv):
                  test_dataset: str = "dev", root: str | None = None, experiment_name: str = "cope",
                  max_steps: int = 40, max_observation_chars: int = 6000, reward_mode: str = "sparse",
                  timeout_seconds: int = 100, keep_outputs: bool = False, name: str = "appworld",
-                 timeout_s: float = 300.0, start_timeout_s: float = 600.0) -> None:
-        kwargs = {"train_dataset": train_dataset, "test_dataset": test_dataset,
+                 timeout_s: float = 300.0, start_timeout_s: float = 600.0, action_format: str = "text") -> None:
+        kwargs = {"action_format": action_format, "train_dataset": train_dataset, "test_dataset": test_dataset,
                   "root": os.path.abspath(root) if root else None, "experiment_name": experiment_name,
                   "max_steps": max_steps, "max_observation_chars": max_observation_chars, "reward_mode": reward_mode,
                   "timeout_seconds": timeout_seconds, "keep_outputs": keep_outputs, "name": name}

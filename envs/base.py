@@ -99,11 +99,22 @@ class Env(Protocol):
     * ``example_actions() -> list[str]``: an env whose steps report no admissible actions (a shell, tool
       calls, code) lists a few well-formed actions for the current state. Only the tiny model's
       format-only warm start (random walks) uses them.
-    * ``expert_action() -> str | None``: a good next action from the current state (for the maze, the next
-      move of a shortest path), in the format ``step`` accepts (an admissible action where the env lists
-      them); None when the episode is over or the env knows none. Only the tiny model's
-      ``model.warm_start_policy=expert`` warm start (noisy expert walks, :mod:`cope.models.warm_start`) uses it;
-      asking for it must not change the episode.
+    * ``expert_action() -> str | None``: the expert's next action in the current episode, in the format
+      ``step`` accepts (an admissible action where the env lists them); None when the episode is over or the
+      expert has no action. Two kinds of expert answer it: a *state* expert plans from wherever the episode is
+      (the maze: the next move of a shortest path); a *plan* expert follows one fixed winning sequence by
+      position (TextWorld: the game's walkthrough; ALFWorld: the game's stored expert plan; ScienceWorld: the
+      simulator's gold action sequence) and answers the plan's next entry while every earlier action of the
+      episode was the plan's, None once one was not (or the plan is used up). Asking must not change the
+      episode. Users: expert demonstrations for supervised fine-tuning (``algo=sft``,
+      :mod:`cope.algos.sft`) and the tiny model's ``model.warm_start_policy=expert`` warm start (noisy expert
+      walks, :mod:`cope.models.warm_start`; after a random move a plan expert has no answer, so the walk goes
+      on at random). Looked up on the class, so a run is refused before any env starts.
+    * ``tools`` and ``EnvReset.info["tools"]``: OpenAI function schemas of the env's tools in the native tool-call
+      format (``env.action_format=native``); the rollout loop renders them with the model's chat template, reads
+      calls in its syntax and hands ``step`` one JSON envelope (:mod:`cope.envs.tool_calls`: ``{"tool_call": ...}``,
+      ``{"message": ...}``, ``{"refused": ...}``); a refused call is an invalid step with the reason as harness
+      text, still counted against ``max_steps``. Absent in the text format.
     * ``max_instances: int | None`` (class attribute; :class:`TaskEnv` says None): a memory-heavy env (one
       JVM per instance) says how many instances should live at once. With ``data.env_runtime.max_live_episodes=null``
       the DataModule runs an epoch's episodes in waves of that many, and the tiny warm start walks with
@@ -236,3 +247,17 @@ def env_facts(factory: Any) -> EnvFacts:
         return EnvFacts(env.name, env.num_tasks("train"), env.num_tasks("test"), int(limit) if limit else None)
     finally:
         env.close()
+
+
+def env_declares(factory: Any, attribute: str) -> tuple[bool, str]:
+    """Whether the envs ``factory`` makes have ``attribute`` (an optional capability such as ``expert_action``), and
+    their class name: looked up on the class when the factory is a class or a ``functools.partial`` of one (nothing
+    built), else on one instance, built and closed (no episode started)."""
+    cls = getattr(factory, "func", factory)
+    if isinstance(cls, type):
+        return hasattr(cls, attribute), cls.__name__
+    probe = factory()
+    try:
+        return hasattr(probe, attribute), type(probe).__name__
+    finally:
+        probe.close()

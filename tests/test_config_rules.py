@@ -181,3 +181,16 @@ def test_a_collector_that_needs_completions_refuses_an_engine_that_cannot(compos
     problems = _problems(compose, tmp_path, ["algo=rwml", "data.engine._target_=test_config_rules.NoCompletions"])
     assert "data.engine" in _keys(problems), problems
     assert _problems(compose, tmp_path, ["algo=rwml", "data.engine._target_=test_config_rules.InProcess"]) == []
+
+
+def test_demonstrations_from_an_expert_need_an_env_with_one(compose, tmp_path):
+    """algo=sft sft.source=expert reads the env class's expert_action() (looked up, no env started): WebShop has none."""
+    assert "data.collector.source" in _keys(_problems(compose, tmp_path, ["algo=sft", "env=webshop"]))
+    assert _problems(compose, tmp_path, ["algo=sft"]) == []  # the maze has one
+
+
+def test_native_tool_calls_need_a_model_whose_template_renders_tools(compose, tmp_path):
+    """env.action_format=native with the tiny model (plain ChatML, tool_template=False) is refused before any work."""
+    problems = _problems(compose, tmp_path, ["env=terminal", "env.action_format=native"])
+    assert "env.action_format" in _keys(problems) and "has no tool support" in " ".join(problems), problems
+    assert "env.action_format" not in _keys(_problems(compose, tmp_path, ["env=terminal"]))

@@ -12,7 +12,9 @@ orchestrator: the assistant opens with tau2's greeting, a user message that is a
 ``###STOP###``/``###TRANSFER###``/``###OUT-OF-SCOPE###`` and the agent with ``done`` (unless
 ``agent_stop=False``: then only the user can, as in tau2's standard runs).
 
-Action format: `cope.envs.tau2.format` (a JSON tool call, ``done``, or a message to the user).
+Action format: `cope.envs.tau2.format` (a JSON tool call, ``done``, or a message to the user), or with
+``action_format=native`` the model's own tool calls (tools in ``EnvReset.info["tools"]``, calls as the rollout loop's
+envelope; a tool result is then the bare result, the template's tool turn says whose it is).
 Observation: the new messages the agent may see, one per line, ``user: <text>`` or
 ``tool: <result>`` (the reset observation: the conversation so far, including the greeting and any
 task message history, or ``ticket: <ticket>`` in solo mode). Validity: an action that is not encodable
@@ -40,8 +42,17 @@ from typing import Any
 
 from cope.envs.actions import unencodable
 from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
-from cope.envs.tau2.format import build_instructions, example_call, parse_action, render_messages
+from cope.envs.tau2.format import (
+    build_instructions,
+    build_native_instructions,
+    example_call,
+    native_tools,
+    parse_action,
+    read_native,
+    render_messages,
+)
 from cope.envs.tau2.tasks import load_tau2, split_tasks
+from cope.envs.tool_calls import check_action_format
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +91,8 @@ class Tau2Env(TaskEnv):
         max_errors: Tool errors per episode before tau2's ``too_many_errors`` end (reward 0).
         max_observation_chars: Cap on one observation; the cut is announced in the harness text.
         name: Env name used in task ids.
+        action_format: ``text`` (the JSON format of :mod:`cope.envs.tau2.format`, tools listed in the instructions)
+            or ``native`` (the model's own tool calls; needs a chat template with tool support).
     """
 
     def __init__(self, domain: str = "mock", task_set: str | None = None, train_split: str = "train",
@@ -89,7 +102,8 @@ class Tau2Env(TaskEnv):
                  user_max_new_tokens: int = 256, user_device: str = "cpu",
                  canned_reply: str = "Yes, please go ahead.", agent_stop: bool = True, evaluation_type: str = "all",
                  include_policy: bool = True, include_tool_schemas: bool = True, max_steps: int = 30,
-                 max_errors: int = 10, max_observation_chars: int = 4000, name: str = "tau2") -> None:
+                 max_errors: int = 10, max_observation_chars: int = 4000, name: str = "tau2",
+                 action_format: str = "text") -> None:
         if domain not in DOMAINS:
             raise ValueError(f"domain must be one of {DOMAINS}, got {domain!r}")
         if solo_mode and domain not in SOLO_DOMAINS:
@@ -117,6 +131,7 @@ class Tau2Env(TaskEnv):
             raise ValueError("canned_reply must be non-empty")
         if not name:
             raise ValueError("name must be a non-empty string")
+        self.action_format = check_action_format(action_format, "action_format")
         self.domain, self.task_set = domain, task_set or domain
         self.train_split, self.test_split, self.solo_mode = train_split, test_split, bool(solo_mode)
         self.user_kind, self.user_model, self.user_base_url = user, user_model, user_base_url
@@ -140,19 +155,30 @@ class Tau2Env(TaskEnv):
         return self.t["registry"].get_env_constructor(self.domain)(solo_mode=self.solo_mode)
 
     def _prompt(self) -> tuple[str, list[dict], frozenset[str]]:
-        key = (self.domain, self.solo_mode, self.include_policy, self.include_tool_schemas, self.agent_stop)
+        key = (self.domain, self.solo_mode, self.include_policy, self.include_tool_schemas, self.agent_stop,
+               self.action_format)
         if key not in _PROMPTS:
             env = self._make_env()
             tools = env.get_tools() + (env.get_user_tools() if self.solo_mode and env.user_tools else [])
             schemas = [tool.openai_schema for tool in tools]
-            text = build_instructions(env.get_policy() if self.include_policy else None,
-                                      schemas if self.include_tool_schemas else None, self.solo_mode, self.agent_stop)
+            policy = env.get_policy() if self.include_policy else None
+            if self.action_format == "native":
+                text = build_native_instructions(policy, self.solo_mode, self.agent_stop)
+                schemas = native_tools(schemas, with_done=self.agent_stop or self.solo_mode)
+            else:
+                text = build_instructions(policy, schemas if self.include_tool_schemas else None, self.solo_mode,
+                                          self.agent_stop)
             _PROMPTS[key] = (text, schemas, frozenset(tool.name for tool in tools))
         return _PROMPTS[key]
 
     @property
     def instructions(self) -> str:
         return self._prompt()[0]
+
+    @property
+    def tools(self) -> list[dict] | None:
+        """The tools as OpenAI function schemas in the native format (None in the text format)."""
+        return self._prompt()[1] if self.action_format == "native" else None
 
     def _tasks(self, split: str) -> list:
         return split_tasks(self.task_set, self.train_split, self.test_split)[split]
@@ -263,14 +289,16 @@ class Tau2Env(TaskEnv):
         observation, cut = self._cap(observation)
         return EnvReset(observation=observation, harness=cut,
                         task_description=tau2_task.ticket if self.solo_mode else (firsts[0] if firsts else ""),
-                        info={"task_id": tau2_task.id, "domain": self.domain, "ended_at_reset": self._done})
+                        info={"task_id": tau2_task.id, "domain": self.domain, "ended_at_reset": self._done,
+                              **({"tools": self.tools} if self.action_format == "native" else {})})
 
     def step(self, action: str) -> EnvStep:
         self._step_started()
         msg = self.t["msg"]
         mark, valid, harness = len(self._messages), True, ""
         refused = None if self._done else unencodable(action)  # it would reach the messages, the user, the evaluation
-        parsed = None if self._done or refused else parse_action(action, self._prompt()[2])
+        read = read_native if self.action_format == "native" else (lambda a: parse_action(a, self._prompt()[2]))
+        parsed = None if self._done or refused else read(action)
         if refused:
             valid, harness = False, refused
         elif parsed is None:  # the user ended the conversation before the agent's first action
@@ -297,7 +325,8 @@ class Tau2Env(TaskEnv):
         timeout = self._step_ended(self._done)
         if timeout:
             self._end("max_steps")
-        observation, cut = self._cap(render_messages(self._messages[mark:], with_assistant=False))
+        observation, cut = self._cap(render_messages(self._messages[mark:], with_assistant=False,
+                                                     tool_prefix=self.action_format != "native"))
         harness = "\n".join(x for x in (harness, cut) if x)
         reward, info = 0.0, {"termination": None, "tool_errors": self._errors, "timeout": timeout}
         if self._done:

@@ -14,6 +14,11 @@ nesting deeper than :data:`MAX_JSON_DEPTH`, extra keys, a non-object ``arguments
 ``respond``, arguments to ``done`` are all malformed); a JSON list (several calls at once) and a Python-style call of a known tool
 (``get_users()``) are malformed too. A malformed action never reaches tau2: the step is invalid and
 the harness text names the problem.
+
+Native tool calls (``action_format=native``): the tools are OpenAI function schemas (:func:`native_tools`, ``done``
+among them), listed by the model's chat template, called in its own syntax; the rollout loop hands the env the call
+as one envelope (:mod:`cope.envs.tool_calls`), so there is nothing to parse here. The system prompt
+(:func:`build_native_instructions`) says how to act, without a tool list or a JSON format of ours.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cope.envs.actions import clean_action
+from cope.envs.tool_calls import NativeAction, read_action
 
 DONE = "done"
 DONE_SCHEMA = {"name": DONE, "description": "End the conversation (call it once the user's request is resolved).",
@@ -44,6 +50,14 @@ You cannot talk to the user: each turn, answer with exactly one tool call, as on
 {"name": "<tool name>", "arguments": {<arguments>}}
 Tool results come back as "tool: ...".
 When the ticket is solved, end with {"name": "done", "arguments": {}}."""
+
+
+NATIVE_INSTRUCTIONS = """You are a customer service agent. Help the user according to the policy below.
+Each turn, do exactly one thing: call one of your tools, or write a message to the user as plain text.
+The user's messages come back as "user: ..."."""
+NATIVE_AGENT_STOP = "When the user's request is resolved, call the tool done."
+NATIVE_SOLO = """You are a customer service agent. Solve the ticket in the first message according to the policy below.
+You cannot talk to the user: each turn, call exactly one of your tools. When the ticket is solved, call the tool done."""
 
 
 @dataclass
@@ -100,6 +114,19 @@ def parse_action(text: str, tool_names: frozenset[str] | set[str] = frozenset())
     return Action("respond", text=s)
 
 
+def read_native(action: str) -> Action | str:
+    """The action of a native-format step (the rollout loop's envelope), or a string saying why it is refused."""
+    a: NativeAction = read_action(action)
+    if a.kind == "refused":
+        return a.text
+    if a.kind == "message":
+        text = a.text.strip()
+        return Action("respond", text=text) if text else "Empty message. Call a tool or write to the user."
+    if a.name == DONE:
+        return "\"done\" takes no arguments." if a.arguments else Action("done", name=DONE)
+    return Action("tool", name=a.name, arguments=a.arguments)
+
+
 def _too_deep(obj: Any) -> bool:
     """Whether a parsed JSON value nests more than ``MAX_JSON_DEPTH`` containers (iteratively: no recursion)."""
     stack = [(obj, 1)]
@@ -133,6 +160,24 @@ def tool_schema_lines(schemas: list[dict], with_done: bool = True) -> str:
     return "\n".join(lines)
 
 
+def native_tools(schemas: list[dict], with_done: bool = True) -> list[dict]:
+    """The tools as OpenAI function schemas (pydantic titles removed), ``done`` last (``with_done``)."""
+    out = []
+    for s in [*schemas, *([DONE_SCHEMA] if with_done else [])]:
+        f = s.get("function", s)
+        out.append({"type": "function", "function": {"name": f["name"], "description": f.get("description", ""),
+                                                     "parameters": _strip_titles(f.get("parameters", {}))}})
+    return out
+
+
+def build_native_instructions(policy: str | None, solo: bool, agent_stop: bool = True) -> str:
+    """The system prompt of the native format: how to act, then the ``<policy>`` block (the tools are the template's)."""
+    parts = [NATIVE_SOLO if solo else NATIVE_INSTRUCTIONS + ("\n" + NATIVE_AGENT_STOP if agent_stop else "")]
+    if policy is not None:
+        parts.append(f"<policy>\n{policy.strip()}\n</policy>")
+    return "\n\n".join(parts)
+
+
 def build_instructions(policy: str | None, schemas: list[dict] | None, solo: bool, agent_stop: bool = True) -> str:
     """The system prompt: action format, then ``<policy>`` and ``<tools>`` blocks when given.
     ``agent_stop=False`` (only the user ends the conversation) leaves ``done`` out."""
@@ -158,17 +203,17 @@ def example_call(schema: dict) -> str:
     return json.dumps({"name": f["name"], "arguments": args})
 
 
-def render_messages(messages: list, with_assistant: bool) -> str:
+def render_messages(messages: list, with_assistant: bool, tool_prefix: bool = True) -> str:
     """The agent-visible tau2 messages, one per line: ``user: <text>`` (not the user's own tool
-    calls), ``tool: <result>`` (answers to the agent's calls) and, with ``with_assistant`` (the reset
-    observation), ``assistant: <text or JSON call>``."""
+    calls), ``tool: <result>`` (answers to the agent's calls; the bare result without ``tool_prefix``, the native
+    format's tool-result turn) and, with ``with_assistant`` (the reset observation), ``assistant: <text or JSON call>``."""
     lines = []
     for m in messages:
         calls = getattr(m, "tool_calls", None) or []
         if m.role == "user" and not calls:
             lines.append(f"user: {m.content}")
         elif m.role == "tool" and m.requestor == "assistant":
-            lines.append(f"tool: {m.content}")
+            lines.append(f"tool: {m.content}" if tool_prefix else str(m.content))
         elif m.role == "assistant" and with_assistant:
             shown = [json.dumps({"name": c.name, "arguments": c.arguments}) for c in calls] or [m.content]
             lines.extend(f"assistant: {x}" for x in shown)

@@ -28,6 +28,12 @@ Observation vs harness: the observation is what the shell printed (stdout and st
 at most ``max_output_chars`` characters) followed by ``[exit code N]``; at ``submit`` it is the env's
 verdict line. Harness text (never an ECHO target): truncation, time-out, invalid-action and step-limit
 notices. Reset observation: the instruction and the top-level entries of ``/work``.
+
+Native tool calls (``action_format=native``): two tools, ``bash(command)`` and ``submit()``
+(:data:`NATIVE_TOOLS`, also in ``EnvReset.info["tools"]``), called in the model's own format; the command is the
+argument as given (no clean-up: JSON leaves no noise to strip), a turn without a call is invalid, a call the rollout
+loop refused (malformed, unknown tool, bad arguments) is invalid with its reason as harness text. Validity, output and
+rewards are the same as in the text format.
 """
 from __future__ import annotations
 
@@ -42,12 +48,24 @@ from cope.envs.terminal import tasks as suite
 from cope.envs.terminal.sandbox import Sandbox, SandboxResult, unavailable_reason, unpassable
 from cope.envs.terminal.tasks import TerminalTask, make_task
 from cope.envs.terminal.workdir import Snapshot, add_files, pack
+from cope.envs.tool_calls import check_action_format, function_tool, read_action, refusal_notice
 
 INSTRUCTIONS = (
     "You are in a Linux bash shell in the directory /work. Solve the task with shell commands. Each turn, answer "
     "with one command (or a short bash script); you will see its output and exit code. Every command starts in "
     "/work with a fresh shell: only files persist. There is no network. When the task is done, answer: submit"
 )
+NATIVE_INSTRUCTIONS = (
+    "You are in a Linux bash shell in the directory /work. Solve the task with the bash tool: each call runs one "
+    "command (or a short bash script) and shows its output and exit code. Every command starts in /work with a fresh "
+    "shell: only files persist. There is no network. When the task is done, call submit."
+)
+NATIVE_TOOLS = [
+    function_tool("bash", "Run a bash command (or a short script) in /work; returns its output and exit code.",
+                  {"command": {"type": "string", "description": "The command line or script."}}, ["command"]),
+    function_tool("submit", "Submit the work dir: the task is checked and the episode ends."),
+]
+HARNESS_NO_CALL = "[Invalid action: call a tool (bash or submit).]"
 SUBMIT = "submit"
 SOLVED, NOT_SOLVED = "Submitted: the task is solved.", "Submitted: the task is not solved."
 HARNESS_EMPTY = "[Invalid action: empty. Answer with a shell command, or submit when done.]"
@@ -98,6 +116,8 @@ class TerminalEnv(TaskEnv):
         max_command_chars: Longest accepted action.
         host_uid: Host uid for the sandboxes when running as root (None: automatic); see :class:`Sandbox`.
         bwrap: The bubblewrap executable.
+        action_format: ``text`` (a command per turn) or ``native`` (the ``bash``/``submit`` tools in the model's own
+            tool-call format; needs a chat template with tool support).
     """
 
     def __init__(self, name: str = "terminal", max_steps: int = 10, num_train_tasks: int = 10_000,
@@ -105,7 +125,7 @@ class TerminalEnv(TaskEnv):
                  held_out_families: list[str] | None = None, timeout_s: float = 10.0,
                  memory_mb: int = 1024, max_processes: int = 64, work_size_mb: int = 32, tmp_size_mb: int = 16,
                  max_output_chars: int = 2000, max_command_chars: int = 2000, host_uid: int | None = None,
-                 bwrap: str = "bwrap") -> None:
+                 bwrap: str = "bwrap", action_format: str = "text") -> None:
         if not name:
             raise ValueError("name must be a non-empty string")
         for arg, value in (("max_steps", max_steps), ("num_train_tasks", num_train_tasks),
@@ -127,6 +147,7 @@ class TerminalEnv(TaskEnv):
         if held_out_families is not None and not [f for f in pool if f in held_out_families]:
             raise ValueError("held_out_families must be among families")
         self.name, self.max_steps = name, max_steps
+        self.action_format = check_action_format(action_format, "action_format")
         self.families = None if families is None else list(families)
         self.held_out_families = None if held_out_families is None else list(held_out_families)
         self.max_output_chars, self.max_command_chars = max_output_chars, max_command_chars
@@ -140,7 +161,12 @@ class TerminalEnv(TaskEnv):
 
     @property
     def instructions(self) -> str:
-        return INSTRUCTIONS
+        return NATIVE_INSTRUCTIONS if self.action_format == "native" else INSTRUCTIONS
+
+    @property
+    def tools(self) -> list[dict] | None:
+        """``bash`` and ``submit`` in the native format (None in the text format)."""
+        return NATIVE_TOOLS if self.action_format == "native" else None
 
     def active_families(self, split: str = "train") -> list[str]:
         """The families a split's tasks come from: the chosen ones (minus or only the held-out ones) whose
@@ -180,14 +206,15 @@ class TerminalEnv(TaskEnv):
         entries = [n + "/" if snap.is_dir(n) else n for n in snap.listdir()]
         listing = f"Files in /work: {', '.join(entries)}." if entries else "The directory /work is empty."
         return EnvReset(observation=f"{t.instruction}\n{listing}", task_description=t.instruction,
-                        info={"family": t.family})
+                        info={"family": t.family, **({"tools": NATIVE_TOOLS} if self.tools else {})})
 
     def step(self, action: str) -> EnvStep:
         self._step_started()
         refused = unencodable(action)
-        command = parse_command(action)
+        command, submit, problem = self._command(action) if refused is None else ("", False, None)
+        refused = refused or problem
         info: dict = {"exit_code": None, "timed_out": False, "timeout": False}
-        if refused is None and clean_action(command, lower=True) == SUBMIT:
+        if refused is None and submit is True:
             success = self._check(info)
             self._step_ended(True)
             return self._end(SOLVED if success else NOT_SOLVED, "", True, success, info)
@@ -210,6 +237,21 @@ class TerminalEnv(TaskEnv):
         self._step_ended(False)
         return EnvStep(observation=observation, reward=0.0, done=False, valid=valid, success=False, score=0.0,
                        harness="\n".join(harness), info=info)
+
+    def _command(self, action: str) -> tuple[str, bool, str | None]:
+        """``(command, submit, refused)`` of an action: ``refused`` is the harness text of an action refused
+        before it ran (native format: a turn without a call, a call the rollout loop refused)."""
+        if self.action_format != "native":
+            command = parse_command(action)
+            return command, clean_action(command, lower=True) == SUBMIT, None
+        a = read_action(action)
+        if a.kind != "call":
+            return "", False, HARNESS_NO_CALL if a.kind == "message" else refusal_notice(a.text)
+        if a.name == SUBMIT:
+            return "", True, None
+        if a.name == "bash" and isinstance(a.arguments.get("command"), str):
+            return a.arguments["command"].strip(), False, None
+        return "", False, refusal_notice(f"unknown tool {a.name!r} or bad arguments")
 
     def _feedback(self, res: SandboxResult, info: dict) -> tuple[str, list[str], bool]:
         if res.error and res.state is None and res.exit_code is None and not res.timed_out:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-EXTRAS = {"bitsandbytes": "quant", "wandb": "wandb", "gguf": "smollm2"}
+EXTRAS = {"bitsandbytes": "quant", "wandb": "wandb", "gguf": "smollm2", "openenv": "openenv", "sentence_transformers": "rwml"}
 
 
 def available(module: str) -> bool:

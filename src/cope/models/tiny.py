@@ -259,3 +259,6 @@ def tiny_policy(
     return load_pretrained(str(out), lora=lora, dtype=dtype, quantization=quantization,
                            gradient_checkpointing=gradient_checkpointing, attn_implementation=attn_implementation,
                            adapter=adapter, source_is_cache_key=True, finetune=finetune)
+
+
+tiny_policy.tool_template = False  # its template is plain ChatML, no tools (config rule on env.action_format=native)

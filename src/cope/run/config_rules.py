@@ -21,6 +21,10 @@ under another name, follows the same rules (``tests/test_config_rules.py`` prove
 * attention: flash attention cannot take CoPE's packed forecast rows (a 4D mask); shared prefixes need SDPA;
 * a collector that samples plain completions (``needs_completions``: RWML's world-model predictions): an engine that
   ``completes``;
+* a collector that replays the env's expert (``needs_expert``: ``algo=sft sft.source=expert``): an env class with
+  ``expert_action()``;
+* native tool calls (``env.action_format=native``): a model whose chat template renders tools (a model factory that
+  knows its template declares ``tool_template``; else the tokenizer at ``model.path``, when it is on disk);
 * an objective that trains ``alone`` (``algo=echo_only``): every other objective at weight 0.
 
 Besides the table (:func:`cross_field`): ``data.max_context`` against the model's positions
@@ -210,6 +214,41 @@ def collector_engine(s: Resolved) -> Problem:
                               "use rollout=hf or rollout=vllm")
 
 
+def collector_expert(s: Resolved) -> Problem:
+    node = s.data.get("collector") or {}
+    collector, env = resolve(node.get("_target_")), resolve((s.cfg.get("env") or {}).get("_target_"))
+    needs = getattr(collector, "needs_expert", None)
+    if callable(needs) and needs(node) and isinstance(env, type) and not hasattr(env, "expert_action"):
+        yield "data.collector.source", (f" = expert (sft.source): {env.__name__} has no expert_action() (the optional "
+                                        "expert of cope.envs.base.Env: maze, textworld, alfworld, scienceworld); give "
+                                        "demonstrations as a file instead (sft.source=file sft.path=<trajectories.jsonl>)")
+
+
+def native_tools_template(s: Resolved) -> Problem:
+    if (s.cfg.get("env") or {}).get("action_format") != "native":
+        return
+    factory, path = resolve(s.model.get("_target_")), s.model.get("path")
+    declared = getattr(factory, "tool_template", None)  # a model factory that knows its template declares it
+    if declared is False:
+        why = "its chat template renders no tools"
+    elif declared is None and isinstance(path, str):
+        from cope.chat.tools import tools_problem
+
+        try:  # the tokenizer alone, from disk or the local cache: no weights, nothing downloaded
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception:  # not on disk: the model check names model.path
+            return
+        why = tools_problem(tokenizer)
+    else:
+        return
+    if why:
+        yield "env.action_format", (f" = native: the env declares tools, but the chat template of the model "
+                                    f"({s.model.get('_target_')}{f', {path}' if path else ''}) has no tool support "
+                                    f"({why}); use env.action_format=text with this model")
+
+
 def objective_alone(s: Resolved) -> Problem:
     objectives = {name: node for name, node in (s.cfg.get("algo") or {}).get("objectives", {}).items() if node is not None}
     for name, node in objectives.items():
@@ -251,6 +290,10 @@ RULES: tuple[Rule, ...] = (
          finetune_precision),
     Rule(("data.collector", "data.engine"), "a collector that samples completions (needs_completions): an engine that "
          "completes (completes)", collector_engine),
+    Rule(("data.collector", "env"), "a collector that replays the env's expert (needs_expert): an env with "
+         "expert_action()", collector_expert),
+    Rule(("env.action_format", "model._target_", "model.path"), "native tool calls: a model whose chat template "
+         "renders tools", native_tools_template),
     Rule(("algo.objectives.*.alone", "algo.objectives.*.weight", "algo.objectives.*.final_weight"),
          "an objective that trains alone (ECHO without a verifier): every other objective at weight 0", objective_alone),
 )

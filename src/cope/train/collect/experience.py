@@ -68,6 +68,7 @@ def epoch_metrics(episodes: list[Episode], stats: RolloutStats, seconds: float, 
     m = episode_metrics(episodes, prefix="rollout")
     m.update({
         "env/errors": float(stats.env_errors),
+        "env/tool_call_errors": float(stats.tool_call_errors),  # native tool calls the loop refused (invalid steps)
         "env/aborted_episodes": float(sum(e.aborted for e in episodes)),
         "env/groups_shrunk": float(len({e.group for e in episodes if e.aborted})),
         **{f"env/{k}": float(v) for k, v in env_events.items()},

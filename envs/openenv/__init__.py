@@ -1,0 +1,1 @@
+"""OpenEnv environments (openenv-core, extra ``openenv``) as ``env=openenv``: :mod:`cope.envs.openenv.env`."""
