@@ -19,33 +19,10 @@ from __future__ import annotations
 
 import functools
 
+from cope.chat.templates import HERMES, NL  # the hermes family is the template this project ships
 from cope.envs.base import EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.tool_calls import check_action_format, function_tool, read_action, refusal_notice
 
-NL = "{{ '\\n' }}"  # a newline as an expression: HF renders with trim_blocks/lstrip_blocks, which eat literal ones
-HERMES = (
-    "{%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}{%- set rest = messages[1:] %}"
-    "{%- else %}{%- set sys = 'You are a helpful assistant.' %}{%- set rest = messages %}{%- endif %}"
-    "<|im_start|>system" + NL + "{{ sys }}"
-    "{%- if tools %}" + NL + NL + "# Tools" + NL + NL + "You may call one or more functions to assist with the user query."
-    + NL + NL + "You are provided with function signatures within <tools></tools> XML tags:" + NL + "<tools>"
-    "{%- for t in tools %}" + NL + "{{ t | tojson }}{%- endfor %}" + NL + "</tools>" + NL + NL
-    + "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-    "XML tags:" + NL + "<tool_call>" + NL + '{"name": <function-name>, "arguments": <args-json-object>}' + NL
-    + "</tool_call>{%- endif %}<|im_end|>" + NL
-    + "{%- for m in rest %}"
-    "{%- if m.role == 'assistant' %}<|im_start|>assistant" + NL + "{{ m.content or '' }}"
-    "{%- for c in m.tool_calls or [] %}{%- if m.content or not loop.first %}" + NL + "{%- endif %}<tool_call>" + NL
-    + '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}' + NL + "</tool_call>"
-    "{%- endfor %}<|im_end|>" + NL
-    + "{%- elif m.role == 'tool' %}"
-    "{%- if loop.first or rest[loop.index0 - 1].role != 'tool' %}<|im_start|>user{%- endif %}" + NL
-    + "<tool_response>" + NL + "{{ m.content }}" + NL + "</tool_response>"
-    "{%- if loop.last or rest[loop.index0 + 1].role != 'tool' %}<|im_end|>" + NL + "{%- endif %}"
-    "{%- else %}<|im_start|>{{ m.role }}" + NL + "{{ m.content }}<|im_end|>" + NL + "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant" + NL + "{%- endif %}"
-)
 LLAMA31 = (
     "{{- bos_token }}"
     "{%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}{%- set rest = messages[1:] %}"

@@ -124,6 +124,7 @@ def load_pretrained(
     source_is_cache_key: bool = False,
     finetune: Finetune = "lora",
     env_factory: Any = None,  # unused: accepted so every model config has the same call signature
+    chat_template: str | None = None,
 ) -> Policy:
     """Load a causal LM + tokenizer from a local folder or the HF cache and add a LoRA adapter (or train it whole).
 
@@ -133,6 +134,8 @@ def load_pretrained(
         lora: a ``peft.LoraConfig`` (Hydra instantiates it from ``model.lora``).
         dtype: ``fp32``, ``bf16`` or ``fp16`` for the base weights (and 4-bit compute).
         quantization: ``None``, ``4bit`` (nf4 QLoRA) or ``8bit``; needs the ``quant`` extra.
+        chat_template: replaces the tokenizer's chat template: a name of :data:`cope.chat.templates.TEMPLATES`
+            (``chatml-hermes``: ChatML with Qwen2.5's tool format) or a template file (None: the model's own).
         gradient_checkpointing: recompute activations in backward (non-reentrant, LoRA-safe).
         attn_implementation: ``sdpa`` (default; needed for packed CoPE forecasts on CPU), ``eager``, or
             ``flash_attention_2`` (not with CoPE's packed layout: the config check refuses it).
@@ -153,6 +156,9 @@ def load_pretrained(
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from cope.chat.templates import chat_template as template_text
+
+    template = None if chat_template is None else template_text(chat_template)  # a bad choice fails before loading
     files = resolve_model_path(path, local_files_only)  # a hub id: its snapshot folder in the HF cache
     torch_dtype = DTYPES[dtype]
     try:
@@ -173,6 +179,8 @@ def load_pretrained(
         ) from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if template is not None:
+        tokenizer.chat_template = template
     if quantization == "4bit":
         log.info("patched %d 4-bit layers against the CPU bf16 repack", _disable_cpu_bf16_repack(model))
     if quantization is not None:

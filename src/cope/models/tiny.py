@@ -33,6 +33,7 @@ import torch
 
 from cope.batch import collate
 from cope.chat import CHATML_TEMPLATE, ChatFormat
+from cope.chat.templates import chat_template as template_text
 from cope.envs.base import Env, Task
 from cope.models.build_cache import build_once
 from cope.models.choices import Dtype, Finetune, Quantization, WarmStartPolicy
@@ -51,8 +52,9 @@ def _describe(env_factory: Callable[[], Env]) -> str:
 
 
 def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, episodes: int = 200,
-                    num_tasks: int | None = None):
-    """Byte-level BPE on env text (random walks); every string stays encodable (byte fallback)."""
+                    num_tasks: int | None = None, chat_template: str | None = None):
+    """Byte-level BPE on env text (random walks); every string stays encodable (byte fallback). ``chat_template``: a
+    choice of :func:`cope.chat.templates.chat_template` (None: plain ChatML)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -84,8 +86,8 @@ def train_tokenizer(env_factory: Callable[[], Env], vocab_size: int, seed: int, 
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>", chat_template=CHATML_TEMPLATE
-    )
+        tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+        chat_template=CHATML_TEMPLATE if chat_template is None else template_text(chat_template))
 
 
 def build_tiny_base(
@@ -106,14 +108,15 @@ def build_tiny_base(
     warm_start_tasks: int | None = None,
     warm_start_policy: str = "random",
     warm_start_expert_prob: float = 0.5,
+    chat_template: str | None = None,
 ) -> None:
     """Train the tokenizer and behaviour-clone a fresh tiny Qwen2 on ``warm_start_policy``'s walks into ``out_dir``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     check_warm_start(warm_start_policy, warm_start_expert_prob, env_factory)
     torch.manual_seed(seed)
-    tokenizer = train_tokenizer(env_factory, vocab_size, seed, tokenizer_episodes, warm_start_tasks)
-    chat = ChatFormat.chatml(tokenizer)
+    tokenizer = train_tokenizer(env_factory, vocab_size, seed, tokenizer_episodes, warm_start_tasks, chat_template)
+    chat = ChatFormat.chatml(tokenizer) if chat_template is None else ChatFormat.from_template(tokenizer)
     cfg = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -181,6 +184,7 @@ def tiny_base_folder(
     warm_start_policy: WarmStartPolicy = "random",
     warm_start_expert_prob: float = 0.5,
     seed: int = 0,
+    chat_template: str | None = None,
 ) -> tuple[Path, dict]:
     """The cache folder of the tiny base these settings build (``<cache_dir>/<hash of the spec>``, also what the
     policy records as its source) and the spec; nothing is built. Same arguments as :func:`tiny_policy`."""
@@ -190,6 +194,9 @@ def tiny_base_folder(
         max_context=max_context, warm_start_steps=warm_start_steps, warm_start_batch=warm_start_batch,
         warm_start_lr=warm_start_lr, seed=seed, version=1,
     )
+    if chat_template is not None:  # the build's tokenizer carries it (the warm start's walks are in its scaffold)
+        template_text(chat_template)  # a bad choice fails before any work
+        spec.update(chat_template=chat_template)
     if warm_start_tasks is not None:
         if warm_start_tasks < 1:
             raise ValueError(f"model.warm_start_tasks must be >= 1 or null, got {warm_start_tasks}")
@@ -232,9 +239,12 @@ def tiny_policy(
     attn_implementation: str = "sdpa",
     adapter: str | None = None,
     finetune: Finetune = "lora",
+    chat_template: str | None = None,
 ) -> Policy:
     """Build (once, cached) and load the tiny warm-started policy for the env of ``env_factory``; ``adapter``: a
-    LoRA folder to start from (see :func:`cope.models.policy.load_pretrained`).
+    LoRA folder to start from (see :func:`cope.models.policy.load_pretrained`); ``chat_template``: another template
+    than its plain ChatML (:mod:`cope.chat.templates`), e.g. ``chatml-hermes`` for native tool calls: the build's
+    tokenizer carries it, so the warm start walks in its scaffold (another cached base).
 
     ``warm_start_policy``: ``random`` (format-only walks) or ``expert`` (noisy expert walks: the env's
     ``expert_action()`` with probability ``warm_start_expert_prob``, else a random admissible action).
@@ -244,7 +254,8 @@ def tiny_policy(
         vocab_size=vocab_size, max_context=max_context, warm_start_steps=warm_start_steps, warm_start_batch=warm_start_batch,
         warm_start_lr=warm_start_lr, tokenizer_episodes=tokenizer_episodes, warm_start_walks=warm_start_walks,
         warm_start_action_tokens=warm_start_action_tokens, warm_start_tasks=warm_start_tasks,
-        warm_start_policy=warm_start_policy, warm_start_expert_prob=warm_start_expert_prob, seed=seed)
+        warm_start_policy=warm_start_policy, warm_start_expert_prob=warm_start_expert_prob, seed=seed,
+        chat_template=chat_template)
 
     def build(tmp: Path) -> None:
         log.info("building the tiny base model in %s (once): %s", out, spec)
@@ -252,7 +263,7 @@ def tiny_policy(
             build_tiny_base(env_factory, tmp, hidden_size, num_layers, num_heads, vocab_size, max_context,
                             warm_start_steps, warm_start_batch, warm_start_lr, seed,
                             tokenizer_episodes, warm_start_walks, warm_start_action_tokens, warm_start_tasks,
-                            warm_start_policy, warm_start_expert_prob)
+                            warm_start_policy, warm_start_expert_prob, chat_template)
         (tmp / "spec.json").write_text(json.dumps(spec, indent=1))
 
     build_once(out, build)  # concurrent runs (a study's parallel jobs, DDP ranks) wait for one build
@@ -261,4 +272,6 @@ def tiny_policy(
                            adapter=adapter, source_is_cache_key=True, finetune=finetune)
 
 
-tiny_policy.tool_template = False  # its template is plain ChatML, no tools (config rule on env.action_format=native)
+# its own template is plain ChatML, no tools (the config rule on env.action_format=native; model.chat_template replaces
+# it)
+tiny_policy.tool_template = False

@@ -227,8 +227,12 @@ def collector_expert(s: Resolved) -> Problem:
 def native_tools_template(s: Resolved) -> Problem:
     if (s.cfg.get("env") or {}).get("action_format") != "native":
         return
-    factory, path = resolve(s.model.get("_target_")), s.model.get("path")
-    declared = getattr(factory, "tool_template", None)  # a model factory that knows its template declares it
+    factory, path, chosen = resolve(s.model.get("_target_")), s.model.get("path"), s.model.get("chat_template")
+    declared = getattr(factory, "tool_template", None)  # a model factory that knows its own template declares it
+    if chosen is not None:  # model.chat_template replaces it: a shipped one is known, a file is checked at reset
+        from cope.chat.templates import RENDERS_TOOLS
+
+        declared = RENDERS_TOOLS.get(chosen, True)
     if declared is False:
         why = "its chat template renders no tools"
     elif declared is None and isinstance(path, str):
