@@ -42,6 +42,7 @@ word stays malformed.
 """
 from __future__ import annotations
 
+import copy
 import random
 import re
 from collections import deque
@@ -234,6 +235,14 @@ class MazeEnv(TaskEnv):
 
     def close(self) -> None:
         pass
+
+    # The optional fork capability (cope.train.collect.branching): a branched rollout continues a copy of this state.
+    forks_by_replay = True  # deterministic: a fresh instance replaying an episode's actions says the same things
+
+    def fork(self) -> MazeEnv:
+        """An independent copy of this instance with its episode where it is now (a deep copy: layout, position,
+        distances, step count): stepping one never changes the other."""
+        return copy.deepcopy(self)
 
     def shortest_path(self) -> list[str]:
         """Moves of one shortest path from the current position to the goal (tests/benchmarks only)."""

@@ -252,7 +252,7 @@ SHIPPED = (
                                                   ["cope.layout=turns"], ["cope.gate=mixed"], ["cope.invalid=cut"],
                                                   ["cope.schedule=power", "cope.schedule_steps=10"], ["cope.lr_scale=3"],
                                                   ["data.share_prefix=true"], ["cope.update=joint", "data.share_prefix=true"])]
-    + [["debug=fast", "data.share_prefix=true"]]
+    + [["debug=fast", "data.share_prefix=true"], ["debug=fast", "+collector=branching"]]
     + [[]]  # `python train.py` as shipped
     + [[f"model={o}"] for o in _options("model")]
     # presets are for pretrained models; the tiny model's 2048 positions are too few for their contexts

@@ -28,7 +28,8 @@ def _compose(overrides: list[str], tmp_path):
 PRESETS = ([[]] + [[f"{g}={o}"] for g in ("algo", "env", "model", "trainer", "rollout", "logger", "debug") for o in _options(g)]
            + [[f"experiment={o}", "model=qwen2.5-7b"] for o in _options("experiment")]
            + [["experiment=smollm2_maze", "debug=fast"], ["model=smollm2-135m", "debug=fast"]]
-           + [["debug=fast", f"algo={o}"] for o in _options("algo")])
+           + [["debug=fast", f"algo={o}"] for o in _options("algo")]
+           + [["+collector=branching"]])
 
 
 @pytest.mark.parametrize("overrides", PRESETS, ids=lambda o: " ".join(o) or "defaults")

@@ -194,3 +194,13 @@ def test_native_tool_calls_need_a_model_whose_template_renders_tools(compose, tm
     problems = _problems(compose, tmp_path, ["env=terminal", "env.action_format=native"])
     assert "env.action_format" in _keys(problems) and "has no tool support" in " ".join(problems), problems
     assert "env.action_format" not in _keys(_problems(compose, tmp_path, ["env=terminal"]))
+
+
+def test_a_branching_collector_needs_an_env_that_forks_and_an_in_process_engine(compose, tmp_path):
+    """+collector=branching reads the env class's fork()/forks_by_replay (WebShop has neither), the engine's
+    samples_in_process and the env workers, before any work."""
+    assert _problems(compose, tmp_path, ["+collector=branching"]) == []  # the maze forks
+    assert "env" in _keys(_problems(compose, tmp_path, ["+collector=branching", "env=webshop"]))
+    assert "data.env_runtime.workers" in _keys(_problems(compose, tmp_path, ["+collector=branching",
+                                                                             "data.env_runtime.workers=2"]))
+    assert "data.engine" in _keys(_problems(compose, tmp_path, ["+collector=branching", "rollout=vllm"]))

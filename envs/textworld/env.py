@@ -149,6 +149,10 @@ class TextWorldEnv(TaskEnv):
         name: Env name used in task ids.
     """
 
+    # The optional fork capability (cope.train.collect.branching): a generated game is deterministic, so a fresh
+    # instance that resets to the same task and replays an episode's commands reaches the same state (checked there).
+    forks_by_replay = True
+
     def __init__(
         self,
         challenge: str = "tw-cooking",

@@ -80,6 +80,11 @@ class Episode:
     advantage: float = 0.0  # filled by the advantage estimator
     prompt_len: int = 0  # tokens before the first action
     sampled_epoch: int = 0  # the epoch whose starting weights sampled it (set by the collector; < epoch with data.max_lag)
+    # Branched rollouts (cope.train.collect.branching): the index, in its epoch's episode list, of the episode this one
+    # forked from (-1: a root, or any unbranched episode), and how many of its first steps it shares with that parent
+    # (their tokens, up to the end of step ``shared_steps``'s feedback, are the parent's ids; never re-sampled).
+    branch_of: int = -1
+    shared_steps: int = 0
 
     def append(self, ids: list[int], role: Role) -> tuple[int, int]:
         start = len(self.tokens)

@@ -25,6 +25,8 @@ under another name, follows the same rules (``tests/test_config_rules.py`` prove
   ``expert_action()``;
 * native tool calls (``env.action_format=native``): a model whose chat template renders tools (a model factory that
   knows its template declares ``tool_template``; else the tokenizer at ``model.path``, when it is on disk);
+* a collector that branches episodes (``needs_fork``: ``+collector=branching``): an env that can ``fork()`` or
+  replays deterministically (``forks_by_replay``), an engine that samples in process, no env workers (for now);
 * an objective that trains ``alone`` (``algo=echo_only``): every other objective at weight 0.
 
 Besides the table (:func:`cross_field`): ``data.max_context`` against the model's positions
@@ -253,6 +255,22 @@ def native_tools_template(s: Resolved) -> Problem:
                                     f"({why}); use env.action_format=text with this model")
 
 
+def collector_forks(s: Resolved) -> Problem:
+    node = s.data.get("collector") or {}
+    collector, env = resolve(node.get("_target_")), resolve((s.cfg.get("env") or {}).get("_target_"))
+    if not getattr(collector, "needs_fork", False):
+        return
+    if isinstance(env, type) and not (callable(getattr(env, "fork", None)) or getattr(env, "forks_by_replay", False)):
+        yield "env", (f" = {env.__name__}: data.collector ({collector.__name__}) forks episodes mid-way, and this env can "
+                      "neither fork() nor replay deterministically (forks_by_replay); use the default collector")
+    if not can(s.engine, "samples_in_process"):
+        yield "data.engine", (f" = {s.engine_target}: data.collector ({collector.__name__}) samples in process only "
+                              "(for now); use rollout=hf")
+    if (s.data.get("env_runtime") or {}).get("workers", 0):
+        yield "data.env_runtime.workers", (f": data.collector ({collector.__name__}) forks envs in this process only "
+                                           "(for now); set it to 0")
+
+
 def objective_alone(s: Resolved) -> Problem:
     objectives = {name: node for name, node in (s.cfg.get("algo") or {}).get("objectives", {}).items() if node is not None}
     for name, node in objectives.items():
@@ -298,6 +316,9 @@ RULES: tuple[Rule, ...] = (
          "expert_action()", collector_expert),
     Rule(("env.action_format", "model._target_", "model.path"), "native tool calls: a model whose chat template "
          "renders tools", native_tools_template),
+    Rule(("data.collector", "env", "data.engine", "data.env_runtime.workers"), "a collector that branches episodes "
+         "(needs_fork): an env with fork() or forks_by_replay, an engine that samples in process, no env workers",
+         collector_forks),
     Rule(("algo.objectives.*.alone", "algo.objectives.*.weight", "algo.objectives.*.final_weight"),
          "an objective that trains alone (ECHO without a verifier): every other objective at weight 0", objective_alone),
 )
