@@ -121,3 +121,14 @@ def test_warm_start_prior_smoke(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["warm_start"], r["build_seed"], r["built"]) for r in rows] == [("random", 0, True), ("0.5", 0, False), ("0.5", 1, True)]
     assert rows[1]["build_seconds"] > 0  # the earlier build's time is kept
+
+
+def test_branch_cost_smoke(tmp_path):
+    """bench/branch_cost.py collects flat and branched epochs at equal leaves and writes its table, the tree cheaper
+    in env steps (a uniform trigger on the maze always forks)."""
+    out = tmp_path / "branch.md"
+    _run("branch_cost.py", ["--tasks", "2", "--roots", "2", "--rounds", "1", "--out", str(out),
+                            "--cache-dir", str(tmp_path / "cache")])
+    rows = [ln.split("|") for ln in out.read_text().splitlines() if ln.startswith("| flat") or ln.startswith("| branching")]
+    assert [r[1].strip() for r in rows] == ["flat", "branching roots=2"]
+    assert float(rows[1][5].strip().rstrip("x")) < 1.0  # env steps vs flat
