@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import metric_rows  # at import: tests/vllm/conftest.py takes the name `conftest` once collected
 from tiny_fixtures import tiny_chat, tiny_policy, tiny_tokenizer
 
 from cope.algos.grpo import KLPenalty, PolicyGradient
@@ -401,7 +402,6 @@ RUN = ["algo=rwml_grpo", "rwml.epochs=2", "model.warm_start_steps=150", "env.siz
 
 @pytest.mark.slow  # four training runs, ten epochs: about two minutes on 2 cores
 def test_stage_switch_and_resume_inside_each_stage_equal_the_straight_run(run_train, tmp_path):
-    from conftest import metric_rows
     from safetensors.torch import load_file
 
     straight, cut = tmp_path / "straight", tmp_path / "cut"
