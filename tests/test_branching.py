@@ -1,4 +1,4 @@
-"""Branched rollouts (cope.train.collect.branching, issue 55): each task's GRPO group grown as a tree of forked episodes.
+"""Branched rollouts (cope.train.collect.branching): each task's GRPO group grown as a tree of forked episodes.
 
 The tiny random policy on 6x6 mazes (8 steps): every group has exactly ``group_size`` leaves, a child's shared turns
 are its parent's ids, a replayed fork says what the original said (and one that does not is aborted and counted),

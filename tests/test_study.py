@@ -91,7 +91,7 @@ def test_study_smoke_smollm2(tmp_path):
 
 
 def test_study_smoke_baselines(tmp_path):
-    """The papers' comparison set (`baselines`, issue 54) in miniature on the tiny model: one fixed setting per arm,
+    """The papers' comparison set (`baselines`: RWML+GRPO, WM-SFT, expert SFT, ECHO) in miniature, tiny model: one setting per arm,
     one seed; GRPO on SFT trains from its prerequisite SFT run's adapter (relative path, so its record names no
     machine), the report has every arm and the share of the SFT gain line; a second call reuses everything."""
     out = tmp_path / "study"

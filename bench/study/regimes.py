@@ -98,7 +98,7 @@ SPEC["smollm2"] = Regime(
            "data.minibatch_size=2", "env.max_steps=3", "data.sampling.max_action_tokens=8", "data.val_batch_size=4",
            "callbacks.probes.max_episodes=2"),
     smoke_size=(1, 1), final_eval=256)
-# The papers' comparison set (issue 54; study5): study4's SmolLM2 regime with GRPO against RWML then GRPO (RWML
+# The papers' comparison set (study5): study4's SmolLM2 regime with GRPO against RWML then GRPO (RWML
 # paper's "RWML + policy RL", 4 of the 12 epochs world-model RL on the epoch's own transitions: equal env steps),
 # WM-SFT beside GRPO (the CoPE authors' code's next-observation loss), ECHO, and GRPO on an SFT'd model (4 epochs of
 # behaviour cloning of the maze's expert first, bench/study/stages.py: ECHO's "share of the SFT gain recovered").

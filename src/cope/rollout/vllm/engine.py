@@ -250,17 +250,21 @@ class VLLMEngine:
             self._client()
             self.versions.reload()
 
-    def rollout(self, tasks: list[Task], groups: list[int], sampling: Sampling,
-                progress: Callable[[int], None] | None = None, version: int | None = None) -> tuple[list[Episode], RolloutStats]:
-        """As :meth:`cope.rollout.engine.RolloutEngine.rollout`; ``version`` (None: the newest) stays held for the call."""
-        if self.policy is None:
-            raise RuntimeError("VLLMEngine.connect(policy) must be called before rollout")
-        if self.server.managed and self.server.url is None:  # shut down earlier: start again
+    def _ensure_server(self) -> None:
+        """A managed server shut down earlier (``close``) is started again, with every held version reloaded."""
+        if self.server.managed and self.server.url is None:
             with self.versions.lock:
                 if self.server.url is None:
                     self.server.start()
                     self._client()
                     self.versions.reload()
+
+    def rollout(self, tasks: list[Task], groups: list[int], sampling: Sampling,
+                progress: Callable[[int], None] | None = None, version: int | None = None) -> tuple[list[Episode], RolloutStats]:
+        """As :meth:`cope.rollout.engine.RolloutEngine.rollout`; ``version`` (None: the newest) stays held for the call."""
+        if self.policy is None:
+            raise RuntimeError("VLLMEngine.connect(policy) must be called before rollout")
+        self._ensure_server()
         chat, wave = self.policy.chat, self.runtime.max_live_episodes or len(tasks)
         eps, stats = [], RolloutStats()
         with self.versions.using(version) as name, self._envs.slots() as envs:
@@ -285,12 +289,7 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine.connect(policy) must be called before complete")
         if n < 1 or (batch_size is not None and batch_size < 1):
             raise ValueError(f"VLLMEngine.complete: n and batch_size must be >= 1, got n={n}, batch_size={batch_size}")
-        if self.server.managed and self.server.url is None:  # shut down earlier: start again
-            with self.versions.lock:
-                if self.server.url is None:
-                    self.server.start()
-                    self._client()
-                    self.versions.reload()
+        self._ensure_server()
         rows = [list(c) for c in contexts for _ in range(n)]
         seed = request_seed(sampling.seed, "complete") if self.seeded and sampling.seed is not None else None
         out: list = []

@@ -1,4 +1,4 @@
-"""Branched rollouts (issue 55): each task's GRPO group sampled as a tree whose children fork from a parent's state,
+"""Branched rollouts: each task's GRPO group sampled as a tree whose children fork from a parent's state,
 so the turns they share are generated and env-stepped once.
 
 :mod:`~cope.train.collect.branching.forks` (an env's fork: a copy, or a checked replay),
