@@ -6,9 +6,9 @@ every variant), excluding rollouts and the scoring pass:
 
 * GRPO: the epoch's policy-gradient minibatches.
 * GRPO (groups shared): the same minibatches with ``data.share_prefix=true``: each minibatch's GRPO groups forward
-  their common prefix (system prompt, task, first observation) once (:mod:`cope.train.packing.group_prefix`); the shared
-  fraction of the tokens is printed. Groups share only within a minibatch: ``--minibatch-size`` = ``--episodes``
-  keeps every group whole.
+  every token their episodes share (the system prompt, task, first observation, and more where they agree) once, as
+  the trie of their rows (:mod:`cope.train.packing.group_prefix`); the shared fraction of the tokens is printed.
+  Groups share only within a minibatch: ``--minibatch-size`` = ``--episodes`` keeps every group whole.
 Also per variant: its peak activation memory (bytes autograd saves for backward, :class:`SavedTensorPeak`) and the
 training FLOPs the same batch would take at Qwen2.5-7B's shape (:func:`flops_7b`: linear layers over the positions
 computed, attention over the score cells computed).

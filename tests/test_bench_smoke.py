@@ -132,3 +132,5 @@ def test_branch_cost_smoke(tmp_path):
     rows = [ln.split("|") for ln in out.read_text().splitlines() if ln.startswith("| flat") or ln.startswith("| branching")]
     assert [r[1].strip() for r in rows] == ["flat", "branching roots=2"]
     assert float(rows[1][5].strip().rstrip("x")) < 1.0  # env steps vs flat
+    assert float(rows[1][10].strip().rstrip("x")) < 1.0  # tokens the update forwards (prefix tries) vs flat
+    assert float(rows[0][11]) > 0 and float(rows[1][11]) > 0  # the update's seconds per leaf, both measured

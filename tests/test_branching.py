@@ -189,6 +189,10 @@ class Rigid(MazeEnv):
     forks_by_replay = False
 
 
+class CopyOnly(MazeEnv):
+    forks_by_replay = False
+
+
 @pytest.mark.parametrize("kw, env, sampling, match", [
     (dict(roots=9), maze_factory, Sampling(), r"branch\.roots must be in \[1, data\.group_size=8\], got 9"),
     (dict(roots=0), maze_factory, Sampling(), r"branch\.roots must be in \[1, data\.group_size=8\], got 0"),
@@ -210,14 +214,15 @@ def test_engines_and_env_workers_it_cannot_run_are_refused_by_name():
 
     with pytest.raises(ValueError, match=r"data\.engine = Server: the branching collector .*rollout=hf"):
         BranchingCollector(host=_host(Server()), group_size=G)
-    engine = HFEngine(env=maze_factory, runtime=EnvRuntime(workers=2), max_context=512)
-    with pytest.raises(ValueError, match=r"data\.env_runtime\.workers=2"):
+    engine = HFEngine(env=CopyOnly, runtime=EnvRuntime(workers=2), max_context=512)  # workers replay every child
+    with pytest.raises(ValueError, match=r"data\.env_runtime\.workers=2: env CopyOnly forks only by copy"):
         BranchingCollector(host=_host(engine), group_size=G)
 
 
 def test_a_packed_branched_group_gives_the_unshared_loss_and_gradients(records):
-    """GRPO on one branched group, packed by data.share_prefix's group packing against unpacked rows. The packing
-    shares the group's single common prefix (up to the first action), not the tree's deeper shared turns."""
+    """GRPO on one branched group, packed by data.share_prefix's group packing against unpacked rows. The packing is
+    the group's trie: the common prefix its root, each child's shared turns stored once under it (counts and nested
+    trees: tests/test_branch_tree_packing.py)."""
     eps = [e for e in records["uniform"].episodes if e.group == 0]
     for j, e in enumerate(eps):
         e.reward = float(j % 3)
@@ -227,7 +232,11 @@ def test_a_packed_branched_group_gives_the_unshared_loss_and_gradients(records):
     module = exactness_module(model, [PolicyGradient()], chat)
     plain, shared = collate(eps, 0), pack_groups(collate(eps, 0), eps)
     trunk = shared["packed"].tree.rows[0][0].end
-    assert trunk == eps[0].prompt_len  # the single common prefix: up to the first action, not the shared turns
+    assert trunk >= eps[0].prompt_len  # the trie's root: the group's common prefix
+    child = next(i for i, e in enumerate(eps) if e.branch_of >= 0)
+    parent_ep = records["uniform"].episodes[eps[child].branch_of]
+    parent, end = next(i for i, e in enumerate(eps) if e is parent_ep), parent_ep.steps[eps[child].shared_steps - 1].obs_end
+    assert torch.equal(shared["packed"].index[child, :end], shared["packed"].index[parent, :end])  # shared turns once
     ref = scored_step(module, plain)
     use_tree_attention(model)
     got = scored_step(module, shared)
@@ -239,10 +248,14 @@ def test_a_packed_branched_group_gives_the_unshared_loss_and_gradients(records):
 
 @pytest.mark.long
 def test_train_py_runs_two_epochs_with_branched_rollouts(run_train, read_metrics, tmp_path):
-    run_train(["+collector=branching", "branch.roots=2"], tmp_path)
+    """The whole path: branched groups, TreeRL's node values, each group trained as the trie of its leaves (the micro
+    model wins nothing in two epochs: the values themselves are tested in tests/test_node_values.py)."""
+    run_train(["+collector=branching", "branch.roots=2", "algo.advantage_mode=node_value", "data.share_prefix=true"],
+              tmp_path)
     cols = read_metrics(tmp_path / "csv" / "metrics.csv")
     assert len(cols["rollout/branch_saving"]) == 2 and all(v == 8 for v in cols["rollout/branch_leaves"])
     assert all(0 < v < 1 for v in cols["rollout/branch_saving"])
+    assert all(0 < v < 1 for v in cols["data/shared_fraction"])  # the tries forward fewer tokens than the rows hold
 
 
 @pytest.mark.long

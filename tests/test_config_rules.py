@@ -198,9 +198,11 @@ def test_native_tool_calls_need_a_model_whose_template_renders_tools(compose, tm
 
 def test_a_branching_collector_needs_an_env_that_forks_and_an_in_process_engine(compose, tmp_path):
     """+collector=branching reads the env class's fork()/forks_by_replay (WebShop has neither), the engine's
-    samples_in_process and the env workers, before any work."""
+    samples_in_process and, with env workers, forks_by_replay (a child is replayed in the workers), before any work."""
     assert _problems(compose, tmp_path, ["+collector=branching"]) == []  # the maze forks
     assert "env" in _keys(_problems(compose, tmp_path, ["+collector=branching", "env=webshop"]))
-    assert "data.env_runtime.workers" in _keys(_problems(compose, tmp_path, ["+collector=branching",
-                                                                             "data.env_runtime.workers=2"]))
+    workers = ["+collector=branching", "data.env_runtime.workers=2"]
+    assert _problems(compose, tmp_path, workers) == []  # the maze replays
+    assert "data.env_runtime.workers" in _keys(_problems(compose, tmp_path, [*workers,
+                                                                             "env._target_=branch_envs.CopyOnlyMaze"]))
     assert "data.engine" in _keys(_problems(compose, tmp_path, ["+collector=branching", "rollout=vllm"]))

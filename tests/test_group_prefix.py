@@ -1,9 +1,10 @@
-"""GRPO groups with their common prefix forwarded once (``data.share_prefix=true``, :mod:`cope.train.packing.group_prefix`).
+"""GRPO groups forwarded as the trie of their rows (``data.share_prefix=true``, :mod:`cope.train.packing.group_prefix`).
 
-The packed view holds every real token of the minibatch, the group prefix once, at the positions of the unshared
-rows; old and reference log-probs, the policy-gradient + ECHO + KL loss and every LoRA gradient equal the unshared
-minibatch's, on Qwen2 and Llama, whole and in micro-batches of whole packed rows, at T = 1 and T = 0.7; CoPE's
-temporal-ensemble rows likewise; rows that are trees already share no group and are only placed side by side."""
+The packed view holds every real token of the minibatch, each distinct prefix of a group once (episodes that share
+their first action share it), at the positions of the unshared rows; old and reference log-probs, the policy-gradient
++ ECHO + KL loss and every LoRA gradient equal the unshared minibatch's, on Qwen2 and Llama, whole and in
+micro-batches of whole packed rows, at T = 1 and T = 0.7; CoPE's temporal-ensemble rows likewise; rows that are trees
+already join their group's trie. Branched groups: tests/test_branch_tree_packing.py."""
 from __future__ import annotations
 
 import random
@@ -46,9 +47,10 @@ def _episode(task: int, group: int, seed: int, steps: int, first_action: list[in
 
 
 def _episodes() -> list[Episode]:
-    """Group 0: three episodes (two with the same first action: their common ids go past it, the prefix must not);
-    group 1: two; group 2: one (alone in its group: no sharing); group 3: a prompt alone (18 tokens, it fits after
-    group 1's tree: a row of two trees). Advantages that do not cancel."""
+    """Group 0: three episodes (two with the same first action: the trie shares it, and what follows up to where
+    their ids part);
+    group 1: two; group 2: one (alone in its group: no sharing); group 3: a prompt alone (18 tokens, placed beside
+    another tree in a row). Advantages that do not cancel."""
     eps = [_episode(0, 0, 1, 3, [20, 21]), _episode(1, 1, 2, 2), _episode(0, 0, 3, 2, [20, 21]), _episode(2, 2, 4, 1),
            _episode(1, 1, 5, 3), _episode(0, 0, 6, 2), _episode(3, 3, 7, 0)]  # the last: a prompt alone, no action
     for e, adv in zip(eps, (0.9, -0.4, 0.3, 0.5, 0.7, -1.1, 0.0)):
@@ -60,7 +62,7 @@ def _batch(eps):
     return collate(eps, PAD)
 
 
-def test_the_packed_view_holds_every_token_once_per_group_prefix():
+def test_the_packed_view_holds_every_token_once_per_group_trie():
     eps = _episodes()
     batch = pack_groups(_batch(eps), eps)
     pack = batch["packed"]
@@ -69,29 +71,31 @@ def test_the_packed_view_holds_every_token_once_per_group_prefix():
     assert torch.equal(flat_ids[pack.index[real]], batch["input_ids"][real])  # every token where it is said to be
     assert torch.equal(flat_pos[pack.index[real]], batch["position_ids"][real])  # at the unshared row's position
     assert bool((pack.index[~real] == -1).all())
-    assert pack.members == ((0, 2, 5), (1, 4, 6), (3,))  # rows filled longest first; group 2 alone
-    assert pack.lengths[0] == max(pack.lengths) and [n.parent for n in pack.tree.rows[1]] == [-1, 0, 0, -1]
-    prefix = pack.tree.rows[0][0].end
-    assert prefix == 10 + 5 + 3  # the system turn (1 + 6 + 3), the observation (5), close_turn (3): up to the first action
-    first_action = [int(r.tolist().index(int(Role.ACTION))) for r in batch["roles"][[0, 2, 5]]]
-    assert prefix == min(first_action) and torch.equal(batch["input_ids"][0, :prefix + 2], batch["input_ids"][2, :prefix + 2])
-    assert pack.tree.rows[1][0].end == prefix  # group 1's prefix: as long (same scaffold, 5 observation tokens)
-    saved = (3 - 1) * prefix - 3 + (2 - 1) * prefix - 2  # per group of m: m - 1 prefixes, less a repeated token per branch
-    assert pack.tokens == int(real.sum()) - saved  # each prefix once, one repeated token per branch
-    # the packed action mask: the batch's action tokens, nothing else
-    assert int(pack.action_mask.sum()) == int(batch["action_mask"].sum())
+    row_of = {r: p for p, m in enumerate(pack.members) for r in m}
+    assert row_of[0] == row_of[2] == row_of[5] and row_of[1] == row_of[4]  # each group's trie in one packed row
+    prefix = 10 + 5 + 3  # the system turn (1 + 6 + 3), the observation (5), close_turn (3): up to the first action
+    for group in ((0, 2, 5), (1, 4)):
+        assert all(torch.equal(pack.index[r, :prefix], pack.index[group[0], :prefix]) for r in group)
+    # rows 0 and 2 share their first action [20, 21] too (and what follows it, up to where their ids part)
+    part = int((batch["input_ids"][0] != batch["input_ids"][2]).nonzero()[0])
+    assert part > prefix + 2 and torch.equal(pack.index[0, :part], pack.index[2, :part]) and pack.index[0, part] != pack.index[2, part]
+    assert pack.index[5, prefix] != pack.index[0, prefix]  # row 5's first action is its own
+    distinct = {(eps[r].group, *batch["input_ids"][r, :t].tolist()) for r in range(len(eps)) for t in range(1, int(real[r].sum()) + 1)}
+    assert pack.tokens == len(distinct)  # each distinct prefix once (ids decide here: roles follow the scaffold)
+    # the packed action mask: the batch's, at every token
+    assert torch.equal(pack.action_mask.flatten()[pack.index[real]], batch["action_mask"][real])
 
 
-def test_rows_that_are_trees_already_share_no_group():
-    """CoPE's packed joint rows (each a tree: ``packed`` is their identity packing) are units of their own: no group
-    shares across them, their trees are kept, and a batch packed otherwise is refused."""
+def test_rows_that_are_trees_already_join_their_groups_trie():
+    """CoPE's packed joint rows (each a tree: ``packed`` is their identity packing) are inserted tree by tree into
+    their group's trie: rows whose trees are single roots pack as plain rows do; a batch packed otherwise is refused."""
     eps = _episodes()
     batch = _batch(eps)
     lengths = batch["attention_mask"].sum(-1).tolist()
     tree = PrefixTree.from_lists([[(0, n, -1, 0)] for n in lengths], length=batch["input_ids"].shape[1])
     pack = pack_groups({**batch, "packed": PackedRows.of_rows(batch, tree)}, eps)["packed"]
-    assert sorted(len(m) for m in pack.members) != [1] * len(eps)  # rows placed side by side ...
-    assert pack.tokens == sum(lengths)  # ... but nothing shared
+    plain = pack_groups(batch, eps)["packed"]
+    assert pack.tokens == plain.tokens < sum(lengths) and torch.equal(pack.index, plain.index)
     with pytest.raises(ValueError, match="packed already"):
         pack_groups({**batch, "packed": pack}, eps)
 
@@ -104,7 +108,7 @@ def _module(model, temperature, budget):
     return exactness_module(model, [PolicyGradient(), ObservationLoss(weight=0.5), KLPenalty(weight=0.1)], CHAT, temperature, budget)
 
 
-@pytest.mark.parametrize("budget", [None, 70])  # 70 tokens: one packed row per micro-batch (a group is never split)
+@pytest.mark.parametrize("budget", [None, 70])  # 70 tokens: groups cut into tries that fit, one packed row per micro-batch
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_packed_groups_give_the_unshared_loss_and_gradients(arch, temperature, budget):

@@ -72,6 +72,7 @@ the same game only restarts it, another game is loaded into the same interpreter
 """
 from __future__ import annotations
 
+import copy
 import os
 import random
 import re
@@ -84,6 +85,8 @@ from cope.envs.textworld.games import (
     challenge_settings,
     ensure_game,
     make_env,
+    restore,
+    snapshot,
 )
 
 INSTRUCTIONS = (
@@ -149,8 +152,9 @@ class TextWorldEnv(TaskEnv):
         name: Env name used in task ids.
     """
 
-    # The optional fork capability (cope.train.collect.branching): a generated game is deterministic, so a fresh
-    # instance that resets to the same task and replays an episode's commands reaches the same state (checked there).
+    # The optional fork capabilities (cope.train.collect.branching): fork() copies the running game (below); and a
+    # generated game is deterministic, so a fresh instance that resets to the same task and replays an episode's
+    # commands reaches the same state (checked there; what env workers use, where no copy crosses processes).
     forks_by_replay = True
 
     def __init__(
@@ -208,6 +212,7 @@ class TextWorldEnv(TaskEnv):
         self._path: str | None = None  # game file loaded into it
         self._patterns: re.Pattern | None = None  # the game's action patterns (fast path)
         self._state = None
+        self._resume = None  # a fork's snapshot, restored into an interpreter of its own on its first step
         self._plan: list[str] = []  # the game's walkthrough (read at reset): expert_action follows it
         self._taken: list[str | None] = []  # this episode's commands as sent (None: refused before the game)
         self.games_generated = 0  # games this instance had to generate (cache misses)
@@ -226,6 +231,7 @@ class TextWorldEnv(TaskEnv):
 
     def reset(self, task: Task) -> EnvReset:
         self._reset_started()
+        self._resume = None
         path = self.game_file(task)
         self._load(path)
         state = self._env.reset()
@@ -248,6 +254,8 @@ class TextWorldEnv(TaskEnv):
         self._step_started()
         prev = self._state
         command = single_line(action, lower=True)
+        if self._resume is not None:  # a fork's first step: its own interpreter, at the snapshot
+            self._env, self._resume = restore(self._resume, self._path), None
         refusal = unencodable(action) or self._refusal(command)
         if refusal:
             state, valid, obs, harness = prev, False, "", refusal
@@ -277,6 +285,24 @@ class TextWorldEnv(TaskEnv):
             admissible_actions=self._admissible(state),
             info={"timeout": timeout, "won": won, "lost": lost, "points": state["score"], "max_score": state["max_score"]},
         )
+
+    def fork(self) -> "TextWorldEnv":
+        """An independent instance whose episode is where this one is now; stepping one never changes the other, and
+        no command is replayed. The game's state is a snapshot (:func:`~cope.envs.textworld.games.snapshot`: the
+        Z-machine's memory, stack and RNG, so the action-trace mode switched on at reset too): the fork starts its own
+        interpreter on its first step, so a branched rollout that snapshots every step pays only for the forks it
+        uses. With ``admissible_actions`` the state tracker's Python state goes too, so the whole stack is copied now
+        (a second interpreter at once). This instance's bookkeeping (step count, commands taken, the walkthrough) is
+        copied."""
+        self._require_episode("fork")
+        other = copy.copy(self)
+        if self.admissible:
+            other._env, other._resume = self._env.copy(), None
+        else:
+            other._env, other._resume = None, (snapshot(self._env) if self._env is not None else self._resume)
+        other._state = type(self._state)(self._state)  # shallow: a state is replaced at each step, never changed
+        other._plan, other._taken = list(self._plan), list(self._taken)
+        return other
 
     def walkthrough(self) -> list[str]:
         """The game's own winning command sequence from the start (tests/benchmarks only)."""
@@ -310,7 +336,7 @@ class TextWorldEnv(TaskEnv):
     def close(self) -> None:
         if self._env is not None:
             self._env.close()
-        self._env, self._path, self._state = None, None, None
+        self._env, self._path, self._state, self._resume = None, None, None, None
         self._no_episode()
 
     # -- internals ---------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ This module imports TextWorld lazily (inside the functions), like every env modu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -213,12 +214,54 @@ def make_env(track_state: bool):
             state[TRACED_KEY] = state["feedback"]
             return state, score, done
 
+        def copy(self) -> "_KeepTrace":
+            """The wrapped stack copied at its state (Jericho copies the interpreter: memory, stack, RNG)."""
+            return _KeepTrace(self._wrapped_env.copy())
+
     infos = textworld.EnvInfos(
         feedback=True, score=True, max_score=True, won=True, lost=True, objective=True, game=True,
         admissible_commands=track_state, possible_admissible_commands=True,  # (GameData adds extra.walkthrough)
     )
     env = _KeepTrace(Inform7Data(GameData(JerichoEnv(infos))))
     return StateTracking(env) if track_state else env
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A running game's state without a second interpreter: Jericho's machine state (memory, stack, program counter,
+    RNG: the action-trace mode switched on at reset included) and the Inform 7 wrapper's own (the state the next step
+    carries over, the infos it tracks). Taking one costs a copy of the memory; :func:`restore` starts the one
+    interpreter a fork needs, only when the fork is used."""
+
+    machine: Any
+    state: Any
+    tracked: tuple[str, ...]
+
+
+def _layers(env) -> tuple[Any, Any]:
+    """(the Inform 7 wrapper, the Jericho env) of :func:`make_env`'s stack without the state tracker."""
+    inform7, jericho = env._wrapped_env, env.unwrapped
+    return inform7, jericho
+
+
+def snapshot(env) -> Snapshot:
+    """The state of ``env`` (:func:`make_env`'s stack, ``track_state=False``, reset)."""
+    inform7, jericho = _layers(env)
+    # a shallow copy: the wrappers replace their state at every step, never change one in place (a deep copy would
+    # copy the whole game object each time)
+    return Snapshot(jericho._jericho.get_state(), type(inform7.state)(inform7.state), tuple(inform7._tracked_infos))
+
+
+def restore(snap: Snapshot, path: str):
+    """A new stack (``track_state=False``) on the game at ``path``, at ``snap``'s state: its next step says what the
+    snapshotted game's next step said."""
+    env = make_env(False)
+    env.load(path)
+    inform7, jericho = _layers(env)
+    jericho._jericho.set_state(snap.machine)
+    jericho._reset = True
+    inform7.state, inform7._tracked_infos, inform7._prev_state = type(snap.state)(snap.state), list(snap.tracked), None
+    return env
 
 
 def action_patterns(game) -> re.Pattern:

@@ -98,7 +98,11 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
         attention[i, :L] = 1
         roles[i, :L] = torch.tensor(e.roles, dtype=torch.long)
         step_ids[i, :L] = torch.tensor(e.step_of_token(), dtype=torch.long)
-        advantages[i, :L] = e.advantage
+        if e.step_advantages is None:
+            advantages[i, :L] = e.advantage
+        else:  # each step's own advantage on its tokens (only its action tokens are kept below)
+            table = torch.tensor([0.0, *e.step_advantages])  # index 0: no step (the prompt)
+            advantages[i, :L] = table[step_ids[i, :L] + 1]
     aborted = torch.tensor([e.aborted for e in episodes], dtype=torch.bool)
     action_mask = (roles == int(Role.ACTION)) & ~aborted[:, None]
     advantages = advantages * action_mask

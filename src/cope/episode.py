@@ -78,6 +78,9 @@ class Episode:
     score: float = 0.0
     end_reason: str = EndReason.DONE
     advantage: float = 0.0  # filled by the advantage estimator
+    # per step, where the estimator gives each step its own (algo.advantage_mode=node_value); None: ``advantage``
+    # on every action token
+    step_advantages: list[float] | None = None
     prompt_len: int = 0  # tokens before the first action
     sampled_epoch: int = 0  # the epoch whose starting weights sampled it (set by the collector; < epoch with data.max_lag)
     # Branched rollouts (cope.train.collect.branching): the index, in its epoch's episode list, of the episode this one

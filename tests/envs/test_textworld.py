@@ -436,3 +436,46 @@ def test_one_epoch_of_training(run_train, cache, tmp_path):
         tmp_path,
     )
     assert result["counters/episodes"] == 2
+
+
+def test_a_forked_game_continues_as_the_original_and_independently(cache):
+    """fork() copies the running game (Jericho): a branched rollout's child takes no replayed env steps."""
+    env = _env(cache, "tw-simple", max_steps=12)
+    with pytest.raises(RuntimeError, match="before reset"):
+        env.fork()
+    env.reset(_task())
+    plan = env.walkthrough()
+    assert len(plan) >= 3
+    for action in plan[:2]:
+        env.step(action)
+    fork, twin = env.fork(), env.fork()
+    try:
+        off = fork.step("go west")  # the fork leaves the plan: the original does not notice
+        assert not off.done and fork.expert_action() is None and env.expert_action() == plan[2]
+        for action in [*plan[2:], "look"][:4]:  # the original and a twin say the same things, rewards included
+            a, b = env.step(action), twin.step(action)
+            assert (a.observation, a.reward, a.done, a.success, a.valid) == (b.observation, b.reward, b.done, b.success, b.valid)
+            if a.done:
+                break
+    finally:
+        for e in (fork, twin, env):
+            e.close()
+
+
+def test_a_fork_of_a_fork_before_its_first_step_and_a_fork_with_admissible_actions(cache):
+    """A fork holds a snapshot until its first step: a fork of it (a branched rollout's snapshot forked per child)
+    starts from the same state; with admissible actions the whole stack is copied and the lists agree."""
+    for admissible in (False, True):
+        env = _env(cache, "tw-simple", max_steps=12, admissible_actions=admissible)
+        env.reset(_task())
+        plan = env.walkthrough()
+        env.step(plan[0])
+        snap = env.fork()
+        child, original = snap.fork(), env.fork()
+        try:
+            for action in plan[1:3]:
+                a, b = original.step(action), child.step(action)
+                assert (a.observation, a.reward, a.admissible_actions) == (b.observation, b.reward, b.admissible_actions)
+        finally:
+            for e in (snap, child, original, env):
+                e.close()

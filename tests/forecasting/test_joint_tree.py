@@ -1,6 +1,7 @@
 """CoPE's joint update with packed rows (``cope.update=joint cope.packing=packed``): each row is a prefix tree (the
 transcript, each forecast segment a branch), ``packed``. The tree says exactly what the segments mean, written out by
-hand; tree attention (``data.share_prefix=true``, rows also placed side by side) gives the scoring pass's old
+hand; tree attention (``data.share_prefix=true``: rows also placed side by side, a group's trees joined in one
+trie) gives the scoring pass's old
 log-probs, the policy-gradient plus forecast loss and every LoRA gradient of the tree's dense mask on SDPA (the
 reference, ``data.share_prefix=false``), on Qwen2 and Llama, whole and micro-batched, at T = 1 and T = 0.7; the
 continuation reading's packed rows (``algo=cope_continuation``) likewise."""
@@ -76,10 +77,10 @@ def test_joint_tree_equals_the_dense_mask(arch, temperature, budget, reading, fi
     module = _module(model, temperature, budget)
     dense, _ = _batch(eps, reading)
     tree = dense
-    if fill:  # as the DataModule does with data.share_prefix: trees side by side, nothing shared between them
+    if fill:  # as the DataModule does with data.share_prefix: group 1's trees joined in one trie, placed side by side
         tree = pack_groups(dense, eps)
         pack = tree["packed"]
-        assert len(pack.lengths) < tree["input_ids"].shape[0] and pack.tokens == int(tree["attention_mask"].sum())
+        assert len(pack.lengths) < tree["input_ids"].shape[0] and pack.tokens < int(tree["attention_mask"].sum())
     if budget is not None:
         assert len(module.micro_batches(tree)) > 1
     ref_old, _, ref_loss, ref_m, ref_grads = scored_step(module, dense)  # reference: SDPA with the trees' dense mask

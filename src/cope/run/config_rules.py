@@ -260,15 +260,19 @@ def collector_forks(s: Resolved) -> Problem:
     collector, env = resolve(node.get("_target_")), resolve((s.cfg.get("env") or {}).get("_target_"))
     if not getattr(collector, "needs_fork", False):
         return
-    if isinstance(env, type) and not (callable(getattr(env, "fork", None)) or getattr(env, "forks_by_replay", False)):
+    by_copy = isinstance(env, type) and callable(getattr(env, "fork", None))
+    by_replay = isinstance(env, type) and bool(getattr(env, "forks_by_replay", False))
+    if isinstance(env, type) and not (by_copy or by_replay):
         yield "env", (f" = {env.__name__}: data.collector ({collector.__name__}) forks episodes mid-way, and this env can "
                       "neither fork() nor replay deterministically (forks_by_replay); use the default collector")
     if not can(s.engine, "samples_in_process"):
         yield "data.engine", (f" = {s.engine_target}: data.collector ({collector.__name__}) samples in process only "
                               "(for now); use rollout=hf")
-    if (s.data.get("env_runtime") or {}).get("workers", 0):
-        yield "data.env_runtime.workers", (f": data.collector ({collector.__name__}) forks envs in this process only "
-                                           "(for now); set it to 0")
+    workers = (s.data.get("env_runtime") or {}).get("workers", 0)
+    if workers and by_copy and not by_replay:
+        yield "data.env_runtime.workers", (f" = {workers}: data.collector ({collector.__name__}) rebuilds a child's env "
+                                           f"in the workers by replay, and env {env.__name__} forks only by copy (fork(), "
+                                           "no forks_by_replay; an env in a worker process cannot be copied); set it to 0")
 
 
 def objective_alone(s: Resolved) -> Problem:
@@ -282,6 +286,15 @@ def objective_alone(s: Resolved) -> Problem:
                 yield f"algo.objectives.{other}.{key}", (
                     f" = {o.get(key)}: algo.objectives.{name} trains alone (alone=true: ECHO without a verifier, "
                     f"algo=echo_only, where action tokens get no gradient and the reward is not used); set it to 0")
+
+
+def node_value_tree(s: Resolved) -> Problem:
+    if s.data.get("advantage_mode") != "node_value":
+        return
+    collector = resolve((s.data.get("collector") or {}).get("_target_"))
+    if not getattr(collector, "needs_fork", False):
+        yield "data.advantage_mode", (" = node_value: node-value advantages (TreeRL) read the tree of a branched group; "
+                                      "use them with a collector that branches (+collector=branching), or grpo/drgrpo")
 
 
 RULES: tuple[Rule, ...] = (
@@ -317,10 +330,13 @@ RULES: tuple[Rule, ...] = (
     Rule(("env.action_format", "model._target_", "model.path"), "native tool calls: a model whose chat template "
          "renders tools", native_tools_template),
     Rule(("data.collector", "env", "data.engine", "data.env_runtime.workers"), "a collector that branches episodes "
-         "(needs_fork): an env with fork() or forks_by_replay, an engine that samples in process, no env workers",
+         "(needs_fork): an env with fork() or forks_by_replay, an engine that samples in process, forks_by_replay with env "
+         "workers",
          collector_forks),
     Rule(("algo.objectives.*.alone", "algo.objectives.*.weight", "algo.objectives.*.final_weight"),
          "an objective that trains alone (ECHO without a verifier): every other objective at weight 0", objective_alone),
+    Rule(("data.advantage_mode", "data.collector"), "node-value advantages: a collector that branches (needs_fork)",
+         node_value_tree),
 )
 
 

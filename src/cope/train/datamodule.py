@@ -37,6 +37,7 @@ from cope.episode import Episode
 from cope.records import EpochRecord, ValidationRecord
 from cope.rollout.engine import EnvRuntime, HFEngine, RolloutEngine, Sampling
 from cope.train.advantages import group_advantages
+from cope.train.collect.branching.node_values import NODE_VALUE
 from cope.train.collect.collector import Collector, CollectorFactory, CollectorHost, TaskStream
 from cope.train.collect.counters import RunCounters, reduce_over_ranks
 from cope.train.collect.epoch_builder import EpochBuilder
@@ -83,7 +84,8 @@ class RolloutDataModule(pl.LightningDataModule):
             same key. The batch itself, the losses and the gradients stay those of the unshared minibatch. The
             longest packed row is the module's ``max_tokens_per_microbatch`` (a micro-batch is whole packed rows),
             bound at ``setup`` (``max_row_tokens``).
-        advantage_mode: ``grpo`` (std-normalized) or ``drgrpo``.
+        advantage_mode: ``grpo`` (std-normalized), ``drgrpo``, or ``node_value`` (per step, from a branched group's
+            tree: :mod:`cope.train.collect.branching.node_values`).
         val_tasks, val_offset, val_batch_size: the held-out panel, test tasks ``val_offset .. val_offset + val_tasks
             - 1`` evaluated greedily at each validation, ``val_batch_size`` episodes run together
             (:class:`~cope.train.collect.validation.HeldOutPanel`).
@@ -138,9 +140,11 @@ class RolloutDataModule(pl.LightningDataModule):
             if v < 1:
                 raise ValueError(f"data.{name} must be >= 1, got {v}")
         try:  # fail fast on a bad mode, naming the key (data.advantage_mode defaults to ${algo.advantage_mode})
-            group_advantages(torch.zeros(1), torch.zeros(1, dtype=torch.long), mode=advantage_mode)
+            if advantage_mode != NODE_VALUE:  # node_value: per step from a branched group's tree
+                group_advantages(torch.zeros(1), torch.zeros(1, dtype=torch.long), mode=advantage_mode)
         except ValueError as e:
-            raise ValueError(f"data.advantage_mode (algo.advantage_mode): {e}") from None
+            raise ValueError(f"data.advantage_mode (algo.advantage_mode): {e} (or {NODE_VALUE!r} with a branching "
+                             "collector)") from None
         self.tasks_per_epoch, self.group_size, self.minibatch_size = tasks_per_epoch, group_size, minibatch_size
         self.ppo_epochs, self.advantage_mode, self.share_prefix = ppo_epochs, advantage_mode, bool(share_prefix)
         self.max_row_tokens: int | None = None  # the module's micro-batch budget, bound at setup

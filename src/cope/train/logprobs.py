@@ -19,6 +19,10 @@ Temperature: rollouts sample from ``softmax(z / T)``, so the policy's log-probs 
 forecast targets for CoPE) keeps the model's own distribution (tau = 1). ``temperature <= 0``
 (greedy sampling) scores at tau = 1.
 
+Rows holding prefix trees (shared-prefix packing): a token's predecessor is the last token it sees, which for a
+node's first token is an ancestor's token, not its left neighbour in memory; ``source`` says which output predicts
+each token, so a shared token is stored once and a node needs no copy of its parent's last token.
+
 Entropy is computed only where asked (``entropy_mask``: the action tokens; EMPG and the entropy
 metric read nothing else), without graph.
 
@@ -178,6 +182,7 @@ def causal_lm_logprobs(
     chunk_elems: int = CHUNK_ELEMS,
     rows_at: torch.Tensor | None = None,
     prefix_tree: PrefixTree | None = None,
+    source: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(log-probs, entropy), both (N, T) fp32, 0 at t = 0 and wherever not computed; with ``rows_at``, also the
     untempered logits rows (P, V) fp32, with gradient, that predict the tokens at those positions.
@@ -193,30 +198,50 @@ def causal_lm_logprobs(
             ensemble takes a KL over the whole vocabulary there): only those P rows of logits are formed.
         prefix_tree: the :class:`~cope.train.packing.prefix_tree.PrefixTree` of shared-prefix rows (the model must run
             ``"cope_tree"`` attention; ``position_ids`` are the tree's), or None.
+        source: (N, T) long, per token the flat position ``row * T + column`` whose output predicts it (-1: none,
+            scored 0): rows holding trees (:meth:`~cope.train.packing.prefix_tree.PrefixTree.predecessors`, where a
+            node's first token is predicted by the last ancestor token it sees, not by its left neighbour in memory).
+            None: the position before it in its row. ``rows_at`` then names the token too (its source's row of logits).
     """
+    if source is None:  # each token predicted by the position before it in its row; column 0 by none
+        N, T = input_ids.shape
+        source = torch.arange(-1, N * T - 1, device=input_ids.device).view(N, T)
+        source[:, 0] = -1
+    return _scored(model, input_ids, attention_mask, position_ids, tempered, temperature, entropy_mask, chunk_elems,
+                   rows_at, prefix_tree, source)
+
+
+def _scored(model, input_ids, attention_mask, position_ids, tempered, temperature, entropy_mask, chunk_elems,
+            rows_at, prefix_tree, source) -> tuple[torch.Tensor, ...]:
+    """:func:`causal_lm_logprobs` with each token predicted by the output at ``source`` (see its docstring). Only
+    tokens with a source reach the head, in row-major order (plain rows: every column but the first, as slicing
+    would give them); one output may predict several tokens (in a tree, a branching node's last token predicts each
+    child's first), and its gradient then sums over them."""
     N, T = input_ids.shape
     tau_value = float(temperature) if temperature and temperature > 0 else 1.0
-    targets = input_ids[:, 1:].reshape(-1)  # (K,) with K = N * (T - 1)
-    tau = torch.ones(N, T - 1, dtype=torch.float32, device=input_ids.device)
+    src = source.reshape(-1)  # (N*T,)
+    where = (src >= 0).nonzero().squeeze(-1)  # (K,) tokens that have a predecessor
+    src = src[where]  # (K,)
+    targets = input_ids.reshape(-1)[where]  # (K,)
+    tau = torch.ones(where.shape[0], dtype=torch.float32, device=input_ids.device)
     if tempered is not None and tau_value != 1.0:
-        tau = tau.masked_fill(tempered[:, 1:], tau_value)
-    tau = tau.reshape(-1)
-    ent_rows = (entropy_mask[:, 1:] if entropy_mask is not None else torch.zeros_like(input_ids[:, 1:], dtype=torch.bool)).reshape(-1)
+        tau = tau.masked_fill(tempered.reshape(-1)[where], tau_value)
+    ent_rows = entropy_mask.reshape(-1)[where] if entropy_mask is not None else torch.zeros_like(targets, dtype=torch.bool)
     kw = _forward_kwargs(input_ids, attention_mask, position_ids, prefix_tree)
-    flat = None if rows_at is None else rows_at[:, 0] * (T - 1) + rows_at[:, 1] - 1  # (P,): the position before each
+    flat = None if rows_at is None else source[rows_at[:, 0], rows_at[:, 1]]  # (P,): the output predicting each
 
-    def score(head, hidden):  # (K, H) hidden states -> lp, ent (K,) and the (P, V) rows; inside the LM's forward
-        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t - 1 predicts token t ((K, V) logits: no head)
+    def score(head, hidden):  # (N, T, H) hidden states -> lp, ent (K,) and the (P, V) rows; inside the LM's forward
+        hidden = hidden.reshape(N * T, hidden.shape[-1])
+        h = hidden.index_select(0, src)  # (K, H): each target's predicting output
         if head is None:
             lp, ent = _chunked_from_logits(h, targets, tau, ent_rows, max(1, chunk_elems // h.shape[-1]))
-            return lp, ent, (None if flat is None else h[flat].float())
+            return lp, ent, (None if flat is None else hidden[flat].float())
         chunk = max(1, chunk_elems // head.out_features)
         lp, ent = _LinearHeadLogprob.apply(h, head.weight, head.bias, targets, tau, ent_rows, chunk)
-        return lp, ent, (None if flat is None else F.linear(h[flat], head.weight, head.bias).float())
+        return lp, ent, (None if flat is None else F.linear(hidden[flat], head.weight, head.bias).float())
 
     lp, ent, rows = head_forward(model, kw, score)
-    zero = lp.new_zeros(N, 1)
-    out = torch.cat([zero, lp.view(N, T - 1)], 1), torch.cat([zero, ent.view(N, T - 1)], 1)
+    out = tuple(x.new_zeros(N * T).index_put((where,), x).view(N, T) for x in (lp, ent))  # (N, T) each, 0 without source
     return out if rows_at is None else (*out, rows)
 
 

@@ -52,6 +52,13 @@ class Collected:
         metrics: the collector's own metrics, added last to the epoch's (the lagged one's ``rollout/lag_mean``,
             ``rollout/lag_max``, ``rollout/discarded_episodes``, ``perf/rollout_wait_seconds``); the same keys every
             epoch and on every rank.
+        trained: the indices (ascending) of the episodes that are trained; None: every one. The others count in the
+            advantages (computed over every episode first) and the epoch's ``rollout/*`` metrics only; the record
+            holds the trained ones (the branching collector's duplicate and J_max-capped leaves).
+        nominal: the episodes the epoch would have trained had nothing been dropped, the same on every rank (the
+            branching collector's full groups); None: ``len(episodes)``. The epoch then trains as many minibatches as
+            ``nominal`` episodes would fill, whatever was dropped on this rank, so the ranks' optimizer steps meet
+            under DDP (:func:`~cope.train.collect.experience.cut_minibatches`).
     """
 
     episodes: list[Episode]
@@ -60,6 +67,8 @@ class Collected:
     rng: random.Random
     seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
+    trained: list[int] | None = None
+    nominal: int | None = None
 
 
 @dataclass(frozen=True)

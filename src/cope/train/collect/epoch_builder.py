@@ -4,14 +4,17 @@ What the DataModule publishes as ``train_record`` is built here from a collector
 :class:`~cope.train.collect.collector.Collected`, in the main thread (the counters' and batch counts' reductions are
 collectives), in a fixed order that is part of what makes a run reproducible:
 
-1. advantages within each GRPO group (:func:`~cope.train.collect.experience.assign_advantages`);
-2. minibatches, ordered by the epoch's task stream, through the registered collate transforms and, with
-   ``data.share_prefix``, packed per GRPO group last (:func:`~cope.train.packing.group_prefix.pack_groups`); with a
-   collector that is ``off_policy`` each carries the sampler's log-probs;
+1. advantages within each GRPO group (:func:`~cope.train.collect.experience.assign_advantages`), over every
+   episode collected;
+2. the trained ones (``Collected.trained``; all by default), which the record holds, and their minibatches, ordered
+   by the epoch's task stream (as many as ``Collected.nominal`` episodes fill, where a collector dropped some), through
+   the registered collate transforms and, with ``data.share_prefix``, packed per GRPO group last
+   (:func:`~cope.train.packing.group_prefix.pack_groups`); with a collector that is ``off_policy`` each carries the
+   sampler's log-probs;
 3. the batch sources' extra batches, each source's count evened out over ranks;
 4. the counters (:class:`~cope.train.collect.counters.RunCounters`) and the epoch's metrics: this rank's
-   ``rollout/*``, ``env/*``, ``perf/*``, ``data/*``, the advantages', ``rollout/delivery_gap`` of a server engine,
-   ``counters/*``, then the collector's own.
+   ``rollout/*``, ``env/*`` (of every episode collected), ``perf/*``, ``data/*``, the advantages',
+   ``rollout/delivery_gap`` of a server engine, ``counters/*``, then the collector's own.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from cope.train.collect.experience import (
     cut_minibatches,
     epoch_metrics,
     epoch_tally,
+    keep_trained,
     train_tokens,
 )
 from cope.train.packing.group_prefix import pack_groups
@@ -66,12 +70,15 @@ class EpochBuilder:
         ``max_row_tokens``: the longest packed row (the module's micro-batch budget); ``off_policy``: the collector's
         (:attr:`cope.train.collect.collector.Collector.off_policy`)."""
         eps, groups, stats = got.episodes, got.groups, got.stats
-        adv_metrics = assign_advantages(eps, groups, self.advantage_mode)
+        adv_metrics = assign_advantages(eps, groups, self.advantage_mode)  # over every episode, dropped ones included
+        train = eps if got.trained is None else keep_trained(eps, got.trained)
+        count = None if got.nominal is None else -(-got.nominal // self.minibatch_size)  # the full epoch's steps
         transforms = self.collate_transforms
         if self.share_prefix:  # after every registered transform: it packs the rows they built
             transforms = [*transforms, functools.partial(pack_groups, max_row_tokens=max_row_tokens)]
-        minibatches = cut_minibatches(eps, self.minibatch_size, pad_id, got.rng, transforms, behaviour=off_policy)
-        extra = self._extra_batches(eps)
+        minibatches = cut_minibatches(train, self.minibatch_size, pad_id, got.rng, transforms, behaviour=off_policy,
+                                      count=count)
+        extra = self._extra_batches(train)
         tokens = train_tokens(minibatches, pad_id, self.ppo_epochs) + train_tokens(extra, pad_id)
         # episodes: the env episodes the collection ran (stats), which a collector may turn into other training
         # episodes (RWML's world-model predictions, cope.algos.rwml) or filter (SFT's demonstrations that do not fit)
@@ -85,7 +92,7 @@ class EpochBuilder:
         m.update(self.counters.metrics())
         tally = epoch_tally(eps, groups, m)  # before the collector's metrics: they are this rank's own, not pooled
         m.update(got.metrics)
-        return EpochRecord(epoch=epoch, episodes=eps, minibatches=minibatches, extra_batches=extra, metrics=m,
+        return EpochRecord(epoch=epoch, episodes=train, minibatches=minibatches, extra_batches=extra, metrics=m,
                            counters=dict(self.counters), tally=tally,
                            sampler_logprobs=can(self.engine, "reports_logprobs") or off_policy)
 

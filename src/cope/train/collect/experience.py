@@ -7,9 +7,12 @@ part of what makes a run reproducible:
 1. :func:`assign_advantages`: group-relative advantages from the episodes' rewards
    (:func:`cope.train.advantages.group_advantages`; aborted episodes get 0 and leave their group's
    statistics), written to ``Episode.advantage``;
-2. :func:`cut_minibatches`: the episodes shuffled with the caller's RNG, cut into minibatches of
-   ``minibatch_size``, each collated (:func:`cope.batch.collate`) and passed through the collate
-   transforms in registration order (CoPE's forecast targets; a transform may widen or extend a batch).
+2. :func:`keep_trained`: where the collector trains only some of them (``Collected.trained``: the branching
+   collector's dedup and J_max cap), those, with their tree links renumbered;
+3. :func:`cut_minibatches`: the episodes shuffled with the caller's RNG, cut into minibatches of
+   ``minibatch_size`` (or spread over the count the full epoch would give, ``Collected.nominal``), each collated
+   (:func:`cope.batch.collate`) and passed through the collate transforms in registration order (CoPE's forecast
+   targets; a transform may widen or extend a batch).
 
 :func:`epoch_metrics` gives the epoch's ``rollout/*``, ``env/*``, ``perf/*`` and ``data/*`` values on this rank, and
 :func:`epoch_tally` counts what its ``rollout/*`` and ``env/*`` metrics are ratios or sums of, for the module to pool
@@ -17,6 +20,7 @@ over ranks (:attr:`cope.records.EpochRecord.tally`).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -24,10 +28,11 @@ from typing import Protocol
 import torch
 
 from cope.batch import RolloutBatch, collate
-from cope.episode import Episode
+from cope.episode import EndReason, Episode
 from cope.rollout.loop import RolloutStats
 from cope.rollout.metrics import episode_metrics, episode_tally
 from cope.train.advantages import Metrics, group_advantages, zero_signal_groups
+from cope.train.collect.branching.node_values import NODE_VALUE, node_value_advantages
 
 CollateTransform = Callable[[RolloutBatch, list[Episode]], RolloutBatch]
 
@@ -49,13 +54,17 @@ class BatchSource(Protocol):
 
 def assign_advantages(episodes: list[Episode], groups: Sequence[int], mode: str) -> Metrics:
     """Sets ``Episode.advantage`` of every episode from its group's rewards; returns the
-    ``rollout/zero_signal_groups`` metric (this rank's share; :func:`epoch_tally` counts it for pooling)."""
+    ``rollout/zero_signal_groups`` metric (this rank's share; :func:`epoch_tally` counts it for pooling).
+    ``mode="node_value"``: each step its own, ``Episode.step_advantages``, from the group's tree
+    (:mod:`cope.train.collect.branching.node_values`; ``Episode.advantage`` then Dr.GRPO's, for the record)."""
+    tree = mode == NODE_VALUE
     adv, metrics = group_advantages(
-        torch.tensor([e.reward for e in episodes]), torch.tensor(list(groups)), mode=mode,
+        torch.tensor([e.reward for e in episodes]), torch.tensor(list(groups)), mode="drgrpo" if tree else mode,
         valid=torch.tensor([not e.aborted for e in episodes]),
     )
-    for e, a in zip(episodes, adv.tolist()):
-        e.advantage = a
+    steps = node_value_advantages(episodes, groups) if tree else [None] * len(episodes)
+    for e, a, s in zip(episodes, adv.tolist(), steps):
+        e.advantage, e.step_advantages = a, s
     return metrics
 
 
@@ -97,20 +106,66 @@ def epoch_tally(episodes: list[Episode], groups: Sequence[int], metrics: dict[st
 
 
 def cut_minibatches(episodes: list[Episode], minibatch_size: int, pad_id: int, rng: random.Random,
-                    transforms: Sequence[CollateTransform] = (), behaviour: bool = False) -> list[RolloutBatch]:
+                    transforms: Sequence[CollateTransform] = (), behaviour: bool = False,
+                    count: int | None = None) -> list[RolloutBatch]:
     """The episodes in an order drawn from ``rng`` (one shuffle), cut into collated minibatches of at most
     ``minibatch_size`` episodes; every minibatch passes through ``transforms`` in order. ``behaviour``: each
-    minibatch carries the sampler's log-probs (``behaviour_logprobs``, :func:`cope.batch.collate`)."""
+    minibatch carries the sampler's log-probs (``behaviour_logprobs``, :func:`cope.batch.collate`).
+
+    ``count``: exactly that many minibatches instead (a collector that dropped episodes, ``Collected.nominal``: every
+    rank takes the optimizer steps of the full epoch, whatever it dropped), the shuffled episodes spread over them in
+    runs whose sizes differ by at most one. Where there are fewer episodes than ``count``, each minibatch left over
+    holds one row that trains nothing (:func:`idle_row`)."""
     order = list(range(len(episodes)))
     rng.shuffle(order)
+    if count is None:
+        cuts = [order[s: s + minibatch_size] for s in range(0, len(order), minibatch_size)]
+    else:
+        if count < 1 or not episodes:
+            raise ValueError(f"cut_minibatches: {len(episodes)} episodes cannot fill {count} minibatches")
+        q, r = divmod(len(order), count)
+        starts = [j * q + min(j, r) for j in range(count + 1)]
+        cuts = [order[starts[j]: starts[j + 1]] for j in range(count)]
     minibatches = []
-    for s in range(0, len(order), minibatch_size):
-        idx = order[s: s + minibatch_size]
-        mb = collate([episodes[i] for i in idx], pad_id, indices=idx, behaviour=behaviour)
+    for idx in cuts:
+        if idx:
+            mb = collate([episodes[i] for i in idx], pad_id, indices=idx, behaviour=behaviour)
+        else:
+            mb = collate([idle_row(episodes[order[0]])], pad_id, indices=[-1], behaviour=behaviour)
+            mb["aux_row"][:] = True
         for fn in transforms:
             mb = fn(mb, episodes)
         minibatches.append(mb)
     return minibatches
+
+
+def idle_row(e: Episode) -> Episode:
+    """A row that trains nothing, for a minibatch that must exist but has no episode (:func:`cut_minibatches`): ``e``'s
+    first prompt only, aborted (no action, advantage or ECHO target), collated as episode -1 and ``aux_row`` (no
+    transcript: no transform or transcript objective reads it). Its step is a forward and a zero gradient, so the
+    gradient all-reduce of every step still meets on every rank."""
+    return Episode(task=e.task, group=e.group, tokens=e.tokens[: e.prompt_len], roles=e.roles[: e.prompt_len],
+                   prompt_len=e.prompt_len, end_reason=EndReason.ABORTED, sampled_epoch=e.sampled_epoch)
+
+
+def keep_trained(episodes: list[Episode], trained: Sequence[int]) -> list[Episode]:
+    """The episodes ``trained`` (ascending indices) as the epoch's episode list: a kept episode's
+    ``branch_of`` renumbered into it, and where its parent was dropped, pointing to its nearest kept ancestor with
+    ``shared_steps`` the steps it shares with that one (the fewest shared on the way). A renumbered episode is a copy;
+    the others are the same objects."""
+    new = {old: j for j, old in enumerate(trained)}
+    out = []
+    for i in trained:
+        e = episodes[i]
+        parent, shared = e.branch_of, e.shared_steps
+        while parent >= 0 and parent not in new:
+            up = episodes[parent]
+            parent, shared = up.branch_of, min(shared, up.shared_steps)
+        parent, shared = (new[parent], shared) if parent >= 0 else (-1, 0)
+        if (parent, shared) != (e.branch_of, e.shared_steps):
+            e = dataclasses.replace(e, branch_of=parent, shared_steps=shared)
+        out.append(e)
+    return out
 
 
 def train_tokens(minibatches: Sequence[RolloutBatch], pad_id: int, passes: int = 1) -> int:

@@ -1,43 +1,62 @@
-"""GRPO groups forwarded with their common prefix once (``data.share_prefix=true``).
+"""GRPO groups forwarded as prefix trees, every shared token once (``data.share_prefix=true``).
 
-The episodes of one GRPO group start with the same tokens: the system prompt, the task, the first observation. A
-minibatch normally forwards that prefix once per episode. :func:`pack_groups` (the DataModule's last collate step)
-adds the packed rows (``batch["packed"]``, :class:`cope.train.packing.tree_batch.PackedRows`): per group of the minibatch,
-one tree holding the prefix once (the trunk) and every episode's remainder as a branch anchored in it
-(:func:`cope.train.packing.tree_batch.branch`: ``[prefix[-1]] + episode[P:]`` after ``P - 1`` trunk tokens); such trees and
+The episodes of one GRPO group start with the same tokens (the system prompt, the task, the first observation), and
+a branched group (``+collector=branching``) shares far more: a child episode repeats its parent's turns up to the
+fork, actions included. A minibatch normally forwards all of that once per episode. :func:`pack_groups` (the
+DataModule's last collate step) adds the packed rows (``batch["packed"]``,
+:class:`cope.train.packing.tree_batch.PackedRows`): per group of the minibatch, the trie of its rows
+(:class:`cope.train.packing.token_trie.TokenTrie`: tokens where the rows agree on ids, roles and the action mask are
+one node, a branch where they part), so every distinct prefix is forwarded once however deep the tree; such trees and
 the rows that share nothing are then placed side by side in fewer rows by the one packer
-(:func:`cope.train.packing.tree_batch.pack`). Every other row (an episode alone in its group in this minibatch, an extra
-row a transform added) is a unit of its own.
+(:func:`cope.train.packing.tree_batch.pack`). A row that belongs to no group (an extra row a transform added) is a
+trie of its own.
 
 The batch contract does not change: ``input_ids``, ``roles``, ``advantages`` and every other key stay one row per
-episode, and the module's forward returns log-probs and entropies in that shape (gathered from the packed rows; a
-prefix token's log-prob is gathered by every episode of its group, so its gradient sums over them, as the unshared
-batch's does). Only the model sees the packed rows. So every objective, the scoring pass (old and reference
-log-probs), EMPG and CoPE's temporal ensemble work unchanged.
+episode, and the module's forward returns log-probs and entropies in that shape (gathered from the packed rows). Only
+the model sees the packed rows. So every objective, the scoring pass (old and reference log-probs), EMPG and CoPE's
+temporal ensemble work unchanged.
 
-A batch whose rows are trees already (CoPE's packed joint rows: ``packed`` is their identity packing) shares no
-group: each row's tree is a unit, and the rows are only placed side by side, padding removed.
+Shared targets (the decision). The packing this replaces shared one trunk per group, cut before the group's first
+action token "so no policy-gradient target is shared". The loss never needed that cut: each logical row gathers its
+tokens' log-probs and entropies from the packed tokens it maps to (``PackedRows.index``), so a token shared by k
+leaves is read k times, each time with that leaf's advantage, old log-prob and weight, and its gradient sums the k
+per-leaf terms: the unpacked per-leaf loss exactly (policy gradient, KL, ECHO's observations, CoPE's forecast
+targets), and the scoring pass, entropies and EMPG read the same per-row values. What a shared token has only once
+is the forward's per-token choices: the temperature it is scored at and whether its entropy is computed (both read
+the packed ``action_mask``), and the output that predicts it. So the trie keys a token on its action mask as well as
+its id and role (an aborted leaf's actions, no targets, are not joined to a live leaf's), and a token is predicted by
+its predecessor in the tree (:meth:`cope.train.packing.prefix_tree.PrefixTree.predecessors`), so a node continues all
+of its parent (``anchor = len(parent)``) with no copy of the parent's last token. Trees of any depth are then exact;
+the tree attention's plan takes any depth (a node's keys are its ancestors' visible ranges).
 
-The prefix ends before the group's first action token (so no policy-gradient target is shared; an observation
-there, ECHO's target, is gathered by each episode): it is the longest common prefix of the group's ids and roles,
-cut at the first ``ACTION`` of any member. Groups whose prefix is shorter than 2 tokens are not packed.
+A batch whose rows are trees already (CoPE's packed joint rows: ``packed`` is their identity packing) is inserted
+tree by tree: each transcript joins its group's trie, and each forecast segment continues the trie where its anchor
+sits (its first token, a non-target copy of the anchor token, has its own node). A batch packed otherwise is
+refused.
+
+The micro-batch budget (``max_row_tokens``): a group whose trie would hold more tokens is cut into subgroups whose
+tries fit, consecutive in the order of the rows' tokens (so a leaf stays next to its parent; a row too long alone is
+a subgroup of its own), and packed rows are filled up to it, so a micro-batch holds no more tokens than without the
+packing.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from cope.episode import Episode, Role
+from cope.episode import Episode
 from cope.train.packing.prefix_tree import TreeNode
-from cope.train.packing.tree_batch import Unit, branch, pack, split_to_fit
+from cope.train.packing.token_trie import Key, TokenTrie
+from cope.train.packing.tree_batch import pack
 
 
 def pack_groups(batch: dict, episodes: list[Episode], max_row_tokens: int | None = None) -> dict:
     """``batch`` with ``packed`` set (a new dict; every other key unchanged). See the module docstring.
 
-    ``max_row_tokens`` (the module's micro-batch budget): a group whose tree would be longer is split into consecutive
-    subgroups that each fit (each shares the prefix once), and rows are filled up to it, so a micro-batch holds no
-    more tokens than without the packing."""
-    ids, roles, mask = batch["input_ids"], batch["roles"], batch["attention_mask"]
+    ``max_row_tokens`` (the module's micro-batch budget): no trie of several rows holds more tokens (the group is cut
+    into subgroups), and packed rows are filled up to it."""
+    ids, roles, mask, act = batch["input_ids"], batch["roles"], batch["attention_mask"], batch["action_mask"]
     if mask.dim() != 2:
         raise ValueError(f"pack_groups needs the 2D attention mask of collate, got shape {tuple(mask.shape)}")
     old = batch.get("packed")
@@ -49,40 +68,34 @@ def pack_groups(batch: dict, episodes: list[Episode], max_row_tokens: int | None
     aux = batch.get("aux_row", torch.zeros(N, dtype=torch.bool)).tolist()
     clusters: dict[object, list[int]] = {}
     for r, e in enumerate(batch["episode_index"].tolist()):
-        key = ("group", episodes[e].group) if tree is None and e >= 0 and not aux[r] else ("row", r)
+        key = ("group", episodes[e].group) if e >= 0 and not aux[r] else ("row", r)
         clusters.setdefault(key, []).append(r)
-    units = []
-    for rows in (sub for c in clusters.values() for sub in _fit(c, ids, roles, lengths, max_row_tokens)):
-        P = _prefix(ids, roles, rows, lengths) if len(rows) > 1 else 0
-        if P < 2:  # nothing worth sharing: each row alone (its own tree, if it is one)
-            units += [Unit(ids[r, : lengths[r]].tolist(), tree.rows[r] if tree is not None else (TreeNode(0, lengths[r], -1, 0),),
-                           ((r, list(range(lengths[r]))),)) for r in rows]
-            continue
-        trunk = ids[rows[0], :P].tolist()
-        seq, nodes, places = list(trunk), [TreeNode(0, P, -1, 0)], []
-        for r in rows:
-            seen, ids_r = branch(trunk, P, ids[r, P: lengths[r]].tolist())
-            start = len(seq)
-            seq += ids_r
-            nodes.append(TreeNode(start, len(seq), 0, seen))
-            places.append((r, [*range(P), *range(start + 1, len(seq))]))  # the prefix in the trunk, the rest in the branch
-        units.append(Unit(seq, tuple(nodes), tuple(places)))
-    return {**batch, "packed": pack(units, N, T, 0, max_row_tokens, batch["action_mask"])}
+    ids_l, roles_l, act_l = ids.tolist(), roles.tolist(), act.tolist()
+
+    def row(r: int) -> tuple[list[Key], tuple[TreeNode, ...]]:  # (keys per column, the row's own tree)
+        n = lengths[r]
+        nodes = tree.rows[r] if tree is not None else (TreeNode(0, n, -1, 0),)
+        return list(zip(ids_l[r][:n], roles_l[r][:n], act_l[r][:n])), nodes
+
+    tries = [t for rows in clusters.values() for t in _tries(rows, row, max_row_tokens)]
+    units = [u for t in tries for u in t.units()]
+    return {**batch, "packed": pack(units, N, T, 0, max_row_tokens, act)}
 
 
-def _fit(rows: list[int], ids: torch.Tensor, roles: torch.Tensor, lengths: list[int], cap: int | None) -> list[list[int]]:
-    """``rows`` (one group) cut into consecutive subgroups whose shared tree (prefix once, then each member's rest
-    and one repeated token) fits ``cap`` tokens (:func:`cope.train.packing.tree_batch.split_to_fit`)."""
-    if cap is None or len(rows) < 2:
-        return [rows]
-    P = _prefix(ids, roles, rows, lengths)
-    return split_to_fit(rows, lambda sub: P + sum(lengths[r] - P + 1 for r in sub), cap)
-
-
-def _prefix(ids: torch.Tensor, roles: torch.Tensor, rows: list[int], lengths: list[int]) -> int:
-    """Longest common prefix of ``rows`` (ids and roles), cut before the first action token of any of them."""
-    n = min(lengths[r] for r in rows)
-    same = (ids[rows, :n] == ids[rows[0], :n]).all(0) & (roles[rows, :n] == roles[rows[0], :n]).all(0)  # (n,)
-    act = (roles[rows, :n] == int(Role.ACTION)).any(0)  # (n,)
-    stop = ~same | act
-    return int(stop.float().argmax()) if bool(stop.any()) else n
+def _tries(rows: list[int], row: Callable[[int], tuple[list[Key], tuple[TreeNode, ...]]],
+           cap: int | None) -> list[TokenTrie]:
+    """``rows`` (one group; ``row(r)``: its keys per column and its own tree) as one trie, or with ``cap`` as tries of
+    at most ``cap`` tokens each, filled in the order of the rows' tokens (rows that share the longest prefixes are
+    neighbours: a leaf next to its parent); a row that would take a trie past ``cap`` starts the next one (a row
+    longer than ``cap`` alone is a trie of its own)."""
+    out = [TokenTrie()]
+    got = {r: row(r) for r in rows}
+    for r in sorted(rows, key=lambda r: got[r][0]) if cap is not None else rows:
+        keys, nodes = got[r]
+        mark = out[-1].mark()
+        out[-1].add(r, keys, nodes)
+        if cap is not None and len(out[-1]) > cap and out[-1].rows > 1:
+            out[-1].undo(mark)
+            out.append(TokenTrie())
+            out[-1].add(r, keys, nodes)
+    return out

@@ -5,8 +5,10 @@ causally. Any other node continues its parent after the parent's first ``anchor`
 own tokens, plus those ``anchor`` tokens of its parent, plus whatever the parent sees of its own ancestors, up to
 the root. So a node's token attends exactly what it would attend in the unshared sequence "visible ancestor
 tokens + own tokens" (:meth:`PrefixTree.unshared`), and :meth:`PrefixTree.position_ids` gives it that sequence's
-positions, so RoPE is the same too. Examples: an agent transcript (trunk) with forecast samples that continue it
-from several anchors; a GRPO group's episodes after their shared system prompt. Tokens in no node are padding:
+positions, so RoPE is the same too; :meth:`PrefixTree.predecessors` names the token before it in that sequence
+(whose output predicts it), so a node can start right after the last ancestor token it sees, with no copy of it.
+Examples: an agent transcript (trunk) with forecast samples that continue it from several anchors; a GRPO group's
+episodes as the trie of their tokens (a branched group's shared turns at any depth). Tokens in no node are padding:
 they attend only themselves.
 
 This is the cascade/shared-prefix idea of Hydragen (Juravsky et al., 2024) and tree attention for speculative
@@ -175,6 +177,22 @@ class PrefixTree:
                 seen = sum(c for _, c in self.chain(r, i))
                 pos[r, n.start:n.end] = torch.arange(seen, seen + n.end - n.start)
         return pos.to(device)
+
+    def predecessors(self) -> torch.Tensor:
+        """(N, T) long: per token, the flat position ``row * T + column`` of the token before it in the sequence it
+        stands for (its left neighbour inside its node; for a node's first token, the last ancestor token it sees),
+        whose output predicts it; -1 for a root's first token and padding (built once)."""
+        def build() -> torch.Tensor:
+            T = self.length
+            src = torch.full((len(self.rows), T), -1, dtype=torch.long)
+            for r, nodes in enumerate(self.rows):
+                for i, n in enumerate(nodes):
+                    src[r, n.start + 1:n.end] = torch.arange(n.start, n.end - 1) + r * T
+                    keys = self.ancestor_keys(r, i)
+                    if keys:
+                        src[r, n.start] = r * T + keys[-1][1] - 1
+            return src
+        return self.cached("predecessors", build)
 
     def dense_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
         """(N, 1, T, T) bool, True = attend: the reference the kernels must equal. Padding attends only itself."""

@@ -7,17 +7,20 @@ batch that packs prefixes carries them as ``batch["packed"]`` (:func:`packs_pref
 producers all go through the one packer, :func:`pack` (units placed side by side in as few rows as fit the
 micro-batch budget, :func:`fill_rows`):
 
-* GRPO groups (``data.share_prefix``): :func:`cope.train.packing.group_prefix.pack_groups`; a side view, the logical rows
-  stay one per episode.
+* GRPO groups (``data.share_prefix``): :func:`cope.train.packing.group_prefix.pack_groups`, each group the trie of its
+  rows (every shared token once, a branched group's shared turns too); a side view, the logical rows stay one per
+  episode.
 * CoPE's joint rows (``cope.packing=packed``): each row a transcript with its forecast segments as branches
   (:func:`cope.algos.cope.packing.pack_forecasts`), rows packed as they are (:meth:`PackedRows.of_rows`), then
-  placed side by side by ``pack_groups`` when ``data.share_prefix`` is on.
+  joined into their group's trie by ``pack_groups`` when ``data.share_prefix`` is on.
 * CoPE's separate forecast steps: the packed rows are the logical rows (:meth:`PackedRows.as_rows`, identity index).
 
 A batch without ``packed`` is seen as the identity packing of its own rows with no tree (:func:`packed_view`), so
-the module runs one code path for every batch (:func:`packed_logprobs`). Every branch of a packer starts with the
-token before its anchor, repeated (:func:`branch`): that copy sees what the trunk's own copy sees, at the same
-position, so its output predicts the branch's first real token inside the branch.
+the module runs one code path for every batch (:func:`packed_logprobs`). A tree's token is scored from the output
+of its predecessor in the sequence it stands for (:meth:`~cope.train.packing.prefix_tree.PrefixTree.predecessors`),
+so a node's first token reads its parent's last visible token: the group trie stores nothing twice. CoPE's packers
+still start each branch with the token before its anchor, repeated (:func:`branch`), a non-target whose own
+predecessor is then the token before it.
 
 How the model attends a tree is decided in one place, :func:`attention_kwargs`: a model on ``"cope_tree"`` (switched
 by :func:`use_tree_attention`, which only the DataModule calls, when ``data.share_prefix`` is on) computes only the
@@ -190,7 +193,7 @@ def pack(units: Sequence[Unit], n_rows: int, width: int, pad_id: int, cap: int |
     act = torch.zeros(R * L, dtype=torch.bool)
     if action_mask is not None:
         real = index >= 0
-        act[index[real]] = action_mask[real]  # a shared prefix token has several writers, all False (no action there)
+        act[index[real]] = action_mask[real]  # a shared token's writers agree (the group trie keys on the action mask)
     tree = PrefixTree(rows=tuple(nodes), length=L)
     return PackedRows(input_ids=ids, attention_mask=attn, position_ids=tree.position_ids(), action_mask=act.view(R, L),
                       tree=tree, index=index, members=tuple(members), lengths=tuple(len(s) for s in seqs))
@@ -275,9 +278,10 @@ def packed_logprobs(model, pack: PackedRows, rows: torch.Tensor | None, length: 
         at_packed = torch.stack([flat // width, flat % width], 1)
     act = part["action_mask"]
     kw = attention_kwargs(model, part["attention_mask"], tree)
+    source = None if tree is None else tree.predecessors().to(act.device)  # (R', L'): a tree's token after its ancestor's
     lp, ent, *found = causal_lm_logprobs(model, part["input_ids"], kw["attention_mask"], part["position_ids"], tempered=act,
                                          temperature=temperature, entropy_mask=act if entropy else None,
-                                         rows_at=at_packed, prefix_tree=kw.get("prefix_tree"))
+                                         rows_at=at_packed, prefix_tree=kw.get("prefix_tree"), source=source)
     # column 0 holds 0 (the log-prob convention): in a packed row a tree placed after another would read it off that
     # tree's last token
     drop = local < 0

@@ -6,24 +6,40 @@ from ``branch.roots`` roots; a child forks from a parent's state after a chosen 
 once (:mod:`~cope.train.collect.branching.tree`); its env is a fork of the parent's (a copy, or a checked replay:
 :mod:`~cope.train.collect.branching.forks`). Every leaf is an ordinary :class:`~cope.episode.Episode` of its task's
 group (``branch_of`` and ``shared_steps`` say where it forked), so the epoch builder computes GRPO advantages over
-the leaves, SPARK's and ARPO's default; with ``data.share_prefix=true`` the group packing forwards the group's
-common prefix once.
+the leaves, SPARK's and ARPO's default, or TreeRL's node values (``algo.advantage_mode=node_value``:
+:mod:`~cope.train.collect.branching.node_values`); with ``data.share_prefix=true`` the group packing forwards each
+group as the trie of its leaves, every shared token once (:mod:`cope.train.packing.group_prefix`). With env workers
+(``data.env_runtime.workers > 0``) the envs live in the engine's worker processes, reused by every wave and epoch,
+and every child is rebuilt there by a checked replay (:mod:`~cope.train.collect.branching.tracing_batch`), so the env
+must declare ``forks_by_replay``.
+
+Which leaves are trained (QwenGyre, arXiv 2609.33848; :mod:`~cope.train.collect.branching.leaves`): identical
+leaves of a task collapse to one (``branch.dedup``), and at most ``branch.j_max`` distinct leaves per task are drawn
+uniformly from the epoch's seeded stream. The advantages are computed over every leaf first (node values over the
+whole tree), then the epoch builder keeps the trained ones (``Collected.trained``). A child that repeats may stop
+early (TreePO, arXiv 2508.17445; ``branch.stop_loops``, ``branch.stop_duplicates``:
+:mod:`~cope.train.collect.branching.stops`): it is no leaf, its slot not refilled. Every rank still trains the
+minibatch count of full groups (``Collected.nominal``), so DDP's optimizer steps meet whatever each rank dropped.
 
 Where it differs: the fork decision is taken on the parent's finished transcript (same tree distribution, batched
 waves); a task whose trigger picks no fork point fills its free slots with fresh roots (``rollout/branch_fill_roots``)
-so every group has exactly ``group_size`` leaves; node-value (TreeRL) advantages and QwenGyre's J_max leaf cap are not
-here yet. Only the in-process engine (``rollout=hf``) with envs in this process (``data.env_runtime.workers=0``) runs
-it; others are refused by name.
+so every group grows ``group_size`` leaves (fewer where children stopped early). Only the in-process engine
+(``rollout=hf``) runs it, and an env that forks only by copy runs it only with its envs in this process
+(``data.env_runtime.workers=0``); others are refused by name.
 
 Metrics (``Collected.metrics``, the same keys every epoch on every rank): what the trees cost
 (``rollout/branch_env_steps``: own env steps plus the replays' steps; ``rollout/branch_generated_tokens``) against
 what independent episodes of the same leaves would have cost (``..._flat_env_steps_est``,
 ``..._flat_generated_tokens_est``: every leaf's whole length), ``rollout/branch_saving`` (1 - actual / flat env
-steps), ``rollout/branch_token_saving``, ``rollout/branch_forks``, ``rollout/branch_leaves``,
-``rollout/branch_fill_roots``, ``rollout/branch_replay_mismatch``, ``rollout/branch_replay_env_steps``.
+steps), ``rollout/branch_token_saving``, ``rollout/branch_forks``, ``rollout/branch_leaves`` (grown, not stopped),
+``rollout/branch_fill_roots``, ``rollout/branch_replay_mismatch``, ``rollout/branch_replay_env_steps``,
+``rollout/branch_duplicate_leaves`` and ``rollout/branch_capped_leaves`` (leaves not trained: duplicates, over J_max),
+``rollout/branch_trained_leaves``, ``rollout/branch_stop_loop`` and ``rollout/branch_stop_duplicate`` (children stopped
+early; their own steps and tokens count in the cost, not in the flat estimates).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import random
@@ -32,6 +48,8 @@ import time
 from cope.capabilities import can
 from cope.episode import Episode
 from cope.train.collect.branching.forks import fork_capability
+from cope.train.collect.branching.leaves import Chosen, choose_leaves, fork_from_twins
+from cope.train.collect.branching.stops import StopRule
 from cope.train.collect.branching.tree import Grown, Loop, ScriptedActor, close, grow
 from cope.train.collect.branching.triggers import TRIGGERS, choose_forks
 from cope.train.collect.collector import Collected, CollectorHost
@@ -39,13 +57,16 @@ from cope.train.collect.collector import Collected, CollectorHost
 METRICS = ("rollout/branch_env_steps", "rollout/branch_generated_tokens", "rollout/branch_flat_env_steps_est",
            "rollout/branch_flat_generated_tokens_est", "rollout/branch_saving", "rollout/branch_token_saving",
            "rollout/branch_forks", "rollout/branch_leaves", "rollout/branch_fill_roots",
-           "rollout/branch_replay_mismatch", "rollout/branch_replay_env_steps")
+           "rollout/branch_replay_mismatch", "rollout/branch_replay_env_steps", "rollout/branch_duplicate_leaves",
+           "rollout/branch_capped_leaves", "rollout/branch_trained_leaves", "rollout/branch_stop_loop",
+           "rollout/branch_stop_duplicate")
 
 
-def tree_cost(episodes: list[Episode], replay_env_steps: int = 0) -> dict[str, float]:
+def tree_cost(episodes: list[Episode], replay_env_steps: int = 0, stopped: list[Episode] = ()) -> dict[str, float]:
     """Env steps and generated tokens the trees took (each episode's own steps, after its shared ones, plus the
-    replays' steps) and what independent episodes of the same leaves would have taken (every step of every leaf)."""
-    own = [s for e in episodes for s in e.steps[e.shared_steps:]]
+    replays' steps; ``stopped``: the children stopped early, which cost theirs too) and what independent episodes of
+    the same leaves would have taken (every step of every leaf, ``episodes``)."""
+    own = [s for e in [*episodes, *stopped] for s in e.steps[e.shared_steps:]]
     every = [s for e in episodes for s in e.steps]
     steps, flat = len(own) + replay_env_steps, len(every)
     tokens, flat_tokens = (sum(s.action_end - s.action_start for s in x) for x in (own, every))
@@ -68,14 +89,20 @@ class BranchingCollector:
         max_depth: forks only after steps 1..max_depth (None: any step).
         entropy_weight: ARPO's ``w`` (``entropy``).
         replay: rebuild every child's env by replay, even where the env forks by copy (checks determinism).
+        dedup: train one leaf of each set of identical leaves of a task (``branch.dedup``).
+        j_max: train at most this many distinct leaves per task, drawn uniformly (``branch.j_max``; None: all).
+        stop_loops: stop a child whose env repeats an observation of its trajectory (``branch.stop_loops``).
+        stop_duplicates: stop a child whose trajectory so far is its parent's or a sibling's
+            (``branch.stop_duplicates``).
     """
 
     off_policy = False  # the weights that sample an epoch are the ones that score it
-    needs_fork = True  # an env with fork() or forks_by_replay, an in-process engine: for a config rule to read
+    needs_fork = True  # for a config rule: an env with fork() or forks_by_replay (env workers: replay), rollout=hf
 
-    def __init__(self, *, host: CollectorHost, group_size: int, roots: int = 4, trigger: str = "uniform",
+    def __init__(self, *, host: CollectorHost, group_size: int, roots: int = 2, trigger: str = "uniform",
                  p: float = 0.5, tag: str = "<explore>", max_depth: int | None = None, entropy_weight: float = 0.2,
-                 replay: bool = False):
+                 replay: bool = False, dedup: bool = True, j_max: int | None = None, stop_loops: bool = False,
+                 stop_duplicates: bool = False):
         if not 1 <= roots <= group_size:
             raise ValueError(f"branch.roots must be in [1, data.group_size={group_size}], got {roots}")
         if trigger not in TRIGGERS:
@@ -86,14 +113,13 @@ class BranchingCollector:
             raise ValueError("branch.tag must be a non-empty marker with branch.trigger=tag")
         if max_depth is not None and max_depth < 1:
             raise ValueError(f"branch.max_depth must be null (any step) or >= 1, got {max_depth}")
+        if j_max is not None and (isinstance(j_max, bool) or j_max < 1):
+            raise ValueError(f"branch.j_max must be null (no cap) or an integer >= 1, got {j_max}")
         engine, sampling = host.engine, host.sampling
         name = type(engine).__name__
-        if not can(engine, "samples_in_process") or not hasattr(engine, "env_factory"):
+        if not can(engine, "samples_in_process") or not hasattr(engine, "env_factory") or not hasattr(engine, "slots"):
             raise ValueError(f"data.engine = {name}: the branching collector (data.collector) runs the in-process engine "
                              "only for now (rollout=hf); a server engine (rollout=vllm) is not supported yet")
-        if engine.runtime.workers:
-            raise ValueError(f"data.env_runtime.workers={engine.runtime.workers}: the branching collector forks envs in "
-                             "this process only for now; set data.env_runtime.workers=0")
         if sampling.temperature <= 0:
             raise ValueError("data.sampling.temperature=0: a greedy child re-samples its parent's action; branched "
                              "rollouts need a temperature > 0")
@@ -107,9 +133,18 @@ class BranchingCollector:
                              "branching cannot branch its episodes; use the default collector")
         if replay and not by_replay:
             raise ValueError(f"branch.replay=true: {env_name} does not declare forks_by_replay (deterministic replay)")
+        workers = engine.runtime.workers
+        if workers and not by_replay:
+            raise ValueError(f"data.env_runtime.workers={workers}: env {env_name} forks only by copy (fork(), no "
+                             "forks_by_replay), and an env in a worker process cannot be copied into another slot; with "
+                             "env workers the branching collector rebuilds each child by replay. Set "
+                             "data.env_runtime.workers=0 or use an env that declares forks_by_replay")
         self.host, self.leaves, self.roots, self.trigger = host, int(group_size), int(roots), trigger
         self.p, self.tag, self.max_depth, self.entropy_weight = float(p), tag, max_depth, float(entropy_weight)
-        self.by_replay = bool(replay) or not by_copy
+        self.in_workers = workers > 0
+        self.by_replay = bool(replay) or not by_copy or self.in_workers
+        self.dedup, self.j_max = bool(dedup), None if j_max is None else int(j_max)
+        self.stops = StopRule(loops=bool(stop_loops), duplicates=bool(stop_duplicates))
 
     def collect(self, epoch: int) -> Collected:
         t0 = time.perf_counter()
@@ -123,8 +158,10 @@ class BranchingCollector:
                 raise ValueError(f"branch: group {g} has {groups.count(g)} tasks, data.group_size={self.leaves} expected")
         grown = self._grow([task_of[g] for g in order], order, seed, branch_rng)
         try:
-            # each task's tree together, in creation order (parents before children); branch_of renumbered
-            ordered = sorted(range(len(grown.nodes)), key=lambda i: (order.index(grown.nodes[i].episode.group), i))
+            # each task's leaves together, in creation order (parents before children); branch_of renumbered. A child
+            # stopped early is no leaf (and never a parent): it only counts in the cost
+            leaves = [i for i, n in enumerate(grown.nodes) if n.stop is None]
+            ordered = sorted(leaves, key=lambda i: (order.index(grown.nodes[i].episode.group), i))
             new = {old: j for j, old in enumerate(ordered)}
             episodes = []
             for i in ordered:
@@ -132,13 +169,17 @@ class BranchingCollector:
                 e.branch_of = new[e.branch_of] if e.branch_of >= 0 else -1
                 e.sampled_epoch = epoch
                 episodes.append(e)
+            stopped = [n.episode for n in grown.nodes if n.stop is not None]
         finally:
             close(grown)
-        metrics = self._metrics(episodes, grown)
-        stats = dataclasses.replace(grown.stats, errors=list(grown.stats.errors), episodes=len(episodes),
+        chosen = choose_leaves(episodes, dedup=self.dedup, j_max=self.j_max, rng=random.Random(seed ^ 0x1EAF))
+        fork_from_twins(episodes, chosen)  # before the advantages: node values read one path per trajectory
+        metrics = self._metrics(episodes, stopped, grown, chosen)
+        stats = dataclasses.replace(grown.stats, errors=list(grown.stats.errors), episodes=len(episodes) + len(stopped),
                                     env_steps=int(metrics["rollout/branch_env_steps"]),
                                     generated_tokens=int(metrics["rollout/branch_generated_tokens"]))
-        return Collected(episodes, [e.group for e in episodes], stats, rng, time.perf_counter() - t0, metrics)
+        return Collected(episodes, [e.group for e in episodes], stats, rng, time.perf_counter() - t0, metrics,
+                         trained=chosen.trained, nominal=len(tasks))
 
     def _grow(self, tasks, groups, seed: int, rng: random.Random) -> Grown:
         from cope.rollout.hf_actor import CachedSamplingActor  # torch-side
@@ -150,17 +191,24 @@ class BranchingCollector:
         entropy = self.trigger == "entropy"
         inner = CachedSamplingActor(policy.model, policy.pad_id, policy.chat.stop_ids, s.max_action_tokens,
                                     s.temperature, s.top_p, seed=seed, logprobs=entropy)
-        template = engine.env_factory()
-        template.close()
-        depth = 0 if self.by_replay else (self.max_depth or template.max_steps)
-        loop = Loop(engine.env_factory, template, policy.tokenizer, policy.chat, engine.max_context, s.max_action_tokens,
-                    engine.instructions, self.by_replay, depth)
         choose = functools.partial(self._choose, vocab=len(policy.tokenizer))
         model = policy.model
         was_training = model.training
         model.eval()
         try:
-            with policy.full_weights(), self.host.precision():
+            with contextlib.ExitStack() as stack:
+                # env workers: the engine's own batch (its worker processes serve every wave, epoch and validation)
+                envs = stack.enter_context(engine.slots()) if self.in_workers else None
+                template = None
+                if envs is None:
+                    template = engine.env_factory()
+                    template.close()
+                depth = 0 if self.by_replay else (self.max_depth or template.max_steps)
+                loop = Loop(engine.env_factory, template, policy.tokenizer, policy.chat, engine.max_context,
+                            s.max_action_tokens, engine.instructions, self.by_replay, depth, envs,
+                            self.stops if self.stops.on else None)
+                stack.enter_context(policy.full_weights())
+                stack.enter_context(self.host.precision())
                 return grow(loop, tasks, groups, leaves=self.leaves, roots=self.roots, actor=ScriptedActor(inner),
                             choose=choose, rng=rng, stopping=self.host.stopping)
         finally:
@@ -171,13 +219,17 @@ class BranchingCollector:
                             entropy_weight=self.entropy_weight, vocab=vocab)
 
     @staticmethod
-    def _metrics(episodes: list[Episode], grown: Grown) -> dict[str, float]:
+    def _metrics(episodes: list[Episode], stopped: list[Episode], grown: Grown, chosen: Chosen) -> dict[str, float]:
         out = dict.fromkeys(METRICS, 0.0)
-        out.update(tree_cost(episodes, grown.replay_env_steps))
+        out.update(tree_cost(episodes, grown.replay_env_steps, stopped))
         out.update({"rollout/branch_forks": float(grown.forks), "rollout/branch_leaves": float(len(episodes)),
                     "rollout/branch_fill_roots": float(grown.fill_roots),
                     "rollout/branch_replay_mismatch": float(grown.replay_mismatch),
-                    "rollout/branch_replay_env_steps": float(grown.replay_env_steps)})
+                    "rollout/branch_replay_env_steps": float(grown.replay_env_steps),
+                    "rollout/branch_duplicate_leaves": float(chosen.duplicates),
+                    "rollout/branch_capped_leaves": float(chosen.capped),
+                    "rollout/branch_trained_leaves": float(len(chosen.trained)),
+                    **{f"rollout/branch_stop_{reason}": float(n) for reason, n in grown.stops.items()}})
         return out
 
     def cancel(self) -> None:

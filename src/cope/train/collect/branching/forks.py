@@ -15,7 +15,10 @@ An env that declares neither cannot branch (:func:`fork_capability` refuses it b
 :class:`TracingEnv` is one env slot of a branched rollout as :func:`cope.rollout.loop.run_episodes` sees it: a root
 resets its own env; a child answers the parent's first ``k`` steps from the parent's record (the scripted actions
 must be the parent's), then steps its forked env. Every slot records what its env said (:class:`Trace`), and keeps
-snapshots where it may be forked later.
+snapshots where it may be forked later. With env workers (``data.env_runtime.workers > 0``) the envs live in other
+processes and cannot be copied across them: :class:`~cope.train.collect.branching.tracing_batch.TracingBatch` plays
+the same part one level down, over the engine's env batch, rebuilding every child by replay inside the workers with
+the same checks (:func:`check_reset`, :func:`check_step`, :func:`shared_result`).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cope.envs.base import Env, EnvReset, EnvStep, Task
+from cope.train.collect.branching.stops import StopRule, check
 
 
 class ReplayMismatch(RuntimeError):
@@ -60,19 +64,35 @@ def replay(factory: Callable[[], Env], trace: Trace, k: int) -> tuple[Env, int]:
     env closed) when one differs."""
     env = factory()
     try:
-        first = env.reset(trace.task)
-        if first.observation != trace.first.observation:
-            raise ReplayMismatch(f"{trace.task.id}: the replayed reset's observation differs from the original's")
+        check_reset(trace, env.reset(trace.task))
         for i in range(k):
-            res = env.step(trace.actions[i])
-            old = trace.results[i]
-            if (res.observation, bool(res.done)) != (old.observation, bool(old.done)):
-                raise ReplayMismatch(f"{trace.task.id}: replayed step {i + 1} ({trace.actions[i]!r}) says "
-                                     f"{res.observation!r}, the original said {old.observation!r}")
+            check_step(trace, i, env.step(trace.actions[i]))
     except BaseException:
         env.close()
         raise
     return env, k
+
+
+def check_reset(trace: Trace, first: EnvReset) -> None:
+    """Raises :class:`ReplayMismatch` when a replayed reset's observation is not the one ``trace`` recorded."""
+    if first.observation != trace.first.observation:
+        raise ReplayMismatch(f"{trace.task.id}: the replayed reset's observation differs from the original's")
+
+
+def check_step(trace: Trace, i: int, res: EnvStep) -> None:
+    """Raises :class:`ReplayMismatch` when replayed step ``i`` (0-based) did not say what ``trace`` recorded."""
+    old = trace.results[i]
+    if (res.observation, bool(res.done)) != (old.observation, bool(old.done)):
+        raise ReplayMismatch(f"{trace.task.id}: replayed step {i + 1} ({trace.actions[i]!r}) says "
+                             f"{res.observation!r}, the original said {old.observation!r}")
+
+
+def shared_result(parent: Trace, n: int, action: str) -> EnvStep:
+    """A child's shared step ``n`` (0-based): the parent's recorded result, never an env's; the action sent must be the
+    parent's (RuntimeError otherwise: the scripted actor handed back something else)."""
+    if action != parent.actions[n]:
+        raise RuntimeError(f"branched rollout: shared step {n + 1} sent {action!r}, the parent sent {parent.actions[n]!r}")
+    return parent.results[n]
 
 
 class TracingEnv:
@@ -85,12 +105,20 @@ class TracingEnv:
         k: a child's shared steps (the parent's first ``k`` are answered from ``parent``).
         by_replay: rebuild a child's env by replay (else fork the parent's snapshot after step ``k``).
         snapshot_depth: keep a snapshot after each own step up to this depth (0: none; forks by copy only).
+        stops: the early stops of a child (:mod:`~cope.train.collect.branching.stops`; None: none). A stopped child
+            answers ``done`` (its env's own result otherwise), sets ``stop`` and is never forked.
+
+    Attributes:
+        kin: the wave's slots of the same parent (itself included), set by the wave: a duplicate's siblings.
+        stop: why the child stopped early (``loop``, ``duplicate``), None if it did not.
     """
 
     def __init__(self, factory: Callable[[], Env], template: Any, parent: Trace | None = None, k: int = 0,
-                 by_replay: bool = False, snapshot_depth: int = 0):
+                 by_replay: bool = False, snapshot_depth: int = 0, stops: StopRule | None = None):
         self.factory, self.parent, self.k, self.by_replay = factory, parent, k, by_replay
-        self.snapshot_depth = snapshot_depth
+        self.snapshot_depth, self.stops = snapshot_depth, stops
+        self.kin: list[TracingEnv] = [self]
+        self.stop: str | None = None
         self.name, self.max_steps, self.instructions = template.name, template.max_steps, template.instructions
         self.env: Env | None = None
         self.trace: Trace | None = None
@@ -118,14 +146,13 @@ class TracingEnv:
         t = self.trace
         n = len(t.actions)
         if n < self.k:  # a shared step: the parent's result, never the env's
-            if action != self.parent.actions[n]:
-                raise RuntimeError(f"branched rollout: shared step {n + 1} sent {action!r}, the parent sent "
-                                   f"{self.parent.actions[n]!r}")
-            res = self.parent.results[n]
+            res = shared_result(self.parent, n, action)
         else:
             res = self.env.step(action)
         t.actions.append(action)
         t.results.append(res)
+        if n >= self.k and check(self, self.stops):  # the loop ends the episode here; the tree drops it
+            return dataclasses.replace(res, done=True)
         if n >= self.k and not res.done and n + 1 <= self.snapshot_depth:
             t.snapshots[n + 1] = self.env.fork()
         return res

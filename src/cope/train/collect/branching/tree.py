@@ -3,15 +3,18 @@
 Each wave is one :func:`cope.rollout.loop.run_episodes` call over every task's new episodes, so a branched episode is
 built by exactly the code that builds any episode (chat scaffold, native tool turns, the context-overflow policy,
 env-crash aborts). A child of ``(parent, k)`` runs in a :class:`~cope.train.collect.branching.forks.TracingEnv` slot
-that answers the parent's first ``k`` steps from the parent's record, with a :class:`ScriptedActor` that hands back
+(with env workers: a slot of a :class:`~cope.train.collect.branching.tracing_batch.TracingBatch` over the engine's env
+batch) that answers the parent's first ``k`` steps from the parent's record, with a :class:`ScriptedActor` that hands back
 the parent's sampled ids for those steps (generated once, never re-sampled): its transcript up to the end of step
 ``k``'s feedback is the parent's, id for id (checked), and it samples from step ``k + 1`` on.
 
 The waves: first ``roots`` episodes per task from its start; then, per task with free slots, the trigger picks fork
 points among the newest wave's episodes (:func:`~cope.train.collect.branching.triggers.choose_forks`); a task whose
 newest wave gives no fork point fills its free slots with fresh roots (``fill``), so every task ends with exactly
-``leaves`` episodes (GRPO's group size; the ranks' batch counts stay even). The parent keeps its whole trajectory, so
-every episode of the tree is a leaf.
+``leaves`` episodes (GRPO's group size). The parent keeps its whole trajectory, so every episode of the tree is a leaf,
+but for a child stopped early (``branch.stop_loops``, ``branch.stop_duplicates``:
+:mod:`~cope.train.collect.branching.stops`): its slot ends it, it is never forked and the collector drops it; its slot
+is not refilled.
 
 Where it differs from SPARK (arXiv 2601.20209): the fork decision is taken after the parent's episode has run, from
 its transcript, not while it runs; the decision reads only the parent's steps up to the fork point's next action, so
@@ -20,13 +23,16 @@ the same trees are drawn with the same probabilities, and the waves batch every 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from cope.envs.base import Env, Task
+from cope.envs.runtime.batch import EnvBatch
 from cope.episode import Episode
 from cope.rollout.loop import RolloutStats, Sampled, run_episodes
-from cope.train.collect.branching.forks import TracingEnv
+from cope.train.collect.branching.forks import Trace, TracingEnv
+from cope.train.collect.branching.stops import REASONS, StopRule, link_kin
+from cope.train.collect.branching.tracing_batch import BatchSlot, TracingBatch
 
 ForkChooser = Callable[[list[tuple[int, Episode]], int, random.Random], list[tuple[int, int]]]
 
@@ -66,9 +72,10 @@ class Node:
     """One episode of the trees: its slot (env record, snapshots), its parent's node index (-1: a root)."""
 
     episode: Episode
-    slot: TracingEnv
+    slot: TracingEnv | BatchSlot
     parent: int
     fill: bool = False
+    stop: str | None = None  # why it stopped early (no leaf then), None: a leaf
 
 
 @dataclass
@@ -81,11 +88,15 @@ class Grown:
     fill_roots: int = 0
     replay_mismatch: int = 0
     replay_env_steps: int = 0
+    stops: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))  # early stops by reason
 
 
 @dataclass(frozen=True)
 class Loop:
-    """What each wave's :func:`run_episodes` call needs (the in-process engine's settings)."""
+    """What each wave's :func:`run_episodes` call needs (the in-process engine's settings). ``envs``: the engine's env
+    batch when its envs live in worker processes (each wave a :class:`TracingBatch` over it, every child replayed
+    there); None: each slot a :class:`TracingEnv` over its own env in this process (``factory``, ``template``).
+    ``stops``: checked by either slot kind after each of a child's own steps."""
 
     factory: Callable[[], Env]
     template: Any
@@ -96,6 +107,8 @@ class Loop:
     instructions: str | None
     by_replay: bool
     snapshot_depth: int
+    envs: EnvBatch | None = None
+    stops: StopRule | None = None  # the children's early stops (None: none)
 
 
 def grow(loop: Loop, tasks: list[Task], groups: list[int], *, leaves: int, roots: int, actor: ScriptedActor,
@@ -121,7 +134,8 @@ def grow(loop: Loop, tasks: list[Task], groups: list[int], *, leaves: int, roots
             for g in groups:
                 if not free[g]:
                     continue
-                newest = [(i, out.nodes[i].episode) for i in range(first, len(out.nodes)) if out.nodes[i].episode.group == g]
+                newest = [(i, n.episode) for i, n in enumerate(out.nodes[first:], start=first)
+                          if n.episode.group == g and n.stop is None]  # a stopped child is no parent
                 forks = choose(newest, free[g], rng)[: free[g]]
                 specs += [(g, i, k, False) for i, k in forks] or [(g, -1, 0, True)] * free[g]
                 out.forks += len(forks)
@@ -136,15 +150,23 @@ def grow(loop: Loop, tasks: list[Task], groups: list[int], *, leaves: int, roots
 def _wave(loop: Loop, specs: list[tuple[int, int, int, bool]], task_of: dict[int, Task], actor: ScriptedActor,
           out: Grown) -> None:
     """One :func:`run_episodes` call over ``specs``; its episodes appended to ``out.nodes``."""
-    slots, actor.scripts = [], {}
+    actor.scripts = {}
+    forks: list[tuple[Trace | None, int]] = []
     for j, (_g, parent, k, _) in enumerate(specs):
-        trace = out.nodes[parent].slot.trace if parent >= 0 else None
-        slots.append(TracingEnv(loop.factory, loop.template, trace, k, loop.by_replay, loop.snapshot_depth))
+        forks.append((out.nodes[parent].slot.trace, k) if parent >= 0 else (None, 0))
         if parent >= 0:
             pe = out.nodes[parent].episode
             actor.scripts[j] = [Sampled(pe.tokens[s.action_start: s.action_end], s.sampler_logprobs) for s in pe.steps[:k]]
+    if loop.envs is not None:  # env workers: the wave's slots over the engine's batch, children replayed there
+        envs = TracingBatch(loop.envs, forks, loop.stops)
+        slots = envs.slots
+    else:
+        slots = [TracingEnv(loop.factory, loop.template, trace, k, loop.by_replay, loop.snapshot_depth, loop.stops)
+                 for trace, k in forks]
+        link_kin(slots)
+        envs = slots
     try:
-        eps, stats = run_episodes(slots, [task_of[g] for g, *_ in specs], [g for g, *_ in specs], actor, loop.tokenizer,
+        eps, stats = run_episodes(envs, [task_of[g] for g, *_ in specs], [g for g, *_ in specs], actor, loop.tokenizer,
                                   loop.chat, loop.max_context, loop.max_action_tokens, instructions=loop.instructions)
     except BaseException:
         for s in slots:
@@ -160,7 +182,9 @@ def _wave(loop: Loop, specs: list[tuple[int, int, int, bool]], task_of: dict[int
             end = pe.steps[k - 1].obs_end
             if not ep.aborted and (ep.tokens[:end] != pe.tokens[:end] or ep.roles[:end] != pe.roles[:end]):
                 raise RuntimeError(f"branched rollout of {ep.task.id}: a child's first {k} steps are not its parent's ids")
-        out.nodes.append(Node(ep, slot, parent, fill))
+        if slot.stop is not None:
+            out.stops[slot.stop] += 1
+        out.nodes.append(Node(ep, slot, parent, fill, slot.stop))
 
 
 def close(grown: Grown) -> None:
