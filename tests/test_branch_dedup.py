@@ -128,6 +128,21 @@ def test_two_ranks_that_dropped_different_leaves_cut_the_same_number_of_minibatc
     assert sorted(sizes) == [2, 2, 2, 3]  # spread over the count, sizes at most one apart
 
 
+def test_a_branched_group_stays_in_one_minibatch_where_the_packing_shares_its_tree():
+    """With the nominal count (the branching collector), each group's leaves stay together in collection order: 3
+    groups of 4 leaves in minibatches of 4 give one group per minibatch (an episode-level shuffle would spread them);
+    with a leaf dropped, a group straddles at most two minibatches."""
+    eps = [_leaf([10 * g + k, k], group=g, reward=float(k % 2)) for g in range(3) for k in range(4)]
+    for seed in range(4):
+        cut = cut_minibatches(eps, 4, 0, random.Random(seed), count=3)
+        assert sorted(sorted({eps[i].group for i in mb["episode_index"].tolist()}) for mb in cut) == [[0], [1], [2]]
+        assert all(mb["episode_index"].tolist() == sorted(mb["episode_index"].tolist()) for mb in cut)
+    kept = [e for j, e in enumerate(eps) if j != 5]
+    cut = cut_minibatches(kept, 4, 0, random.Random(0), count=3)
+    for g in range(3):
+        assert sum(any(kept[i].group == g for i in mb["episode_index"].tolist()) for mb in cut) <= 2
+
+
 # -- on the maze, with a walking actor ------------------------------------------------------------------------------
 class Walker:
     """An actor that walks north, south, north, ... from each slot's first call of a wave (a child: from its fork),

@@ -114,8 +114,11 @@ def cut_minibatches(episodes: list[Episode], minibatch_size: int, pad_id: int, r
 
     ``count``: exactly that many minibatches instead (a collector that dropped episodes, ``Collected.nominal``: every
     rank takes the optimizer steps of the full epoch, whatever it dropped), the shuffled episodes spread over them in
-    runs whose sizes differ by at most one. Where there are fewer episodes than ``count``, each minibatch left over
-    holds one row that trains nothing (:func:`idle_row`)."""
+    runs whose sizes differ by at most one, each GRPO group's episodes kept together in their collection order (the
+    groups in the order the shuffle draws them): a branched group's tree then sits in one minibatch, where the group
+    packing forwards its shared turns once (a group straddles two minibatches only where dropped episodes shift the
+    runs). Where there are fewer episodes than ``count``, each minibatch left over holds one row that trains nothing
+    (:func:`idle_row`)."""
     order = list(range(len(episodes)))
     rng.shuffle(order)
     if count is None:
@@ -123,6 +126,10 @@ def cut_minibatches(episodes: list[Episode], minibatch_size: int, pad_id: int, r
     else:
         if count < 1 or not episodes:
             raise ValueError(f"cut_minibatches: {len(episodes)} episodes cannot fill {count} minibatches")
+        members: dict[int, list[int]] = {}
+        for i in range(len(episodes)):
+            members.setdefault(episodes[i].group, []).append(i)
+        order = [i for g in dict.fromkeys(episodes[j].group for j in order) for i in members[g]]
         q, r = divmod(len(order), count)
         starts = [j * q + min(j, r) for j in range(count + 1)]
         cuts = [order[starts[j]: starts[j + 1]] for j in range(count)]
