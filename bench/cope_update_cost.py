@@ -21,7 +21,8 @@ computed, attention over the score cells computed).
 * CoPE (joint, packed): the minibatches with the samples packed after their transcripts and the forecast loss
   summed into the policy step (``cope.update=joint cope.packing=packed``): no extra step. Two attentions: the dense
   (T, T) mask of the rows' prefix trees per forward (``data.share_prefix=false``, the reference) and tree attention (``true``, the
-  default: each packed row a trunk with its samples as branches, the trees side by side in as few rows as fit).
+  default: each group's packed rows joined into the group's trie, every token its transcripts share forwarded once,
+  the samples as branches, the tries side by side in as few rows as fit: fewer tokens than the dense variant's).
 
 Each variant owns its optimizer and its weights (swapped in outside the timer), starting from the same LoRA weights;
 variants are interleaved round-robin (A B C A B C ...) and the first ``--warmup`` rounds are discarded, so drift

@@ -55,7 +55,9 @@ def test_cope_update_cost_smoke(tmp_path):
     assert v["GRPO"]["ratio"] == pytest.approx(1.0) and all(x["mean_s"] > 0 and x["peak_bytes"] > 0 for x in v.values())
     assert v["CoPE (joint, tree)"]["steps"] == v["CoPE (joint, dense mask)"]["steps"] == v["GRPO"]["steps"]  # joint: no step of its own
     tree, mask = v["CoPE (joint, tree)"], v["CoPE (joint, dense mask)"]
-    assert tree["tokens"] == mask["tokens"] and tree["visible"] == mask["visible"] and tree["cells"] < mask["cells"]
+    # tree attention joins each group's packed rows into the group's trie (what they share forwarded once): fewer
+    # tokens, cells and visible cells than the dense mask over the same rows unshared
+    assert tree["tokens"] < mask["tokens"] and tree["visible"] < mask["visible"] and tree["cells"] < mask["cells"]
     groups = v["GRPO (groups shared)"]  # each group's prompt once; the same targets
     assert groups["tokens"] < v["GRPO"]["tokens"] and groups["targets"] == v["GRPO"]["targets"]
     assert all(x["flops_7b"] > 0 for x in v.values())
