@@ -203,24 +203,28 @@ def causal_lm_logprobs(
             node's first token is predicted by the last ancestor token it sees, not by its left neighbour in memory).
             None: the position before it in its row. ``rows_at`` then names the token too (its source's row of logits).
     """
+    where = None
     if source is None:  # each token predicted by the position before it in its row; column 0 by none
         N, T = input_ids.shape
         source = torch.arange(-1, N * T - 1, device=input_ids.device).view(N, T)
         source[:, 0] = -1
+        where = torch.arange(N * T, device=input_ids.device).view(N, T)[:, 1:].reshape(-1)  # known: no device sync
     return _scored(model, input_ids, attention_mask, position_ids, tempered, temperature, entropy_mask, chunk_elems,
-                   rows_at, prefix_tree, source)
+                   rows_at, prefix_tree, source, where)
 
 
 def _scored(model, input_ids, attention_mask, position_ids, tempered, temperature, entropy_mask, chunk_elems,
-            rows_at, prefix_tree, source) -> tuple[torch.Tensor, ...]:
+            rows_at, prefix_tree, source, where=None) -> tuple[torch.Tensor, ...]:
     """:func:`causal_lm_logprobs` with each token predicted by the output at ``source`` (see its docstring). Only
     tokens with a source reach the head, in row-major order (plain rows: every column but the first, as slicing
     would give them); one output may predict several tokens (in a tree, a branching node's last token predicts each
-    child's first), and its gradient then sums over them."""
+    child's first), and its gradient then sums over them. ``where``: the flat positions with a source, when the
+    caller knows them (plain rows), else found from ``source``."""
     N, T = input_ids.shape
     tau_value = float(temperature) if temperature and temperature > 0 else 1.0
     src = source.reshape(-1)  # (N*T,)
-    where = (src >= 0).nonzero().squeeze(-1)  # (K,) tokens that have a predecessor
+    if where is None:  # (K,) tokens that have a predecessor (a host sync on an accelerator: trees only)
+        where = (src >= 0).nonzero().squeeze(-1)
     src = src[where]  # (K,)
     targets = input_ids.reshape(-1)[where]  # (K,)
     tau = torch.ones(where.shape[0], dtype=torch.float32, device=input_ids.device)
