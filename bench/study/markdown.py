@@ -23,6 +23,7 @@ NAMES = {
     "rwml_grpo": "RWML+GRPO",
     "wm_sft": "WM-SFT+GRPO",
     "grpo_sft": "GRPO on SFT",
+    "grpo_branch": "GRPO, branched groups",
 }
 AUX = {"cope": "forecast", "cope_authors": "forecast", "cope_turns": "forecast", "echo": "echo"}  # the arm's grad/* name
 

@@ -124,10 +124,24 @@ SPEC["baselines"] = dataclasses.replace(
     arm_overrides=(), **_baselines(4))
 SPEC["baselines_tiny"] = Regime("plumbing of `baselines` on the tiny model (prior warm start)", SPEC["prior"].overrides,
                                 SPEC["prior"].threshold, by_size=None, smoke_size=(1, 1), **_baselines(1))
+# Branched rollouts' learning bench (issue 55): the default demo (`python train.py`: GRPO on the maze, random-walk
+# warm start, 60 epochs, the demo's own lr) with flat groups against the branching collector at its defaults (2 roots,
+# uniform trigger, G=8 leaves). Equal epochs and leaves; the trees take fewer env steps, so the report also reads every
+# arm's held-out success at the env steps of the cheapest arm (bench/study/equal_steps.py). Validated every 5 epochs
+# for a finer curve against env steps. Run on its own: --regimes branching --out outputs/branch_learning
+# --records bench/results/branch_learning/runs --results bench/results/branch_learning.
+SPEC["branching"] = Regime(
+    "the default demo (tiny model, maze, random-walk warm start): flat GRPO groups vs branched groups (2 roots, uniform)",
+    (), 0.3, ("grpo", "grpo_branch"), budget=("trainer.max_epochs=60", "trainer.check_val_every_n_epoch=5"),
+    panels=(TUNE_PANEL, ("data.val_offset=0", "data.val_tasks=128")),
+    grid=(("grpo", (("demo", ()),)), ("grpo_branch", (("roots2", ()),))),
+    fixed=(("grpo", "demo"), ("grpo_branch", "roots2")),
+    arm_overrides=(("grpo_branch", ("+collector=branching",)),), smoke_size=(1, 1))
 DEFAULT_REGIMES = ("prior", "random")  # tuning (in prior) first, then prior's test runs, then random's
 # The algo config an arm runs: "cope" is the reading of the explainer the first runs measured (algo=cope_continuation;
 # its records are committed), "cope_authors" CoPE as its authors built it (algo=cope since 2026-12-02).
-ARM_ALGO = {"cope": "cope_continuation", "cope_authors": "cope", "cope_turns": "cope", "grpo_sft": "grpo"}
+ARM_ALGO = {"cope": "cope_continuation", "cope_authors": "cope", "cope_turns": "cope", "grpo_sft": "grpo",
+            "grpo_branch": "grpo"}
 # Each arm's search: the same number of settings (label -> overrides). CoPE and ECHO add GRPO's chosen lr.
 GRID: dict[str, dict[str, tuple[str, ...]]] = {
     "grpo": {f"lr{lr}": (f"module.optimizer.lr={lr}",) for lr in ("3e-4", "1e-3", "3e-3")},

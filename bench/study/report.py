@@ -27,7 +27,7 @@ from bench.study.markdown import AUX, NAMES, STABILITY, markdown, mean_of
 from bench.study.stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t
 
 COLORS = {"grpo": "C0", "cope": "C1", "echo": "C2", "cope_authors": "C3", "cope_turns": "C4", "rwml_grpo": "C5", "wm_sft": "C6",
-          "grpo_sft": "C7"}  # an arm's colour in every panel
+          "grpo_sft": "C7", "grpo_branch": "C8"}  # an arm's colour in every panel
 DIAG = ("grad/cos_{aux}_pg", "grad/ratio_{aux}_pg")
 PROBES = ("probe/forecast_action_acc", "probe/obs_nll")
 VAL_LAST = ("val/multi_action", "val/strict_valid", "val/projected_actions")  # held-out answer forms at the last validation
