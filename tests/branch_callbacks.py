@@ -9,6 +9,7 @@
 * :class:`TreeTrace` (``+callbacks.trees._target_=branch_callbacks.TreeTrace``, tests/test_branching_ddp.py) writes,
   at each training epoch's start, this rank's trees to ``<out>/rank<r>.jsonl``: per episode its task, group,
   ``branch_of``, ``shared_steps`` and whether it was aborted.
+* :class:`ServerWithoutActor` (tests/test_config_rules.py): a server engine that lends no sampling actor.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import signal
 from pathlib import Path
 
 from lightning.pytorch import Callback
+
+from cope.rollout.vllm.engine import VLLMEngine
 
 
 class KillMidTree(Callback):
@@ -65,3 +68,9 @@ class TreeTrace(Callback):
         self.out.mkdir(parents=True, exist_ok=True)
         with open(self.out / f"rank{trainer.global_rank}.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+class ServerWithoutActor(VLLMEngine):
+    """A server engine that lends no sampling actor (the config rule refuses it for branched rollouts)."""
+
+    lends_actor = False

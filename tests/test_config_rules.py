@@ -196,13 +196,15 @@ def test_native_tool_calls_need_a_model_whose_template_renders_tools(compose, tm
     assert "env.action_format" not in _keys(_problems(compose, tmp_path, ["env=terminal"]))
 
 
-def test_a_branching_collector_needs_an_env_that_forks_and_an_in_process_engine(compose, tmp_path):
+def test_a_branching_collector_needs_an_env_that_forks_and_an_engine_that_samples(compose, tmp_path):
     """+collector=branching reads the env class's fork()/forks_by_replay (WebShop has neither), the engine's
-    samples_in_process and, with env workers, forks_by_replay (a child is replayed in the workers), before any work."""
+    samples_in_process or lends_actor and, with env workers, forks_by_replay (a child is replayed in the workers), before any work."""
     assert _problems(compose, tmp_path, ["+collector=branching"]) == []  # the maze forks
     assert "env" in _keys(_problems(compose, tmp_path, ["+collector=branching", "env=webshop"]))
     workers = ["+collector=branching", "data.env_runtime.workers=2"]
     assert _problems(compose, tmp_path, workers) == []  # the maze replays
     assert "data.env_runtime.workers" in _keys(_problems(compose, tmp_path, [*workers,
                                                                              "env._target_=branch_envs.CopyOnlyMaze"]))
-    assert "data.engine" in _keys(_problems(compose, tmp_path, ["+collector=branching", "rollout=vllm"]))
+    assert "data.engine" not in _keys(_problems(compose, tmp_path, ["+collector=branching", "rollout=vllm"]))  # lends its actor
+    assert "data.engine" in _keys(_problems(compose, tmp_path, ["+collector=branching", "rollout=vllm",
+                                                                "data.engine._target_=branch_callbacks.ServerWithoutActor"]))

@@ -16,7 +16,9 @@ Rollout engines (``data.engine``; the protocol :class:`cope.rollout.engine.Rollo
 * ``serves_adapters``: a server samples each policy version as a LoRA adapter loaded into it, in a limited number of
   slots (the engine's ``max_loras`` argument);
 * ``completes``: samples plain continuations of token contexts, no env (``engine.complete``: RWML's world-model
-  predictions).
+  predictions);
+* ``lends_actor``: a server engine that lends a sampling actor on its newest version for a block of calls
+  (``engine.actor(sampling, seed)``): the branching collector grows its trees with it.
 
 Strategies (``trainer.strategy``):
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-ENGINE = ("overlaps", "reports_logprobs", "samples_in_process", "serves_adapters", "completes")
+ENGINE = ("overlaps", "reports_logprobs", "samples_in_process", "serves_adapters", "completes", "lends_actor")
 STRATEGY = ("shards_weights", "gathers_for_rollouts")
 
 

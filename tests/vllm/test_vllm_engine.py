@@ -77,6 +77,46 @@ def test_seeded_rollouts_repeat_and_seeds_differ(vllm_engine):
     assert a[0].tokens != a[1].tokens  # same task, same call: the group's episodes differ
 
 
+def test_branched_groups_grow_on_the_server(vllm_engine, served_policy, monkeypatch):
+    """+collector=branching with rollout=vllm: each wave's requests go to the server, a child's first request is its
+    parent's ids up to the fork (the server's prefix cache serves them), no request seed repeats over the waves (the
+    actor is reused; its slot keys restart at 0 each wave), and the trees cost fewer env steps than the flat group."""
+    import random
+
+    from cope.train.collect.branching.collector import BranchingCollector
+    from cope.train.collect.collector import CollectorHost, TaskStream
+
+    eng, seen = vllm_engine, []
+    real = eng.client.complete
+
+    def spy(requests):
+        seen.extend(requests)
+        return real(requests)
+
+    monkeypatch.setattr(eng.client, "complete", spy)
+    g = 4
+    tasks = [Task("maze", "train", t) for t in (20, 21) for _ in range(g)]
+    host = CollectorHost(engine=eng, sampling=Sampling(temperature=0.7, top_p=1.0, max_action_tokens=8),
+                         task_stream=lambda epoch: TaskStream(tasks, [i // g for i in range(len(tasks))], random.Random(5)),
+                         rollout=None, version=lambda: 0, max_epochs=lambda: None, world=lambda: 1,
+                         stopping=lambda: False, policy=lambda: served_policy)
+    got = BranchingCollector(host=host, group_size=g, roots=2, dedup=False).collect(0)
+    eps, m = got.episodes, got.metrics
+    assert len(eps) == 2 * g and m["rollout/branch_forks"] > 0 and m["rollout/branch_replay_mismatch"] == 0
+    assert m["rollout/branch_env_steps"] < m["rollout/branch_flat_env_steps_est"]
+    prompts = [tuple(r["prompt"]) for r in seen]
+    for e in eps:
+        if e.branch_of >= 0:
+            parent = eps[e.branch_of]
+            fork = e.steps[e.shared_steps]  # the child's first own action: sampled from its parent's prefix
+            assert tuple(e.tokens[:fork.action_start]) in prompts
+            assert e.tokens[:parent.steps[e.shared_steps - 1].obs_end] == parent.tokens[:parent.steps[e.shared_steps - 1].obs_end]
+        assert all(s.sampler_logprobs is not None and len(s.sampler_logprobs) == s.action_end - s.action_start
+                   for s in e.steps)
+    seeds = [r["seed"] for r in seen]
+    assert len(set(seeds)) == len(seeds), "a request seed was sent twice (the waves' slot keys restart at 0)"
+
+
 def test_sampler_logprobs_match_the_trainers_fp32(vllm_engine, served_policy):
     eps, _ = vllm_engine.rollout(TASKS, GROUPS, sampled(5))
     mb = collate(eps, served_policy.pad_id)

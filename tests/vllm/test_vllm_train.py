@@ -172,3 +172,20 @@ def test_lagged_run_samples_each_epoch_from_its_own_version(vllm_python, train_s
     assert cols["counters/episodes"][-1] == 3 * 8 and cols["env/errors"] == [0.0] * 3
     log = (run_dir / "vllm" / "server.log").read_text()
     assert "name 'cope-rank0-v1'" in log and "Removed LoRA adapter: name 'cope-rank0-v1'" in log, log[-3000:]
+
+
+def test_branched_rollouts_train_against_the_server(vllm_python, train_script, tmp_path, read_metrics):
+    """``rollout=vllm +collector=branching``: the trees grow on the server for two epochs (the second after an adapter
+    reload), trained as tries (``data.share_prefix=true``); every sampled action's server log-probs match the trainer's
+    at fp32 noise, shared steps included (a child carries its parent's), and the trees take fewer env steps than flat."""
+    run_dir = tmp_path / "run"
+    args = [o for o in OVERRIDES if not o.startswith("trainer.max_epochs")] + [
+        "+collector=branching", "data.share_prefix=true", "model.attn_implementation=sdpa", "trainer.max_epochs=2",
+        "data.sampling.temperature=0.7", f"hydra.run.dir={run_dir}"]
+    proc = train_script(args, tmp_path, timeout=900, env={"COPE_VLLM_PYTHON": vllm_python})
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    cols = read_metrics(run_dir / "csv" / "metrics.csv")
+    assert len(cols["rollout/logprob_gap"]) == 2 and max(cols["rollout/logprob_gap"]) < 1e-3, cols["rollout/logprob_gap"]
+    assert min(cols["rollout/branch_forks"]) > 0 and cols["rollout/branch_replay_mismatch"] == [0.0, 0.0]
+    assert all(a < b for a, b in zip(cols["rollout/branch_env_steps"], cols["rollout/branch_flat_env_steps_est"]))
+    assert cols["env/errors"] == [0.0, 0.0] and cols.get("loss/pg")

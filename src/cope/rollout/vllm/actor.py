@@ -28,7 +28,8 @@ class ServerActor:
         self.turns: dict[int, int] = {}
 
     def reset(self) -> None:
-        self.turns = {}
+        """Nothing to clear: the turn counters survive, so an actor reused over several calls whose keys restart at 0
+        (the branching collector's waves, :mod:`cope.train.collect.branching`) never sends one seed twice."""
 
     def fork(self) -> "ServerActor":
         return ServerActor(self.complete, self.model, self.stop_ids, self.sampling, self.seed)  # keys differ per part

@@ -43,12 +43,13 @@ folder before the next turn.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from cope.envs.base import Env, Task
 from cope.episode import Episode
@@ -92,6 +93,7 @@ class VLLMEngine:
     serves_adapters = True  # each version a LoRA adapter in the server's max_loras slots (data.max_lag >= 1 needs 2)
     samples_in_process = False  # so it cannot train full weights, nor roll out from shards (cope.run.config_rules)
     completes = True  # plain completions of token contexts (complete): RWML's world-model predictions
+    lends_actor = True  # a sampling actor on the newest version (actor): the branching collector's waves
 
     def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None,
                  url: str | None = None, model: str | None = None, python: str | None = None, workdir: str | None = None,
@@ -299,6 +301,27 @@ class VLLMEngine:
             for s in range(0, len(rows), step):  # row r's seed: (seed, r, turn 0), whatever the batching
                 out += actor(rows[s: s + step], keys=list(range(s, s + len(rows[s: s + step]))))
         return [out[i * n: (i + 1) * n] for i in range(len(contexts))]
+
+    @contextlib.contextmanager
+    def actor(self, sampling: Sampling, seed: int | None) -> Iterator[ServerActor]:
+        """A :class:`~cope.rollout.vllm.actor.ServerActor` on the newest version, held for the block: the branching
+        collector samples its waves with it (each child a new request, its prompt the parent's ids, served from the
+        server's prefix cache). ``seed`` derives every request's seed (None, or ``seeded=false``: none)."""
+        if self.policy is None:
+            raise RuntimeError("VLLMEngine.connect(policy) must be called before actor")
+        self._ensure_server()
+        with self.versions.using(None) as name:
+            yield ServerActor(self._complete, name, list(self.policy.chat.stop_ids), sampling,
+                              request_seed(seed, "actor") if self.seeded and seed is not None else None)
+
+    @property
+    def env_factory(self) -> Callable[[], Env]:
+        """The env class or partial the slots are made from (as :attr:`cope.rollout.engine.HFEngine.env_factory`)."""
+        return self._envs.env_factory
+
+    def slots(self):
+        """The engine's env batch (:meth:`cope.rollout.engine.HFEngine.slots`): in this process or in env workers."""
+        return self._envs.slots()
 
     # -- accounting and shutdown ----------------------------------------------------------------
     def env_stats(self) -> dict[str, int]:

@@ -23,9 +23,11 @@ minibatch count of full groups (``Collected.nominal``), so DDP's optimizer steps
 
 Where it differs: the fork decision is taken on the parent's finished transcript (same tree distribution, batched
 waves); a task whose trigger picks no fork point fills its free slots with fresh roots (``rollout/branch_fill_roots``)
-so every group grows ``group_size`` leaves (fewer where children stopped early). Only the in-process engine
-(``rollout=hf``) runs it, and an env that forks only by copy runs it only with its envs in this process
-(``data.env_runtime.workers=0``); others are refused by name.
+so every group grows ``group_size`` leaves (fewer where children stopped early). The in-process engine
+(``rollout=hf``) samples each wave with its own cached sampler; a server engine that lends its actor (``rollout=vllm``)
+sends each wave as requests on the newest version, a child's prompt its parent's ids (the server's prefix cache
+serves them); an env that forks only by copy runs only with its envs in this process (``data.env_runtime.workers=0``);
+others are refused by name.
 
 Metrics (``Collected.metrics``, the same keys every epoch on every rank): what the trees cost
 (``rollout/branch_env_steps``: own env steps plus the replays' steps; ``rollout/branch_generated_tokens``) against
@@ -97,7 +99,8 @@ class BranchingCollector:
     """
 
     off_policy = False  # the weights that sample an epoch are the ones that score it
-    needs_fork = True  # for a config rule: an env with fork() or forks_by_replay (env workers: replay), rollout=hf
+    needs_fork = True  # for a config rule: an env with fork() or forks_by_replay (env workers: replay), an engine
+    # that samples in process or lends its actor
 
     def __init__(self, *, host: CollectorHost, group_size: int, roots: int = 2, trigger: str = "uniform",
                  p: float = 0.5, tag: str = "<explore>", max_depth: int | None = None, entropy_weight: float = 0.2,
@@ -117,9 +120,11 @@ class BranchingCollector:
             raise ValueError(f"branch.j_max must be null (no cap) or an integer >= 1, got {j_max}")
         engine, sampling = host.engine, host.sampling
         name = type(engine).__name__
-        if not can(engine, "samples_in_process") or not hasattr(engine, "env_factory") or not hasattr(engine, "slots"):
-            raise ValueError(f"data.engine = {name}: the branching collector (data.collector) runs the in-process engine "
-                             "only for now (rollout=hf); a server engine (rollout=vllm) is not supported yet")
+        if not (can(engine, "samples_in_process") or can(engine, "lends_actor")) or not hasattr(engine, "env_factory") \
+                or not hasattr(engine, "slots"):
+            raise ValueError(f"data.engine = {name}: the branching collector (data.collector) samples in process "
+                             "(rollout=hf) or with an engine that lends its sampling actor (rollout=vllm); this one does "
+                             "neither")
         if sampling.temperature <= 0:
             raise ValueError("data.sampling.temperature=0: a greedy child re-samples its parent's action; branched "
                              "rollouts need a temperature > 0")
@@ -142,6 +147,7 @@ class BranchingCollector:
         self.host, self.leaves, self.roots, self.trigger = host, int(group_size), int(roots), trigger
         self.p, self.tag, self.max_depth, self.entropy_weight = float(p), tag, max_depth, float(entropy_weight)
         self.in_workers = workers > 0
+        self.on_server = not can(engine, "samples_in_process")  # each wave's requests to the engine's server
         self.by_replay = bool(replay) or not by_copy or self.in_workers
         self.dedup, self.j_max = bool(dedup), None if j_max is None else int(j_max)
         self.stops = StopRule(loops=bool(stop_loops), duplicates=bool(stop_duplicates))
@@ -188,15 +194,19 @@ class BranchingCollector:
         if policy is None:
             raise RuntimeError("BranchingCollector: no policy bound yet (RolloutDataModule.connect must run first)")
         engine.sync(self.host.version())
-        entropy = self.trigger == "entropy"
-        inner = CachedSamplingActor(policy.model, policy.pad_id, policy.chat.stop_ids, s.max_action_tokens,
-                                    s.temperature, s.top_p, seed=seed, logprobs=entropy)
         choose = functools.partial(self._choose, vocab=len(policy.tokenizer))
         model = policy.model
         was_training = model.training
         model.eval()
         try:
             with contextlib.ExitStack() as stack:
+                if self.on_server:  # the server's newest version samples; its log-probs come with every answer
+                    inner = stack.enter_context(engine.actor(s, seed))
+                else:
+                    inner = CachedSamplingActor(policy.model, policy.pad_id, policy.chat.stop_ids, s.max_action_tokens,
+                                                s.temperature, s.top_p, seed=seed, logprobs=self.trigger == "entropy")
+                    stack.enter_context(policy.full_weights())
+                    stack.enter_context(self.host.precision())
                 # env workers: the engine's own batch (its worker processes serve every wave, epoch and validation)
                 envs = stack.enter_context(engine.slots()) if self.in_workers else None
                 template = None
@@ -207,8 +217,6 @@ class BranchingCollector:
                 loop = Loop(engine.env_factory, template, policy.tokenizer, policy.chat, engine.max_context,
                             s.max_action_tokens, engine.instructions, self.by_replay, depth, envs,
                             self.stops if self.stops.on else None)
-                stack.enter_context(policy.full_weights())
-                stack.enter_context(self.host.precision())
                 return grow(loop, tasks, groups, leaves=self.leaves, roots=self.roots, actor=ScriptedActor(inner),
                             choose=choose, rng=rng, stopping=self.host.stopping)
         finally:
