@@ -233,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"regimes": {r: {"title": SPEC[r].title, "threshold": SPEC[r].threshold, "overrides": list(SPEC[r].overrides),
                             "arm_overrides": {a: list(ov) for a, ov in SPEC[r].arm_overrides},
                             "tuned_in": SPEC[r].tuned_in, "final_eval": _final_eval(SPEC[r], args.smoke),
+                            "equal_env_steps": SPEC[r].equal_env_steps,
                             "by_size": list(SPEC[r].by_size) if SPEC[r].by_size else None,
                             "budget": list(SPEC[r].smoke if args.smoke else SPEC[r].budget),
                             "panels": {"tune": list(SPEC[r].panels[0]), "test": list(SPEC[r].panels[1])},

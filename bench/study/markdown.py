@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+from bench.study import equal_steps
 from bench.study.final_eval import REFERENCES, half_width
 from bench.study.stats import fmt_interval, separates
 
@@ -145,6 +146,7 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
     lines += _final(final, info)
     lines += _detectable(arms, between, final)
     lines += _sft_gain(summary.get("sft_gain", {}).get(regime))
+    lines += equal_steps.lines(summary.get("equal_steps", {}).get(regime), NAMES)
     lines += [
         "",
         "Mechanism (gradients: means over the steps where both are non-zero, then over seeds; groups without a reward "

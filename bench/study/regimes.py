@@ -43,6 +43,7 @@ class Regime:
     smoke: tuple[str, ...] = SMOKE  # --smoke: the miniature budget
     smoke_size: tuple[int, int] = (2, 2)  # --smoke: settings per arm searched (1: the first, no tuning run), test seeds
     final_eval: int = 0  # > 0: each test run's final adapter is evaluated greedily on this many test tasks (eval.py)
+    equal_env_steps: bool = False  # also compare the arms at equal env steps (bench/study/equal_steps.py)
 
     def search(self, arm: str) -> dict[str, tuple[str, ...]]:
         """The arm's settings in this regime (label -> overrides)."""
@@ -136,7 +137,7 @@ SPEC["branching"] = Regime(
     panels=(TUNE_PANEL, ("data.val_offset=0", "data.val_tasks=128")),
     grid=(("grpo", (("demo", ()),)), ("grpo_branch", (("roots2", ()),))),
     fixed=(("grpo", "demo"), ("grpo_branch", "roots2")),
-    arm_overrides=(("grpo_branch", ("+collector=branching",)),), smoke_size=(1, 1))
+    arm_overrides=(("grpo_branch", ("+collector=branching",)),), smoke_size=(1, 1), equal_env_steps=True)
 DEFAULT_REGIMES = ("prior", "random")  # tuning (in prior) first, then prior's test runs, then random's
 # The algo config an arm runs: "cope" is the reading of the explainer the first runs measured (algo=cope_continuation;
 # its records are committed), "cope_authors" CoPE as its authors built it (algo=cope since 2026-12-02).

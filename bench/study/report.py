@@ -22,7 +22,7 @@ import json
 import math
 from pathlib import Path
 
-from bench.study import final_eval, stages
+from bench.study import equal_steps, final_eval, stages
 from bench.study.markdown import AUX, NAMES, STABILITY, markdown, mean_of
 from bench.study.stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t
 
@@ -276,8 +276,9 @@ def summarize(results: list[dict], meta: dict) -> dict:
             row.pop("size_runs", None)  # summarized in by_size
     gain = {r: stages.sft_gain({a: {s: c["final"] for s, c in row["runs"].items() if c["final"] is not None}
                                 for a, row in arms.items()}) for r, arms in table.items()}
+    equal = {r: equal_steps.summarize(arms) for r, arms in table.items() if meta["regimes"][r].get("equal_env_steps")}
     return {"test": table, "tuning": tuning, "by_size": by_size, "between": between, "final": final_eval.summarize(results),
-            "sft_gain": {r: g for r, g in gain.items() if g}}
+            "sft_gain": {r: g for r, g in gain.items() if g}, "equal_steps": equal}
 
 
 def _between(arms: dict) -> list[dict]:
@@ -306,6 +307,18 @@ def plot(summary: dict, meta: dict, out: Path) -> None:
             ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         fig.savefig(out / name)
+    equal = [r for r in regimes if meta["regimes"][r].get("equal_env_steps")]
+    if equal:  # success against the sampling cost, where the arms' epochs cost different env steps
+        fig = Figure(figsize=(4.2 * len(equal), 3.8), dpi=100)
+        FigureCanvasAgg(fig)
+        for i, regime in enumerate(equal):
+            ax = fig.add_subplot(1, len(equal), i + 1)
+            equal_steps.draw(ax, summary["test"][regime], COLORS, NAMES, meta["regimes"][regime]["threshold"])
+            ax.set_title(regime, fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="best")
+        fig.tight_layout()
+        fig.savefig(out / "success_vs_env_steps.png")
 
 
 def _draw_success(ax, arms: dict, info: dict) -> None:
