@@ -216,7 +216,7 @@ class BranchingCollector:
                 depth = 0 if self.by_replay else (self.max_depth or template.max_steps)
                 loop = Loop(engine.env_factory, template, policy.tokenizer, policy.chat, engine.max_context,
                             s.max_action_tokens, engine.instructions, self.by_replay, depth, envs,
-                            self.stops if self.stops.on else None)
+                            self.stops if self.stops.on else None, engine.runtime.max_live_episodes)
                 return grow(loop, tasks, groups, leaves=self.leaves, roots=self.roots, actor=ScriptedActor(inner),
                             choose=choose, rng=rng, stopping=self.host.stopping)
         finally:

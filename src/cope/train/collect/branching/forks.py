@@ -157,11 +157,16 @@ class TracingEnv:
             t.snapshots[n + 1] = self.env.fork()
         return res
 
-    def close(self) -> None:
-        """Closes the slot's env and its snapshots (after the rollout, once no child will fork them)."""
+    def release(self) -> None:
+        """Closes the slot's live env once its episode is over (its snapshots stay for the children that fork them):
+        a tree keeps at most a wave's envs live, whatever its size."""
         if self.env is not None:
             self.env.close()
             self.env = None
+
+    def close(self) -> None:
+        """Closes the slot's env and its snapshots (after the rollout, once no child will fork them)."""
+        self.release()
         if self.trace is not None:
             for s in self.trace.snapshots.values():
                 s.close()

@@ -42,6 +42,9 @@ class BatchSlot:
     kin: list[BatchSlot] = field(default_factory=list)  # the wave's slots of the same parent, itself included
     stop: str | None = None  # why the child stopped early (cope.train.collect.branching.stops), None if it did not
 
+    def release(self) -> None:
+        """Nothing to free: the env instance stays in the engine's batch for the next wave."""
+
     def close(self) -> None:
         """Nothing to free: the env instance stays in the engine's batch for the next wave."""
 

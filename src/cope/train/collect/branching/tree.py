@@ -30,7 +30,7 @@ from cope.envs.base import Env, Task
 from cope.envs.runtime.batch import EnvBatch
 from cope.episode import Episode
 from cope.rollout.loop import RolloutStats, Sampled, run_episodes
-from cope.train.collect.branching.forks import Trace, TracingEnv
+from cope.train.collect.branching.forks import TracingEnv
 from cope.train.collect.branching.stops import REASONS, StopRule, link_kin
 from cope.train.collect.branching.tracing_batch import BatchSlot, TracingBatch
 
@@ -96,7 +96,8 @@ class Loop:
     """What each wave's :func:`run_episodes` call needs (the in-process engine's settings). ``envs``: the engine's env
     batch when its envs live in worker processes (each wave a :class:`TracingBatch` over it, every child replayed
     there); None: each slot a :class:`TracingEnv` over its own env in this process (``factory``, ``template``).
-    ``stops``: checked by either slot kind after each of a child's own steps."""
+    ``stops``: checked by either slot kind after each of a child's own steps. ``max_live``: the env runtime's
+    ``max_live_episodes`` (the env's ``max_instances`` when null), the most envs a wave keeps live at once."""
 
     factory: Callable[[], Env]
     template: Any
@@ -109,6 +110,7 @@ class Loop:
     snapshot_depth: int
     envs: EnvBatch | None = None
     stops: StopRule | None = None  # the children's early stops (None: none)
+    max_live: int | None = None  # live episodes at once: a wave runs in parts of this many (None: all at once)
 
 
 def grow(loop: Loop, tasks: list[Task], groups: list[int], *, leaves: int, roots: int, actor: ScriptedActor,
@@ -149,22 +151,42 @@ def grow(loop: Loop, tasks: list[Task], groups: list[int], *, leaves: int, roots
 
 def _wave(loop: Loop, specs: list[tuple[int, int, int, bool]], task_of: dict[int, Task], actor: ScriptedActor,
           out: Grown) -> None:
-    """One :func:`run_episodes` call over ``specs``; its episodes appended to ``out.nodes``."""
+    """One wave over ``specs``: one :func:`run_episodes` call, or one per part of ``loop.max_live`` slots in order
+    (``data.env_runtime.max_live_episodes``); its episodes appended to ``out.nodes``. Every slot of the wave is made
+    first and its kin linked over the whole wave, so a child of a later part is compared with the finished siblings of
+    earlier parts as in one lock-step call (the one checked second stops)."""
+    forks = [(out.nodes[parent].slot.trace, k) if parent >= 0 else (None, 0) for _g, parent, k, _ in specs]
+    size = loop.max_live or len(specs)
+    parts: list[tuple[int, Any, list]] = []  # (first spec, env batch or slot list, slots)
+    for s in range(0, len(specs), size):
+        if loop.envs is not None:  # env workers: the part's slots over the engine's batch, children replayed there
+            batch = TracingBatch(loop.envs, forks[s: s + size], loop.stops)
+            parts.append((s, batch, batch.slots))
+        else:
+            slots = [TracingEnv(loop.factory, loop.template, trace, k, loop.by_replay, loop.snapshot_depth, loop.stops)
+                     for trace, k in forks[s: s + size]]
+            parts.append((s, slots, slots))
+    link_kin([slot for *_, slots in parts for slot in slots])
+    done = 0
+    try:
+        for s, envs, slots in parts:
+            _part(loop, specs[s: s + len(slots)], task_of, actor, envs, slots, out)
+            done += 1
+    except BaseException:
+        for *_, slots in parts[done:]:
+            for slot in slots:
+                slot.close()
+        raise
+
+
+def _part(loop: Loop, specs: list[tuple[int, int, int, bool]], task_of: dict[int, Task], actor: ScriptedActor,
+          envs: Any, slots: list, out: Grown) -> None:
+    """One :func:`run_episodes` call over ``specs`` in ``slots`` (``envs``: the batch or the slot list)."""
     actor.scripts = {}
-    forks: list[tuple[Trace | None, int]] = []
     for j, (_g, parent, k, _) in enumerate(specs):
-        forks.append((out.nodes[parent].slot.trace, k) if parent >= 0 else (None, 0))
         if parent >= 0:
             pe = out.nodes[parent].episode
             actor.scripts[j] = [Sampled(pe.tokens[s.action_start: s.action_end], s.sampler_logprobs) for s in pe.steps[:k]]
-    if loop.envs is not None:  # env workers: the wave's slots over the engine's batch, children replayed there
-        envs = TracingBatch(loop.envs, forks, loop.stops)
-        slots = envs.slots
-    else:
-        slots = [TracingEnv(loop.factory, loop.template, trace, k, loop.by_replay, loop.snapshot_depth, loop.stops)
-                 for trace, k in forks]
-        link_kin(slots)
-        envs = slots
     try:
         eps, stats = run_episodes(envs, [task_of[g] for g, *_ in specs], [g for g, *_ in specs], actor, loop.tokenizer,
                                   loop.chat, loop.max_context, loop.max_action_tokens, instructions=loop.instructions)
@@ -184,6 +206,7 @@ def _wave(loop: Loop, specs: list[tuple[int, int, int, bool]], task_of: dict[int
                 raise RuntimeError(f"branched rollout of {ep.task.id}: a child's first {k} steps are not its parent's ids")
         if slot.stop is not None:
             out.stops[slot.stop] += 1
+        slot.release()  # its episode is over: a child forks from a snapshot or a replay, never from the live env
         out.nodes.append(Node(ep, slot, parent, fill, slot.stop))
 
 
