@@ -11,7 +11,7 @@ import functools
 import random
 
 import pytest
-from tiny_fixtures import maze_factory, tiny_chat, tiny_policy, tiny_tokenizer
+from tiny_fixtures import branched_epoch, maze_factory, tiny_chat, tiny_policy, tiny_tokenizer
 
 from cope.envs.base import EnvReset, EnvStep, Task
 from cope.envs.runtime.batch import InProcessEnvs
@@ -29,7 +29,6 @@ from cope.train.collect.collector import Collected, CollectorHost
 from cope.train.collect.counters import RunCounters
 from cope.train.collect.epoch_builder import EpochBuilder
 from cope.train.collect.experience import cut_minibatches
-from cope.train.datamodule import RolloutDataModule
 
 
 def _leaf(actions: list[int], group: int = 0, reward: float = 0.0, parent: int = -1, shared: int = 0,
@@ -234,14 +233,7 @@ def policy():
 def _collect(policy, monkeypatch, G: int, openings: tuple[str, ...] = (), tasks: int = 2, **branch):
     """One epoch of the branching collector through the DataModule, the sampler replaced by a :class:`Walker`."""
     monkeypatch.setattr("cope.rollout.hf_actor.CachedSamplingActor", functools.partial(Walker, openings=openings))
-    dm = RolloutDataModule(env=maze_factory, tasks_per_epoch=tasks, group_size=G, minibatch_size=2, max_context=512,
-                           sampling=Sampling(max_action_tokens=4), val_tasks=0, progress=False,
-                           collector=functools.partial(BranchingCollector, group_size=G, **branch))
-    dm.connect(policy)
-    try:
-        return dm.collect_epoch(0)
-    finally:
-        dm.teardown("fit")
+    return branched_epoch(policy, maze_factory, tasks, G, minibatch_size=2, **branch)
 
 
 def test_the_collector_trains_one_of_identical_leaves_and_keeps_every_childs_link(policy, monkeypatch):

@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from tiny_fixtures import exactness_model, exactness_module, maze_factory, scored_step, tiny_chat, tiny_policy
+from tiny_fixtures import branched_epoch, exactness_model, exactness_module, maze_factory, scored_step, tiny_chat, tiny_policy
 
 from cope.algos.grpo import PolicyGradient
 from cope.batch import collate
@@ -22,7 +22,6 @@ from cope.train.collect.branching.collector import METRICS, BranchingCollector
 from cope.train.collect.branching.forks import ReplayMismatch, Trace, replay
 from cope.train.collect.collector import CollectorHost
 from cope.train.collect.experience import assign_advantages
-from cope.train.datamodule import RolloutDataModule
 from cope.train.packing.group_prefix import pack_groups
 from cope.train.packing.tree_batch import use_tree_attention
 
@@ -30,14 +29,7 @@ G, ROOTS = 8, 4
 
 
 def _collect(policy, env=maze_factory, tasks: int = 3, **branch):
-    dm = RolloutDataModule(env=env, tasks_per_epoch=tasks, group_size=G, minibatch_size=G * tasks, max_context=512,
-                           sampling=Sampling(max_action_tokens=4), val_tasks=0, progress=False,
-                           collector=functools.partial(BranchingCollector, group_size=G, **{"roots": ROOTS, **branch}))
-    dm.connect(policy)
-    try:
-        return dm.collect_epoch(0)
-    finally:
-        dm.teardown("fit")
+    return branched_epoch(policy, env, tasks, G, **{"roots": ROOTS, **branch})
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,10 @@ import functools
 import itertools
 
 import pytest
-from tiny_fixtures import tiny_policy
+from tiny_fixtures import branched_epoch, tiny_policy
 
 from cope.envs.maze import MazeEnv
 from cope.rollout.engine import EnvRuntime, Sampling
-from cope.train.collect.branching.collector import BranchingCollector
-from cope.train.datamodule import RolloutDataModule
 
 G, TASKS = 8, 2
 
@@ -39,15 +37,8 @@ class LiveMaze(MazeEnv):
 
 def _collect(policy, max_live: int | None, **branch):
     LiveMaze.live = LiveMaze.peak = LiveMaze.made = 0
-    dm = RolloutDataModule(env=LiveMaze, tasks_per_epoch=TASKS, group_size=G, minibatch_size=G * TASKS, max_context=512,
-                           sampling=Sampling(max_action_tokens=4, temperature=0.7), val_tasks=0, progress=False,
-                           env_runtime=EnvRuntime(max_live_episodes=max_live),
-                           collector=functools.partial(BranchingCollector, group_size=G, roots=2, **branch))
-    dm.connect(policy)
-    try:
-        return dm.collect_epoch(0)
-    finally:
-        dm.teardown("fit")
+    return branched_epoch(policy, LiveMaze, TASKS, G, EnvRuntime(max_live_episodes=max_live),
+                          Sampling(max_action_tokens=4, temperature=0.7), roots=2, **branch)
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +77,9 @@ def test_env_workers_grow_the_same_parted_trees_as_in_process(policy):
     """With a cap, waves run in parts in both places, and a child's duplicate check sees the siblings of earlier
     parts in both (kin linked over the whole wave): the same trees and stops, id for id."""
     def collect(workers: int):
-        dm = RolloutDataModule(env=functools.partial(MazeEnv, sizes=[6], max_steps=8), tasks_per_epoch=TASKS, group_size=G,
-                               minibatch_size=G * TASKS, max_context=512, sampling=Sampling(max_action_tokens=4), val_tasks=0,
-                               progress=False, env_runtime=EnvRuntime(workers=workers, max_live_episodes=3),
-                               collector=functools.partial(BranchingCollector, group_size=G, roots=2, replay=True,
-                                                           stop_duplicates=True, stop_loops=True))
-        dm.connect(policy)
-        try:
-            return dm.collect_epoch(0)
-        finally:
-            dm.teardown("fit")
+        return branched_epoch(policy, functools.partial(MazeEnv, sizes=[6], max_steps=8), TASKS, G,
+                              EnvRuntime(workers=workers, max_live_episodes=3), roots=2, replay=True, stop_duplicates=True,
+                              stop_loops=True)
 
     here, there = collect(0), collect(2)
     assert _trees(here) == _trees(there)

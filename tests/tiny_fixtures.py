@@ -143,3 +143,25 @@ def scored_step(module, batch: dict) -> tuple:
     _, total, metrics = backward_microbatched(module, batch)
     grads = [p.grad.clone() for p in module.policy.trainable_parameters()]
     return batch["old_logprobs"], batch.get("ref_logprobs"), total, metrics, grads
+
+
+def branched_epoch(policy, env, tasks: int, group_size: int, runtime=None, sampling=None, minibatch_size: int | None = None,
+                   **branch):
+    """Epoch 0 of a RolloutDataModule whose collector branches (``+collector=branching``; ``branch``: its settings),
+    collected with ``policy`` over ``tasks`` tasks of ``env`` (one minibatch unless ``minibatch_size``); torn down
+    after."""
+    from cope.rollout.engine import EnvRuntime, Sampling
+    from cope.train.collect.branching.collector import BranchingCollector
+    from cope.train.datamodule import RolloutDataModule
+
+    dm = RolloutDataModule(env=env, tasks_per_epoch=tasks, group_size=group_size,
+                           minibatch_size=minibatch_size or group_size * tasks,
+                           max_context=512, sampling=sampling or Sampling(max_action_tokens=4), val_tasks=0,
+                           progress=False, env_runtime=runtime or EnvRuntime(),
+                           collector=functools.partial(BranchingCollector, group_size=group_size, **branch))
+    dm.connect(policy)
+    try:
+        return dm.collect_epoch(0)
+    finally:
+        dm.teardown("fit")
+
