@@ -121,6 +121,11 @@ class AppWorldEnv(TaskEnv):
             tool-call format; needs a chat template with tool support).
     """
 
+    # No fork capability (no fork(), no forks_by_replay): an action is arbitrary Python in a live shell, whose output
+    # may show what differs from run to run (object addresses in reprs, unseeded random numbers, timings), and the
+    # world lives in AppWorld's own process and files (no copy); branched rollouts refuse this env (and
+    # RemoteAppWorldEnv, env=appworld) by name.
+
     def __init__(self, train_dataset: str = "train", test_dataset: str = "dev", root: str | None = None,
                  experiment_name: str = "cope", max_steps: int = 40, max_observation_chars: int = 6000,
                  reward_mode: str = "sparse", timeout_seconds: int = 100, keep_outputs: bool = False,
@@ -263,6 +268,8 @@ class RemoteAppWorldEnv(RemoteEnv):
         start_timeout_s: Deadline of the child's start (imports, first task list).
         Other args: as :class:`AppWorldEnv`.
     """
+
+    # No fork capability, as AppWorldEnv (see there): branched rollouts refuse env=appworld by name.
 
     def __init__(self, python: str = ".venv-appworld/bin/python", train_dataset: str = "train",
                  test_dataset: str = "dev", root: str | None = None, experiment_name: str = "cope",

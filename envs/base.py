@@ -115,11 +115,16 @@ class Env(Protocol):
       calls in its syntax and hands ``step`` one JSON envelope (:mod:`cope.envs.tool_calls`: ``{"tool_call": ...}``,
       ``{"message": ...}``, ``{"refused": ...}``); a refused call is an invalid step with the reason as harness
       text, still counted against ``max_steps``. Absent in the text format.
-    * ``fork() -> Env`` (a cheap copy of the current episode, the maze's) or the class attribute
-      ``forks_by_replay = True`` (the env is deterministic given the task: a fresh instance reset on the same task
-      and given the same actions says the same, TextWorld and the maze): branched rollouts
+    * ``fork() -> Env`` (a cheap copy of the current episode: the maze's, TextWorld's interpreter snapshot) or the
+      class attribute ``forks_by_replay = True`` (the env is deterministic given the task: a fresh instance reset on
+      the same task and given the same actions says the same: the maze, TextWorld, ALFWorld, ScienceWorld, WebShop,
+      tau2 with the canned user or solo mode outside telecom) and, optionally, the static method
+      ``replay_problem(kwargs) -> (argument, why) | None`` where the replay holds only for some constructor arguments
+      (tau2's: not with an LLM user; the config check and the collector name ``env.<argument>``): branched rollouts
       (``+collector=branching``, :mod:`cope.train.collect.branching`) fork an episode mid-way with either; a replay
-      is checked observation by observation, and one that differs aborts that branch (counted).
+      is checked observation by observation, and one that differs aborts that branch (counted). The terminal
+      sandbox, AppWorld and OpenEnv declare neither (the clock and randomness reach their output, or the served env
+      is unknown), so branching refuses them by name (tests/envs/test_env_forks.py holds the decisions).
     * ``max_instances: int | None`` (class attribute; :class:`TaskEnv` says None): a memory-heavy env (one
       JVM per instance) says how many instances should live at once. With ``data.env_runtime.max_live_episodes=null``
       the DataModule runs an epoch's episodes in waves of that many, and the tiny warm start walks with

@@ -197,10 +197,14 @@ def test_native_tool_calls_need_a_model_whose_template_renders_tools(compose, tm
 
 
 def test_a_branching_collector_needs_an_env_that_forks_and_an_engine_that_samples(compose, tmp_path):
-    """+collector=branching reads the env class's fork()/forks_by_replay (WebShop has neither), the engine's
-    samples_in_process or lends_actor and, with env workers, forks_by_replay (a child is replayed in the workers), before any work."""
+    """+collector=branching reads the env class's fork()/forks_by_replay (the terminal sandbox has neither; tau2
+    replays only with its canned user: replay_problem names env.user), the engine's samples_in_process or lends_actor
+    and, with env workers, forks_by_replay (a child is replayed in the workers), before any work."""
     assert _problems(compose, tmp_path, ["+collector=branching"]) == []  # the maze forks
-    assert "env" in _keys(_problems(compose, tmp_path, ["+collector=branching", "env=webshop"]))
+    assert "env" in _keys(_problems(compose, tmp_path, ["+collector=branching", "env=terminal"]))
+    assert _problems(compose, tmp_path, ["+collector=branching", "env=tau2"]) == []  # the canned user replays
+    llm_user = _problems(compose, tmp_path, ["+collector=branching", "env=tau2", "env.user=openai"])
+    assert _keys(llm_user) == ["env.user"] and "an LLM user" in " ".join(llm_user), llm_user
     workers = ["+collector=branching", "data.env_runtime.workers=2"]
     assert _problems(compose, tmp_path, workers) == []  # the maze replays
     assert "data.env_runtime.workers" in _keys(_problems(compose, tmp_path, [*workers,

@@ -126,6 +126,11 @@ class AlfWorldEnv(TaskEnv):
         name: Env name in task ids and metrics; None = ``alfworld`` / ``alfworld-generated``.
     """
 
+    # Branched rollouts (cope.train.collect.branching) rebuild a child by replay: the engine has no randomness (the
+    # PDDL state, the grammar's first matching rule, sorted commands, names demangled without shuffling), so a fresh
+    # instance, pooled engine or not, says the same for the same game and commands, in any process (checked).
+    forks_by_replay = True
+
     def __init__(
         self,
         source: str = "official",

@@ -73,6 +73,10 @@ class OpenEnvEnv(TaskEnv):
         name: env name in task ids.
     """
 
+    # No fork capability (no fork(), no forks_by_replay): the episode lives in a server session, and whether a reset
+    # with the same seed and the same actions says the same again is the served env's own affair, which this generic
+    # adapter cannot vouch for (the example's guessing game would, another env need not); branching refuses it by name.
+
     def __init__(self, url: str | None = None, app: str | None = "cope.envs.openenv.example:create_app",
                  factory: bool = True, python: str | None = None, max_steps: int = 8, num_train_tasks: int = 10_000,
                  num_test_tasks: int = 500, test_seed_offset: int = 1_000_000, action_format: str = "text",

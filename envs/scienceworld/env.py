@@ -38,8 +38,10 @@ blank line, then ``look around``); the adapter's notices (malformed action, obse
 ``max_observation_chars``, step limit) go to ``harness`` (also at reset: ``EnvReset.harness``).
 
 JVM: ``-Xmx{jvm_heap_mb}m`` plus ``jvm_args``; the defaults (384 MB, SerialGC) keep one JVM at ~300 MB
-RSS instead of ~750 MB; ``-XX:hashCode=2`` (default) fixes Java's identity hashes, which makes the order
-of objects in room descriptions (otherwise random per load) and so every transcript reproducible.
+RSS instead of ~750 MB. ``-XX:hashCode=2`` fixes Java's identity hashes, which makes the order of objects in
+the simulator's sets (room descriptions; grow-fruit's bees: otherwise different from JVM to JVM) and so
+every transcript reproducible; every instance's JVM gets it (before ``jvm_args``; another ``-XX:hashCode`` in
+them is refused): ``expert_action`` and the replays of branched rollouts (``forks_by_replay``) rely on it.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ from collections.abc import Sequence
 from cope.envs.actions import single_line, unencodable
 from cope.envs.base import SPLITS, EnvReset, EnvStep, Task, TaskEnv
 from cope.envs.scienceworld import text as sw_text
-from cope.envs.scienceworld.jvm import DEFAULT_JVM_ARGS, Simulator, backend
+from cope.envs.scienceworld.jvm import DEFAULT_JVM_ARGS, HASH_CODE, REPRODUCIBLE_JVM_ARGS, Simulator, backend
 from cope.envs.scienceworld.tasks import (
     TEST_SPLITS,
     TaskMap,
@@ -80,11 +82,12 @@ class ScienceWorldEnv(TaskEnv):
         no_effect_invalid: Known no-effect refusals ("The door is already open.") count as invalid.
         max_observation_chars: Longer observations are cut (harness notice).
         jvm_heap_mb: JVM max heap (``-Xmx``); 0 leaves the JVM default (~1/4 of RAM).
-        jvm_args: Further JVM options.
+        jvm_args: Further JVM options (``-XX:+UnlockExperimentalVMOptions -XX:hashCode=2`` always come first).
         name: Env name used in task ids.
     """
 
     max_instances = 16  # one JVM (~300-450 MB) per instance: the trainer runs at most this many episodes at once
+    forks_by_replay = True  # a task variation replays exactly, on a fresh or a reused JVM, given -XX:hashCode=2 (always set)
 
     def __init__(
         self,
@@ -120,6 +123,9 @@ class ScienceWorldEnv(TaskEnv):
             raise ValueError(f"ambiguity must be one of {AMBIGUITY_MODES}, got {ambiguity!r}")
         if isinstance(jvm_args, str) or any(not isinstance(a, str) or not a.startswith("-") for a in jvm_args):
             raise ValueError(f"jvm_args must be a list of JVM options (each starting with '-'), got {jvm_args!r}")
+        if any(a.startswith("-XX:hashCode=") and a != HASH_CODE for a in jvm_args):
+            raise ValueError(f"jvm_args must not change {HASH_CODE} (identity hashes order the simulator's objects: "
+                             f"without it a task does not replay the same), got {jvm_args!r}")
         if not name:
             raise ValueError("name must be a non-empty string")
         backend()  # fail at construction, naming the extra, when the package is missing
@@ -127,7 +133,9 @@ class ScienceWorldEnv(TaskEnv):
         self.reward_mode, self.admissible, self.max_admissible = reward_mode, bool(admissible_actions), max_admissible_actions
         self.ambiguity, self.no_effect_invalid = ambiguity, bool(no_effect_invalid)
         self.max_observation_chars, self.name = max_observation_chars, name
-        self.javaopts = ([f"-Xmx{jvm_heap_mb}m"] if jvm_heap_mb else []) + list(jvm_args)
+        # determinism is not optional: the unlock first, so that it precedes any experimental option of jvm_args
+        self.javaopts = (([f"-Xmx{jvm_heap_mb}m"] if jvm_heap_mb else []) + list(REPRODUCIBLE_JVM_ARGS)
+                         + [a for a in jvm_args if a not in REPRODUCIBLE_JVM_ARGS])
         self._maps = {s: TaskMap.build(self.tasks, s, test_split, max_variations_per_task) for s in SPLITS}
         flags = self.simplifications.split(",")
         self._instructions = sw_text.instructions(teleport="teleportAction" in flags or "easy" in flags,

@@ -14,9 +14,12 @@ import time
 from typing import Any
 
 INSTALL_HINT = "install the extra: pip install 'cope-trainer[scienceworld]'"
-# SerialGC: one GC thread and a small footprint; hashCode=2: constant identity hashes, which fixes the
-# simulator's otherwise random order of objects in descriptions (reproducible transcripts).
-DEFAULT_JVM_ARGS = ("-XX:+UseSerialGC", "-XX:+UnlockExperimentalVMOptions", "-XX:hashCode=2")
+# SerialGC: one GC thread and a small footprint (the default of jvm_args, which a config may replace)
+DEFAULT_JVM_ARGS = ("-XX:+UseSerialGC",)
+# hashCode=2: constant identity hashes, which fixes the simulator's otherwise random order of objects (room
+# descriptions, the bees of grow-fruit) from JVM to JVM: reproducible transcripts and replays. Every JVM gets these.
+HASH_CODE = "-XX:hashCode=2"
+REPRODUCIBLE_JVM_ARGS = ("-XX:+UnlockExperimentalVMOptions", HASH_CODE)
 
 
 def backend() -> tuple[Any, Any, Any, str, str]:

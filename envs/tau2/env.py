@@ -34,9 +34,11 @@ is split by position in the task file: every third task (positions 2, 5, 8, ...)
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from copy import deepcopy
 from typing import Any
 
@@ -94,6 +96,27 @@ class Tau2Env(TaskEnv):
         action_format: ``text`` (the JSON format of :mod:`cope.envs.tau2.format`, tools listed in the instructions)
             or ``native`` (the model's own tool calls; needs a chat template with tool support).
     """
+
+    # Branched rollouts (cope.train.collect.branching) rebuild a child by replay where the conversation is
+    # deterministic: tau2's mock, airline and retail tools use fixed clocks and ids and the canned user is a script (or
+    # there is no user: solo mode). Not with an LLM user (openai, local: a model need not repeat itself) nor in telecom (its
+    # refuel_data bills get uuid4 ids, which later tool results show): :meth:`replay_problem` names the argument.
+    forks_by_replay = True
+
+    @staticmethod
+    def replay_problem(kwargs: Mapping[str, Any]) -> tuple[str, str] | None:
+        """``(argument, why)`` when a :class:`Tau2Env` built with the keyword arguments ``kwargs`` (the ``env`` config,
+        a partial's keywords; absent ones take their defaults) would not replay deterministically, else None."""
+        defaults = {k: p.default for k, p in inspect.signature(Tau2Env.__init__).parameters.items()}
+        arg = {**defaults, **kwargs}
+        if str(arg["domain"]).startswith("telecom"):
+            return "domain", (f"{arg['domain']}: its refuel_data tool gives a new bill a random id (uuid4) that later "
+                              "tool results show, so a replay need not say the same")
+        if not arg["solo_mode"] and arg["user"] != "canned":
+            return "user", (f"{arg['user']}: an LLM user's replies come from a model that need not repeat itself "
+                            "(sampling, a server's batching), so a replay need not hear the same; only the canned user "
+                            "(or solo_mode) replays")
+        return None
 
     def __init__(self, domain: str = "mock", task_set: str | None = None, train_split: str = "train",
                  test_split: str = "test", solo_mode: bool = False, user: str = "canned",

@@ -120,6 +120,10 @@ class TerminalEnv(TaskEnv):
             tool-call format; needs a chat template with tool support).
     """
 
+    # No fork capability (no fork(), no forks_by_replay): what a command prints may hold the wall clock (date, the
+    # mtimes of the files it makes, kept in the work dir), randomness ($RANDOM, mktemp, /dev/urandom) or a race with
+    # timeout_s, so a replay of the same commands need not say the same; branched rollouts refuse this env by name.
+
     def __init__(self, name: str = "terminal", max_steps: int = 10, num_train_tasks: int = 10_000,
                  num_test_tasks: int = 500, families: list[str] | None = None,
                  held_out_families: list[str] | None = None, timeout_s: float = 10.0,

@@ -106,6 +106,10 @@ class WebShopEnv(TaskEnv):
         name: Env name used in task ids.
     """
 
+    # Branched rollouts (cope.train.collect.branching) rebuild a child by replay: pages are a pure function of the
+    # fixed catalog and the actions (BM25 ties broken by catalog order, no clock, no randomness).
+    forks_by_replay = True
+
     def __init__(
         self,
         catalog_dir: str | None = None,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -16,34 +15,18 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from network_fixtures import offline  # noqa: F401 - the fixture, used by name
 
 from cope.envs.base import Env, Task
 from cope.envs.tau2.format import Action, example_call, parse_action
 
-pytestmark = pytest.mark.long  # real env engines: seconds to a minute per test (make test-fast leaves them out)
+pytestmark = [pytest.mark.long,  # real env engines: seconds to a minute per test (make test-fast leaves them out)
+              pytest.mark.usefixtures("offline")]  # every test offline
 
 _SPEC = importlib.util.find_spec("tau2")
 HAS_TAU2 = _SPEC is not None and (Path(_SPEC.origin).parent / "registry.py").exists()
 needs_tau2 = pytest.mark.skipif(not HAS_TAU2, reason="needs tau2-bench: pip install 'cope-trainer[tau2]'")
 DONE = '{"name": "done", "arguments": {}}'
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    """Refuse every non-loopback connection; proxies point at a dead local port."""
-    real_connect = socket.socket.connect
-
-    def connect(self, address):
-        host = address[0] if isinstance(address, tuple) else address
-        if isinstance(host, str) and host not in ("127.0.0.1", "localhost", "::1") and self.family != socket.AF_UNIX:
-            raise OSError(f"network disabled in tests: {address!r}")
-        return real_connect(self, address)
-
-    monkeypatch.setattr(socket.socket, "connect", connect)
-    for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
-        monkeypatch.setenv(var, "http://127.0.0.1:9")
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
 
 
 def _env(**kw):

@@ -266,6 +266,12 @@ def collector_forks(s: Resolved) -> Problem:
     if isinstance(env, type) and not (by_copy or by_replay):
         yield "env", (f" = {env.__name__}: data.collector ({collector.__name__}) forks episodes mid-way, and this env can "
                       "neither fork() nor replay deterministically (forks_by_replay); use the default collector")
+    problem = getattr(env, "replay_problem", None) if by_replay else None
+    why = problem(dict(s.cfg.get("env") or {})) if problem else None
+    if why and not by_copy:
+        yield f"env.{why[0]}", (f": data.collector ({collector.__name__}) rebuilds a child's env by replay, and "
+                                f"{env.__name__} does not replay deterministically so ({why[1]}); use the default collector")
+        by_replay = False
     if not (can(s.engine, "samples_in_process") or can(s.engine, "lends_actor")):
         yield "data.engine", (f" = {s.engine_target}: data.collector ({collector.__name__}) samples in process or with "
                               "an engine that lends its sampling actor (rollout=hf, rollout=vllm); this one does neither")

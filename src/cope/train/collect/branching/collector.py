@@ -49,7 +49,7 @@ import time
 
 from cope.capabilities import can
 from cope.episode import Episode
-from cope.train.collect.branching.forks import fork_capability
+from cope.train.collect.branching.forks import fork_capability, replay_problem
 from cope.train.collect.branching.leaves import Chosen, choose_leaves, fork_from_twins
 from cope.train.collect.branching.stops import StopRule
 from cope.train.collect.branching.tree import Grown, Loop, ScriptedActor, close, grow
@@ -133,6 +133,11 @@ class BranchingCollector:
                              f"gives only at data.sampling.top_p=1 (got {sampling.top_p}); set data.sampling.top_p=1 or "
                              "use another branch.trigger")
         by_copy, by_replay, env_name = fork_capability(engine.env_factory)
+        problem = replay_problem(engine.env_factory) if by_replay else None
+        if problem and not by_copy:
+            raise ValueError(f"env.{problem[0]}: {env_name} replays deterministically only with other settings "
+                             f"({problem[1]}), and branched rollouts rebuild a child by replay; use the default collector")
+        by_replay = by_replay and problem is None
         if not (by_copy or by_replay):
             raise ValueError(f"env: {env_name} cannot fork (no fork() and no forks_by_replay = True), so data.collector="
                              "branching cannot branch its episodes; use the default collector")

@@ -46,6 +46,15 @@ class Trace:
     snapshots: dict[int, Env] = field(default_factory=dict)
 
 
+def replay_problem(factory: Any) -> tuple[str, str] | None:
+    """``(argument, why)`` when the envs ``factory`` makes declare ``forks_by_replay`` but say, through their class's
+    optional ``replay_problem(kwargs)`` (:mod:`cope.envs.base`), that these constructor arguments break it (tau2 with
+    an LLM user); None otherwise. ``factory``: a class or a ``functools.partial`` of one (its keywords are read)."""
+    cls = getattr(factory, "func", factory)
+    check = getattr(cls, "replay_problem", None) if isinstance(cls, type) else None
+    return check(dict(getattr(factory, "keywords", None) or {})) if check else None
+
+
 def fork_capability(factory: Any) -> tuple[bool, bool, str]:
     """``(forks_by_copy, forks_by_replay, class name)`` of the envs ``factory`` makes (a class or a
     ``functools.partial`` of one: looked up on the class; anything else: on one instance, built and closed)."""
