@@ -133,13 +133,26 @@ def test_a_branched_group_stays_in_one_minibatch_where_the_packing_shares_its_tr
     with a leaf dropped, a group straddles at most two minibatches."""
     eps = [_leaf([10 * g + k, k], group=g, reward=float(k % 2)) for g in range(3) for k in range(4)]
     for seed in range(4):
-        cut = cut_minibatches(eps, 4, 0, random.Random(seed), count=3)
+        cut = cut_minibatches(eps, 4, 0, random.Random(seed), count=3, keep_groups=True)
         assert sorted(sorted({eps[i].group for i in mb["episode_index"].tolist()}) for mb in cut) == [[0], [1], [2]]
         assert all(mb["episode_index"].tolist() == sorted(mb["episode_index"].tolist()) for mb in cut)
     kept = [e for j, e in enumerate(eps) if j != 5]
-    cut = cut_minibatches(kept, 4, 0, random.Random(0), count=3)
+    cut = cut_minibatches(kept, 4, 0, random.Random(0), count=3, keep_groups=True)
     for g in range(3):
         assert sum(any(kept[i].group == g for i in mb["episode_index"].tolist()) for mb in cut) <= 2
+
+
+def test_without_shared_prefixes_a_branched_epoch_mixes_groups_across_minibatches():
+    """Without the group packing nothing gains from whole groups, and a minibatch of whole groups trains fewer tasks
+    per optimizer step than a flat epoch's: the episodes mix across groups as a flat epoch's do, the same order."""
+    eps = [_leaf([10 * g + k, k], group=g, reward=float(k % 2)) for g in range(3) for k in range(4)]
+    mixed = 0
+    for seed in range(4):
+        cut = cut_minibatches(eps, 4, 0, random.Random(seed), count=3)
+        flat = cut_minibatches(eps, 4, 0, random.Random(seed))
+        assert [mb["episode_index"].tolist() for mb in cut] == [mb["episode_index"].tolist() for mb in flat]
+        mixed += sum(len({eps[i].group for i in mb["episode_index"].tolist()}) > 1 for mb in cut)
+    assert mixed > 0
 
 
 # -- on the maze, with a walking actor ------------------------------------------------------------------------------

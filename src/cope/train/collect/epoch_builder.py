@@ -76,8 +76,10 @@ class EpochBuilder:
         transforms = self.collate_transforms
         if self.share_prefix:  # after every registered transform: it packs the rows they built
             transforms = [*transforms, functools.partial(pack_groups, max_row_tokens=max_row_tokens)]
+        # a branched group's tree stays in one minibatch where the packing shares its prefixes (else episodes mix
+        # across groups, as the flat collectors' always have)
         minibatches = cut_minibatches(train, self.minibatch_size, pad_id, got.rng, transforms, behaviour=off_policy,
-                                      count=count)
+                                      count=count, keep_groups=self.share_prefix and count is not None)
         extra = self._extra_batches(train)
         tokens = train_tokens(minibatches, pad_id, self.ppo_epochs) + train_tokens(extra, pad_id)
         # episodes: the env episodes the collection ran (stats), which a collector may turn into other training

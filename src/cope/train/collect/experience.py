@@ -107,29 +107,33 @@ def epoch_tally(episodes: list[Episode], groups: Sequence[int], metrics: dict[st
 
 def cut_minibatches(episodes: list[Episode], minibatch_size: int, pad_id: int, rng: random.Random,
                     transforms: Sequence[CollateTransform] = (), behaviour: bool = False,
-                    count: int | None = None) -> list[RolloutBatch]:
+                    count: int | None = None, keep_groups: bool = False) -> list[RolloutBatch]:
     """The episodes in an order drawn from ``rng`` (one shuffle), cut into collated minibatches of at most
     ``minibatch_size`` episodes; every minibatch passes through ``transforms`` in order. ``behaviour``: each
     minibatch carries the sampler's log-probs (``behaviour_logprobs``, :func:`cope.batch.collate`).
 
     ``count``: exactly that many minibatches instead (a collector that dropped episodes, ``Collected.nominal``: every
     rank takes the optimizer steps of the full epoch, whatever it dropped), the shuffled episodes spread over them in
-    runs whose sizes differ by at most one, each GRPO group's episodes kept together in their collection order (the
-    groups in the order the shuffle draws them): a branched group's tree then sits in one minibatch, where the group
-    packing forwards its shared turns once (a group straddles two minibatches only where dropped episodes shift the
-    runs). Where there are fewer episodes than ``count``, each minibatch left over holds one row that trains nothing
-    (:func:`idle_row`)."""
+    runs whose sizes differ by at most one. Where there are fewer episodes than ``count``, each minibatch left over
+    holds one row that trains nothing (:func:`idle_row`).
+
+    ``keep_groups``: each GRPO group's episodes kept together in their collection order (the groups in the order the
+    shuffle draws them), for the group packing (``data.share_prefix``): a branched group's tree then sits in one
+    minibatch, where the packing forwards its shared turns once (a group straddles two minibatches only where dropped
+    episodes or the cuts shift it). Otherwise episodes are mixed across groups as in any epoch: a minibatch of whole
+    groups sees fewer tasks per optimizer step (on the default demo, 2 of the epoch's 8 with 16 episodes a step)."""
     order = list(range(len(episodes)))
     rng.shuffle(order)
+    if keep_groups:
+        members: dict[int, list[int]] = {}
+        for i in range(len(episodes)):
+            members.setdefault(episodes[i].group, []).append(i)
+        order = [i for g in dict.fromkeys(episodes[j].group for j in order) for i in members[g]]
     if count is None:
         cuts = [order[s: s + minibatch_size] for s in range(0, len(order), minibatch_size)]
     else:
         if count < 1 or not episodes:
             raise ValueError(f"cut_minibatches: {len(episodes)} episodes cannot fill {count} minibatches")
-        members: dict[int, list[int]] = {}
-        for i in range(len(episodes)):
-            members.setdefault(episodes[i].group, []).append(i)
-        order = [i for g in dict.fromkeys(episodes[j].group for j in order) for i in members[g]]
         q, r = divmod(len(order), count)
         starts = [j * q + min(j, r) for j in range(count + 1)]
         cuts = [order[starts[j]: starts[j + 1]] for j in range(count)]
