@@ -146,7 +146,7 @@ def scored_step(module, batch: dict) -> tuple:
 
 
 def branched_epoch(policy, env, tasks: int, group_size: int, runtime=None, sampling=None, minibatch_size: int | None = None,
-                   **branch):
+                   max_context: int = 512, **branch):
     """Epoch 0 of a RolloutDataModule whose collector branches (``+collector=branching``; ``branch``: its settings),
     collected with ``policy`` over ``tasks`` tasks of ``env`` (one minibatch unless ``minibatch_size``); torn down
     after."""
@@ -156,7 +156,7 @@ def branched_epoch(policy, env, tasks: int, group_size: int, runtime=None, sampl
 
     dm = RolloutDataModule(env=env, tasks_per_epoch=tasks, group_size=group_size,
                            minibatch_size=minibatch_size or group_size * tasks,
-                           max_context=512, sampling=sampling or Sampling(max_action_tokens=4), val_tasks=0,
+                           max_context=max_context, sampling=sampling or Sampling(max_action_tokens=4), val_tasks=0,
                            progress=False, env_runtime=runtime or EnvRuntime(),
                            collector=functools.partial(BranchingCollector, group_size=group_size, **branch))
     dm.connect(policy)

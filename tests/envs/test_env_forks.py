@@ -293,25 +293,8 @@ def test_tau2_replays_a_canned_user_conversation(offline, domain, task_id):
 def test_the_branching_collector_grows_an_alfworld_tree_by_replay(cache):
     """The tiny random model, in process, 1 task, 4 leaves from 2 roots; every child's env rebuilt by replay and
     checked (branch.replay=true): the tree is consistent and no replay differs."""
-    from tiny_fixtures import tiny_policy
-
-    from cope.envs.alfworld.env import AlfWorldEnv
-    from cope.rollout.engine import Sampling
-    from cope.train.collect.branching.collector import BranchingCollector
-    from cope.train.datamodule import RolloutDataModule
-
     group, roots = 4, 2
-    env = functools.partial(AlfWorldEnv, source="generated", task_types=["pick_and_place_simple"], cache_dir=cache,
-                            max_steps=4)
-    dm = RolloutDataModule(env=env, tasks_per_epoch=1, group_size=group, minibatch_size=group, max_context=2048,
-                           sampling=Sampling(max_action_tokens=6), val_tasks=0, progress=False,
-                           collector=functools.partial(BranchingCollector, group_size=group, roots=roots,
-                                                       trigger="uniform", replay=True))
-    dm.connect(tiny_policy())
-    try:
-        rec = dm.collect_epoch(0)
-    finally:
-        dm.teardown("fit")
+    rec = _alfworld_tree(cache, workers=0)
     eps, m = rec.episodes, rec.metrics
     assert len(eps) == group and sum(e.branch_of < 0 for e in eps) >= roots
     children = [(i, e) for i, e in enumerate(eps) if e.branch_of >= 0]
@@ -325,6 +308,30 @@ def test_the_branching_collector_grows_an_alfworld_tree_by_replay(cache):
     assert m["rollout/branch_replay_mismatch"] == 0 and m["env/aborted_episodes"] == 0
     assert m["rollout/branch_replay_env_steps"] == sum(e.shared_steps for _, e in children) > 0
     assert all(e.num_steps > 0 for e in eps)
+
+
+def _alfworld_tree(cache: str, workers: int):
+    """Epoch 0 of a branched group (1 task, 4 leaves, 2 roots, every child replayed) on alfworld-style games."""
+    from tiny_fixtures import branched_epoch, tiny_policy
+
+    from cope.envs.alfworld.env import AlfWorldEnv
+    from cope.rollout.engine import EnvRuntime, Sampling
+
+    env = functools.partial(AlfWorldEnv, source="generated", task_types=["pick_and_place_simple"], cache_dir=cache,
+                            max_steps=4)
+    return branched_epoch(tiny_policy(), env, 1, 4, EnvRuntime(workers=workers), Sampling(max_action_tokens=6),
+                          max_context=2048, roots=2, trigger="uniform", replay=True)
+
+
+@pytest.mark.long
+@needs_alfworld
+def test_env_workers_grow_the_same_alfworld_tree_as_in_process(cache):
+    """With env workers every child is replayed in a worker process: the same tree, id for id, as in process."""
+    here, there = _alfworld_tree(cache, workers=0), _alfworld_tree(cache, workers=2)
+    assert [(e.tokens, e.branch_of, e.shared_steps, e.reward) for e in here.episodes] == \
+        [(e.tokens, e.branch_of, e.shared_steps, e.reward) for e in there.episodes]
+    m = there.metrics
+    assert m["rollout/branch_forks"] > 0 and m["rollout/branch_replay_mismatch"] == 0 and m["env/restarts"] == 0
 
 
 class AdmissibleWalker:
