@@ -81,3 +81,25 @@ def draw(ax, arms: dict, colors: dict, names: dict, threshold: float) -> None:
         ax.fill_between(grid, lo, hi, color=line.get_color(), alpha=0.18, lw=0)
     ax.axhline(threshold, color="gray", ls="--", lw=0.8)
     ax.set(xlabel="env steps", ylabel="held-out success", ylim=(-0.02, 1.02))
+
+
+def plot(summary: dict, meta: dict, out, colors: dict, names: dict) -> None:
+    """``success_vs_env_steps.png``: one panel per regime that opts in (``equal_env_steps``), where the arms' epochs
+    cost different env steps; nothing without one."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    regimes = [r for r, info in meta["regimes"].items() if info.get("equal_env_steps") and r in summary["test"]]
+    if not regimes:
+        return
+    fig = Figure(figsize=(4.2 * len(regimes), 3.8), dpi=100)
+    FigureCanvasAgg(fig)
+    for i, regime in enumerate(regimes):
+        ax = fig.add_subplot(1, len(regimes), i + 1)
+        draw(ax, summary["test"][regime], colors, names, meta["regimes"][regime]["threshold"])
+        ax.set_title(regime, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(out / "success_vs_env_steps.png")
+

@@ -307,18 +307,7 @@ def plot(summary: dict, meta: dict, out: Path) -> None:
             ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         fig.savefig(out / name)
-    equal = [r for r in regimes if meta["regimes"][r].get("equal_env_steps")]
-    if equal:  # success against the sampling cost, where the arms' epochs cost different env steps
-        fig = Figure(figsize=(4.2 * len(equal), 3.8), dpi=100)
-        FigureCanvasAgg(fig)
-        for i, regime in enumerate(equal):
-            ax = fig.add_subplot(1, len(equal), i + 1)
-            equal_steps.draw(ax, summary["test"][regime], COLORS, NAMES, meta["regimes"][regime]["threshold"])
-            ax.set_title(regime, fontsize=9)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="best")
-        fig.tight_layout()
-        fig.savefig(out / "success_vs_env_steps.png")
+    equal_steps.plot(summary, meta, out, COLORS, NAMES)
 
 
 def _draw_success(ax, arms: dict, info: dict) -> None:
