@@ -112,3 +112,22 @@ def test_study_smoke_baselines(tmp_path):
     assert "Share of the SFT gain ECHO recovers" in (out / "study.md").read_text()
     again = _study(out, "baselines_tiny")
     assert again.returncode == 0 and "(ok)" not in again.stdout, again.stdout[-2000:]
+
+
+def test_study_smoke_branching(tmp_path):
+    """Issue 55's learning bench (`branching`) in miniature: flat GRPO and the branched arm (`+collector=branching`),
+    one seed; the branched run logged its trees' cost, and the report compares the arms at equal env steps (its table
+    and its figure)."""
+    out = tmp_path / "study"
+    proc = _study(out, "branching")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "study.json").read_text())
+    assert set(report["test"]["branching"]) == {"grpo", "grpo_branch"}
+    run = out / "branching/test/grpo_branch/roots2/seed0"
+    with (run / "csv/metrics.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r.get("rollout/branch_env_steps")]
+    assert rows and all(float(r["rollout/branch_env_steps"]) < float(r["rollout/branch_flat_env_steps_est"]) for r in rows)
+    equal = report["equal_steps"]["branching"]
+    assert list(equal["budget"]) == ["0"] and equal["arms"]["grpo_branch"]["steps_ratio"] < 1.0
+    assert "Held-out success at equal env steps" in (out / "study.md").read_text()
+    assert (out / "success_vs_env_steps.png").stat().st_size > 0
