@@ -310,24 +310,50 @@ def test_the_branching_collector_grows_an_alfworld_tree_by_replay(cache):
     assert all(e.num_steps > 0 for e in eps)
 
 
-def _alfworld_tree(cache: str, workers: int):
-    """Epoch 0 of a branched group (1 task, 4 leaves, 2 roots, every child replayed) on alfworld-style games."""
+def _tree(env, workers: int):
+    """Epoch 0 of a branched group (1 task, 4 leaves, 2 roots, every child replayed) of ``env`` with the tiny model."""
     from tiny_fixtures import branched_epoch, tiny_policy
 
-    from cope.envs.alfworld.env import AlfWorldEnv
     from cope.rollout.engine import EnvRuntime, Sampling
 
-    env = functools.partial(AlfWorldEnv, source="generated", task_types=["pick_and_place_simple"], cache_dir=cache,
-                            max_steps=4)
     return branched_epoch(tiny_policy(), env, 1, 4, EnvRuntime(workers=workers), Sampling(max_action_tokens=6),
-                          max_context=2048, roots=2, trigger="uniform", replay=True)
+                          max_context=4096, roots=2, trigger="uniform", replay=True)
+
+
+def _alfworld_tree(cache: str, workers: int):
+    from cope.envs.alfworld.env import AlfWorldEnv
+
+    return _tree(functools.partial(AlfWorldEnv, source="generated", task_types=["pick_and_place_simple"],
+                                   cache_dir=cache, max_steps=4), workers)
+
+
+def _webshop(workers: int):
+    from cope.envs.webshop.env import WebShopEnv
+
+    return _tree(functools.partial(WebShopEnv, max_steps=4), workers)
+
+
+def _tau2(workers: int):
+    from cope.envs.tau2.env import Tau2Env
+
+    return _tree(functools.partial(Tau2Env, domain="mock", max_steps=4), workers)
 
 
 @pytest.mark.long
-@needs_alfworld
-def test_env_workers_grow_the_same_alfworld_tree_as_in_process(cache):
-    """With env workers every child is replayed in a worker process: the same tree, id for id, as in process."""
-    here, there = _alfworld_tree(cache, workers=0), _alfworld_tree(cache, workers=2)
+@pytest.mark.parametrize("grow", ["alfworld", "webshop", pytest.param("tau2", marks=pytest.mark.slow)])  # tau2: ~20 s
+def test_env_workers_grow_the_same_trees_as_in_process(grow, request):
+    """With env workers every child is replayed in a worker process: the same tree, id for id, as in process
+    (ScienceWorld's replays are tested in process above: a JVM per worker slot is too slow for this tier)."""
+    if grow == "alfworld":
+        if importlib.util.find_spec("alfworld") is None:
+            pytest.skip("needs the alfworld extra (alfworld==0.4.2)")
+        cache = request.getfixturevalue("cache")
+        here, there = _alfworld_tree(cache, workers=0), _alfworld_tree(cache, workers=2)
+    else:
+        if grow == "tau2" and not HAS_TAU2:
+            pytest.skip("needs tau2-bench: pip install 'cope-trainer[tau2]'")
+        build = {"webshop": _webshop, "tau2": _tau2}[grow]
+        here, there = build(0), build(2)
     assert [(e.tokens, e.branch_of, e.shared_steps, e.reward) for e in here.episodes] == \
         [(e.tokens, e.branch_of, e.shared_steps, e.reward) for e in there.episodes]
     m = there.metrics
