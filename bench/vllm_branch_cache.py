@@ -15,6 +15,7 @@ Usage: ``python -m bench.vllm_branch_cache [--tasks 8] [--group-size 8] [--round
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import random
 import re
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             tasks = [Task("maze", "train", 100 * r + t) for t in range(args.tasks) for _ in range(g)]
             groups = [i // g for i in range(len(tasks))]
             before = _counters(eng.server.url)
-            eps, _ = eng.rollout(tasks, groups, Sampling(**{**sampling.__dict__, "seed": r}))
+            eps, _ = eng.rollout(tasks, groups, dataclasses.replace(sampling, seed=r))
             after = _counters(eng.server.url)
             rows["flat"].append((after[0] - before[0], after[1] - before[1], len(eps)))
             host = CollectorHost(engine=eng, sampling=sampling, rollout=None, version=lambda: 0,

@@ -115,7 +115,7 @@ def test_study_smoke_baselines(tmp_path):
 
 
 def test_study_smoke_branching(tmp_path):
-    """Issue 55's learning bench (`branching`) in miniature: flat GRPO and the branched arm (`+collector=branching`),
+    """The branched rollouts' learning bench (`branching`) in miniature: flat GRPO and the branched arm (`+collector=branching`),
     one seed; the branched run logged its trees' cost, and the report compares the arms at equal env steps (its table
     and its figure)."""
     out = tmp_path / "study"

@@ -1,4 +1,4 @@
-"""Held-out success at equal env steps: arms whose epochs cost different env steps (branched groups, issue 55).
+"""Held-out success at equal env steps: arms whose epochs cost different env steps (branched groups).
 
 The study's runs have equal epochs (equal leaves per group, equal optimizer steps), but a branched group's tree takes
 fewer env steps than the flat group of the same leaves, so at its last validation a branching run has spent fewer env

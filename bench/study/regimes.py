@@ -125,7 +125,7 @@ SPEC["baselines"] = dataclasses.replace(
     arm_overrides=(), **_baselines(4))
 SPEC["baselines_tiny"] = Regime("plumbing of `baselines` on the tiny model (prior warm start)", SPEC["prior"].overrides,
                                 SPEC["prior"].threshold, by_size=None, smoke_size=(1, 1), **_baselines(1))
-# Branched rollouts' learning bench (issue 55): the default demo (`python train.py`: GRPO on the maze, random-walk
+# Branched rollouts' learning bench: the default demo (`python train.py`: GRPO on the maze, random-walk
 # warm start, 60 epochs, the demo's own lr) with flat groups against the branching collector at its defaults (2 roots,
 # uniform trigger, G=8 leaves). Equal epochs and leaves; the trees take fewer env steps, so the report also reads every
 # arm's held-out success at the env steps of the cheapest arm (bench/study/equal_steps.py). Validated every 5 epochs
