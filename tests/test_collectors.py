@@ -18,6 +18,7 @@ from tiny_fixtures import maze_factory, tiny_policy
 from cope.algos.grpo import PolicyGradient
 from cope.rollout.engine import Sampling
 from cope.rollout.loop import RolloutStats
+from cope.train.collect.branching.collector import BranchingCollector
 from cope.train.collect.collector import Collected, CollectorHost
 from cope.train.collect.lagged import LaggedCollector
 from cope.train.collect.sync import SyncCollector
@@ -116,6 +117,9 @@ def test_the_collector_is_chosen_once_from_max_lag():
         choose_collector(-1)
     with pytest.raises(ValueError, match=r"data\.collector replaces the collector data\.max_lag=1"):
         choose_collector(1, ReplayCollector)
+    branching = functools.partial(BranchingCollector, group_size=4)  # as Hydra's _partial_ gives it
+    assert choose_collector(0, branching) is branching  # its trees grow in the background only with a lag
+    assert choose_collector(2, branching).keywords == {"group_size": 4, "max_lag": 2}
 
 
 def _host(engine) -> CollectorHost:

@@ -50,6 +50,8 @@ def _train_steps(model, n: int, lr: float = 1e-2) -> None:
 
 def test_lora_only_training_keeps_base_bit_identical(model_dir, base):
     policy = load_pretrained(str(model_dir), lora=lora_config(), dtype="fp32")
+    # built to train: every module in train mode (from_pretrained leaves the base in eval), as Lightning expects
+    assert [n for n, m in policy.model.named_modules() if not m.training] == []
     model = policy.model.eval()
     assert policy.chat == tiny_chat() and policy.pad_id == 0 and policy.source == str(model_dir)
 

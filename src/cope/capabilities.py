@@ -17,8 +17,9 @@ Rollout engines (``data.engine``; the protocol :class:`cope.rollout.engine.Rollo
   slots (the engine's ``max_loras`` argument);
 * ``completes``: samples plain continuations of token contexts, no env (``engine.complete``: RWML's world-model
   predictions);
-* ``lends_actor``: a server engine that lends a sampling actor on its newest version for a block of calls
-  (``engine.actor(sampling, seed)``): the branching collector grows its trees with it.
+* ``lends_actor``: lends a sampling actor on a policy version for a block of calls
+  (``engine.actor(sampling, seed, version=None, logprobs=False)``; None: the newest, else a held one): the branching
+  collector grows its trees with it, in the background on a held version with ``data.max_lag >= 1``.
 
 Strategies (``trainer.strategy``):
 

@@ -4,7 +4,8 @@ One managed server for the module, started for ``max_lag=2`` (``max_loras=2``, `
 versions tests prove: a held old version keeps sampling the old weights while the newest samples the new ones
 (sampler log-probs against the trainer's own at each weight set), a released one is unloaded with its folder;
 a collection thread on an old version runs while the main thread validates and syncs; a sync whose folder holds
-other weights fails its delivery check; after a restart every held version is served again from its folder."""
+other weights fails its delivery check; after a restart every held version is served again from its folder; branched
+trees queued under an old version grow in the background on its adapter."""
 from __future__ import annotations
 
 import shutil
@@ -195,6 +196,48 @@ def test_held_versions_are_loaded_again_from_their_folders(eng, served_policy):
     eps, st = eng.rollout(TASKS, GROUPS, SEEDED, version=40)
     assert st.env_errors == 0
     eng.release(40)
+
+
+def test_branched_trees_grow_in_the_background_on_the_held_adapter(eng, served_policy, monkeypatch):
+    """+collector=branching with data.max_lag: epoch 1's trees, queued at the start of epoch 0 under version 60, grow in
+    the collector thread on version 60's adapter after the trainer moved to 61: every request names it, and the
+    sampler's log-probs are those of version 60's weights (not 61's)."""
+    import random
+
+    from cope.train.collect.branching.collector import BranchingCollector
+    from cope.train.collect.collector import CollectorHost, TaskStream
+
+    g, version, named = 4, [60], []
+    tasks = [Task("maze", "train", t) for t in (30, 31) for _ in range(g)]
+    real = eng._complete
+
+    def spy(requests):
+        named.append((threading.current_thread().name, {r["model"] for r in requests}))
+        return real(requests)
+
+    monkeypatch.setattr(eng, "_complete", spy)
+    host = CollectorHost(engine=eng, sampling=Sampling(temperature=1.0, top_p=1.0, max_action_tokens=8),  # trainer_gap: T=1
+                         task_stream=lambda epoch: TaskStream(tasks, [i // g for i in range(len(tasks))],
+                                                              random.Random(epoch)),
+                         rollout=None, version=lambda: version[0], max_epochs=lambda: 2, world=lambda: 1,
+                         stopping=lambda: False, policy=lambda: served_policy)
+    collector = BranchingCollector(host=host, group_size=g, roots=2, dedup=False, max_lag=2)
+    try:
+        lora_b(served_policy, 0.3, seed=8)
+        collector.collect(0)  # queues epochs 0 and 1 under version 60
+        lora_b(served_policy, 0.3, seed=9)
+        version[0] = 61
+        got = collector.collect(1)  # synced to 61; epoch 1's trees were queued under 60
+    finally:
+        collector.cancel()
+    assert collector.off_policy and got.metrics["rollout/lag_mean"] == 1.0 and got.metrics["rollout/branch_forks"] > 0
+    assert {n for thread, names in named if thread != "MainThread" for n in names} == {eng.versions.name(60)}
+    assert all(s.sampler_logprobs is not None for e in got.episodes for s in e.steps)
+    at_61 = trainer_gap(served_policy, got.episodes)
+    lora_b(served_policy, 0.3, seed=8)
+    at_60 = trainer_gap(served_policy, got.episodes)
+    assert at_60 < 1e-3 < at_61, (at_60, at_61)
+    assert eng.versions.loaded == [61]  # version 60 released once its collections were taken
 
 
 @pytest.mark.slow

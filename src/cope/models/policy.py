@@ -200,6 +200,9 @@ def load_pretrained(
     n_all = sum(p.numel() for p in model.parameters())
     how = "full fine-tuning" if finetune == "full" else f"LoRA r={getattr(lora, 'r', '?')}"
     log.info("policy %s: %d trainable / %d parameters (%s)", path, n_train, n_all, how)
+    # built to train: from_pretrained leaves the base in eval mode, and only a rollout on the model itself (which
+    # restores the mode it found on the whole model) would switch it back before the first step (Lightning warns)
+    model.train()
     return Policy(model=model, tokenizer=tokenizer, chat=chat, source=str(path), finetune=finetune)
 
 

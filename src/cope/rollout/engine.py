@@ -31,7 +31,7 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 from cope.envs.base import Env, Task
 from cope.envs.runtime.batch import STATS, EnvBatch, InProcessEnvs
@@ -124,6 +124,9 @@ class RolloutEngine(Protocol):
     def env_stats(self) -> dict[str, int]:
         """Cumulative env-runtime events (restarts, timeouts, ...; :data:`cope.envs.runtime.batch.STATS`)."""
 
+    # Optional (class attribute ``lends_actor = True``): ``actor(sampling, seed, version=None, logprobs=False)``, a
+    # context manager yielding an actor of cope.rollout.loop.run_episodes on that version for a block of calls (the
+    # branching collector's waves; an older held version with data.max_lag >= 1).
     # Optional (class attribute ``completes = True``): plain completions of token contexts, no env (RWML's
     # world-model predictions, cope.algos.rwml). Engines without it are refused by algo=rwml.
     def complete(self, contexts: list[list[int]], sampling: Sampling, n: int = 1,
@@ -151,6 +154,7 @@ class HFEngine:
     samples_in_process = True  # the training model's own weights (full fine-tuning and trainer=fsdp need it)
     serves_adapters = False
     completes = True  # plain completions of token contexts (complete): RWML's world-model predictions
+    lends_actor = True  # a sampling actor on a version for a block of calls (actor): the branching collector's waves
 
     def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None):
         if max_context < 1:
@@ -230,34 +234,48 @@ class HFEngine:
 
     def rollout(self, tasks: list[Task], groups: list[int], sampling: Sampling,
                 progress: Callable[[int], None] | None = None, version: int | None = None) -> tuple[list[Episode], RolloutStats]:
+        wave = self.runtime.max_live_episodes or len(tasks)
+        eps, stats = [], RolloutStats()
+        # a held version's rollouts carry their behaviour log-probs; the DataModule enters the whole weights
+        with self._sampler(sampling, sampling.seed, version, False, whole=False) as actor, self.slots() as envs:
+            for s in range(0, len(tasks), wave):  # each wave reuses env slots 0..wave-1
+                e, st = run_episodes(envs, tasks[s: s + wave], groups[s: s + wave], actor, self.policy.tokenizer,
+                                     self.policy.chat, self.max_context, sampling.max_action_tokens, progress=progress,
+                                     chunks=self.runtime.chunks, instructions=self.instructions)
+                eps += e
+                stats.add(st)
+        return eps, stats
+
+    def actor(self, sampling: Sampling, seed: int | None, version: int | None = None,
+              logprobs: bool = False) -> ContextManager[Any]:
+        """A ``CachedSamplingActor`` for a block of calls (the branching collector's waves): on the training model as
+        it is now (``version`` None or the newest: under its whole weights, in eval mode for the block) or on a held
+        version's sampler copy (``version``: overlapped rollouts, whose actions then always carry their log-probs).
+        ``seed`` seeds its stream (temperature 0: none); ``logprobs``: report the sampled tokens' log-probs."""
+        return self._sampler(sampling, seed, version, logprobs, whole=True)
+
+    @contextlib.contextmanager
+    def _sampler(self, sampling: Sampling, seed: int | None, version: int | None, logprobs: bool,
+                 whole: bool) -> Iterator[Any]:
         from cope.rollout.hf_actor import CachedSamplingActor  # torch-side; the engine module itself stays light
 
         if self.policy is None:
-            raise RuntimeError("HFEngine.connect(policy) must be called before rollout")
+            raise RuntimeError("HFEngine.connect(policy) must be called before sampling")
         with self._lock:
             copy = self._copies.get(version) if version is not None else None
         if version is not None and copy is None and version != self.version:
             raise ValueError(f"version {version} is neither held nor the current one ({self.version})")
-        model, chat = (copy if copy is not None else self.policy.model), self.policy.chat
-        actor = CachedSamplingActor(model, self.policy.pad_id, chat.stop_ids, sampling.max_action_tokens,
-                                    sampling.temperature, sampling.top_p,
-                                    seed=sampling.seed if sampling.temperature > 0 else None,
-                                    logprobs=copy is not None)  # a held version's rollouts carry their behaviour log-probs
+        model = copy if copy is not None else self.policy.model
         was_training = model.training
         model.eval()
-        wave = self.runtime.max_live_episodes or len(tasks)
-        eps, stats = [], RolloutStats()
         try:
-            with self.slots() as envs:
-                for s in range(0, len(tasks), wave):  # each wave reuses env slots 0..wave-1
-                    e, st = run_episodes(envs, tasks[s: s + wave], groups[s: s + wave], actor,
-                                         self.policy.tokenizer, chat, self.max_context, sampling.max_action_tokens,
-                                         progress=progress, chunks=self.runtime.chunks, instructions=self.instructions)
-                    eps += e
-                    stats.add(st)
+            with self.policy.full_weights() if whole and copy is None else contextlib.nullcontext():
+                yield CachedSamplingActor(model, self.policy.pad_id, self.policy.chat.stop_ids,
+                                          sampling.max_action_tokens, sampling.temperature, sampling.top_p,
+                                          seed=seed if sampling.temperature > 0 else None,
+                                          logprobs=logprobs or copy is not None)
         finally:
             model.train(was_training)
-        return eps, stats
 
     def complete(self, contexts: list[list[int]], sampling: Sampling, n: int = 1,
                  batch_size: int | None = None) -> list[list[Sampled]]:

@@ -26,8 +26,8 @@ under another name, follows the same rules (``tests/test_config_rules.py`` prove
 * native tool calls (``env.action_format=native``): a model whose chat template renders tools (a model factory that
   knows its template declares ``tool_template``; else the tokenizer at ``model.path``, when it is on disk);
 * a collector that branches episodes (``needs_fork``: ``+collector=branching``): an env that can ``fork()`` or
-  replays deterministically (``forks_by_replay``), an engine that samples in process or lends its sampling actor
-  (``lends_actor``: vLLM), env workers only with an env that replays;
+  replays deterministically (``forks_by_replay``), an engine that lends its sampling actor (``lends_actor``: in process
+  or vLLM), env workers only with an env that replays;
 * an objective that trains ``alone`` (``algo=echo_only``): every other objective at weight 0.
 
 Besides the table (:func:`cross_field`): ``data.max_context`` against the model's positions
@@ -272,9 +272,10 @@ def collector_forks(s: Resolved) -> Problem:
         yield f"env.{why[0]}", (f": data.collector ({collector.__name__}) rebuilds a child's env by replay, and "
                                 f"{env.__name__} does not replay deterministically so ({why[1]}); use the default collector")
         by_replay = False
-    if not (can(s.engine, "samples_in_process") or can(s.engine, "lends_actor")):
-        yield "data.engine", (f" = {s.engine_target}: data.collector ({collector.__name__}) samples in process or with "
-                              "an engine that lends its sampling actor (rollout=hf, rollout=vllm); this one does neither")
+    if not can(s.engine, "lends_actor"):
+        yield "data.engine", (f" = {s.engine_target}: data.collector ({collector.__name__}) grows its trees with an "
+                              "engine that lends its sampling actor (lends_actor: rollout=hf, rollout=vllm); this one "
+                              "does not")
     workers = (s.data.get("env_runtime") or {}).get("workers", 0)
     if workers and by_copy and not by_replay:
         yield "data.env_runtime.workers", (f" = {workers}: data.collector ({collector.__name__}) rebuilds a child's env "
@@ -337,9 +338,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("env.action_format", "model._target_", "model.path"), "native tool calls: a model whose chat template "
          "renders tools", native_tools_template),
     Rule(("data.collector", "env", "data.engine", "data.env_runtime.workers"), "a collector that branches episodes "
-         "(needs_fork): an env with fork() or forks_by_replay, an engine that samples in process or lends its actor, "
-         "forks_by_replay with env "
-         "workers",
+         "(needs_fork): an env with fork() or forks_by_replay, an engine that lends its sampling actor, "
+         "forks_by_replay with env workers",
          collector_forks),
     Rule(("algo.objectives.*.alone", "algo.objectives.*.weight", "algo.objectives.*.final_weight"),
          "an objective that trains alone (ECHO without a verifier): every other objective at weight 0", objective_alone),

@@ -58,13 +58,16 @@ def _identity(x):
 def choose_collector(max_lag: int, collector: CollectorFactory | None = None) -> CollectorFactory:
     """The run's collector factory, chosen once: ``collector`` (``data.collector``) when given, else by
     ``data.max_lag`` (0: :class:`SyncCollector`; L >= 1: :class:`LaggedCollector`, which refuses an engine that
-    cannot overlap). Raises ValueError naming the key, before anything is built."""
+    cannot overlap). A given collector whose class declares ``takes_max_lag`` (the branching collector) is passed
+    ``max_lag`` (L >= 1); any other refuses L >= 1. Raises ValueError naming the key, before anything is built."""
     if max_lag < 0:
         raise ValueError(f"data.max_lag must be >= 0 (0: collect, then train), got {max_lag}")
     if collector is not None:
-        if max_lag:
-            raise ValueError(f"data.collector replaces the collector data.max_lag={max_lag} chooses: set one of them")
-        return collector
+        if not max_lag:
+            return collector
+        if getattr(getattr(collector, "func", collector), "takes_max_lag", False):
+            return functools.partial(collector, max_lag=int(max_lag))
+        raise ValueError(f"data.collector replaces the collector data.max_lag={max_lag} chooses: set one of them")
     return functools.partial(LaggedCollector, max_lag=int(max_lag)) if max_lag else SyncCollector
 
 

@@ -93,7 +93,7 @@ class VLLMEngine:
     serves_adapters = True  # each version a LoRA adapter in the server's max_loras slots (data.max_lag >= 1 needs 2)
     samples_in_process = False  # so it cannot train full weights, nor roll out from shards (cope.run.config_rules)
     completes = True  # plain completions of token contexts (complete): RWML's world-model predictions
-    lends_actor = True  # a sampling actor on the newest version (actor): the branching collector's waves
+    lends_actor = True  # a sampling actor on a served version (actor): the branching collector's waves
 
     def __init__(self, env: Callable[[], Env], runtime: EnvRuntime, max_context: int, instructions: str | None = None,
                  url: str | None = None, model: str | None = None, python: str | None = None, workdir: str | None = None,
@@ -303,14 +303,16 @@ class VLLMEngine:
         return [out[i * n: (i + 1) * n] for i in range(len(contexts))]
 
     @contextlib.contextmanager
-    def actor(self, sampling: Sampling, seed: int | None) -> Iterator[ServerActor]:
-        """A :class:`~cope.rollout.vllm.actor.ServerActor` on the newest version, held for the block: the branching
-        collector samples its waves with it (each child a new request, its prompt the parent's ids, served from the
-        server's prefix cache). ``seed`` derives every request's seed (None, or ``seeded=false``: none)."""
+    def actor(self, sampling: Sampling, seed: int | None, version: int | None = None,
+              logprobs: bool = True) -> Iterator[ServerActor]:
+        """A :class:`~cope.rollout.vllm.actor.ServerActor` on ``version`` (None: the newest; else a held one, as
+        overlapped rollouts sample), held for the block: the branching collector samples its waves with it (each child
+        a new request, its prompt the parent's ids, served from the server's prefix cache). ``seed`` derives every
+        request's seed (None, or ``seeded=false``: none). Its answers always carry their log-probs (``logprobs``)."""
         if self.policy is None:
             raise RuntimeError("VLLMEngine.connect(policy) must be called before actor")
         self._ensure_server()
-        with self.versions.using(None) as name:
+        with self.versions.using(version) as name:
             yield ServerActor(self._complete, name, list(self.policy.chat.stop_ids), sampling,
                               request_seed(seed, "actor") if self.seeded and seed is not None else None)
 

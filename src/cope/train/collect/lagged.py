@@ -16,10 +16,11 @@ start of epoch e - L), waiting for it if it is still running. So:
 * **the first L epochs** of a fresh run are sampled by the weights of epoch 0 (lag e < L), as is every collection
   queued before the first update.
 
-Only the engine call runs in the thread (``RolloutEngine.rollout(..., version=v)`` on its own env slots): task
-sampling happens when a collection is queued, advantages, minibatches, the counters' all-reduces and the
-:class:`~cope.records.EpochRecord` in the main thread when it is taken, so no collective ever runs off the main
-thread. The engine keeps every queued collection's version served (``hold``/``release``): the vLLM server as an
+Only the collection itself runs in the thread (by default the engine call ``RolloutEngine.rollout(..., version=v)``
+on its own env slots; a collector that gathers otherwise passes its own ``run``, as the branching collector grows its
+trees there): task sampling happens when a collection is queued, advantages, minibatches, the counters' all-reduces
+and the :class:`~cope.records.EpochRecord` in the main thread when it is taken, so no collective ever runs off the
+main thread. The engine keeps every queued collection's version served (``hold``/``release``): the vLLM server as an
 adapter per version, the in-process engine as a sampler copy of the adapter per version (the base weights shared,
 :mod:`cope.rollout.sampler_copy`); an engine that cannot (``overlaps`` False) is refused.
 
@@ -87,7 +88,8 @@ class Collection:
     epoch: the epoch that trains on it; sampled_epoch: the epoch whose starting weights sample it; version: the
     engine's version of those weights (the optimizer step count at the sync); tasks, groups, rng, seed: the epoch's
     task stream (:meth:`cope.train.datamodule.RolloutDataModule.sample_tasks`), whose ``rng`` goes on to order the
-    minibatches; episodes, stats, seconds: set when it finished (``error`` when it failed)."""
+    minibatches; result (the :class:`~cope.train.collect.collector.Collected` its run returned), seconds: set when it
+    finished (``error`` when it failed)."""
 
     epoch: int
     sampled_epoch: int
@@ -96,8 +98,7 @@ class Collection:
     groups: list[int]
     rng: random.Random
     seed: int
-    episodes: list | None = None
-    stats: Any = None
+    result: Collected | None = None
     seconds: float = 0.0
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -113,13 +114,19 @@ class LaggedRollouts:
         task_stream: ``task_stream(epoch)`` -> (tasks, groups, rng): the epoch's task stream, whose ``rng`` draws the
             rollout seed next and then orders the minibatches (the DataModule's, derived from seed, rank, epoch).
         stopping: True once the run received SIGTERM: a running collection stops after its current turn.
+        precision: the context the collection runs under, entered in the thread (autocast is per thread).
+        run: ``run(job, check)`` -> the :class:`~cope.train.collect.collector.Collected` of a queued collection, in the
+            thread, sampling the job's ``version`` with its ``seed``; ``check()`` raises :class:`Cancelled` once the
+            collection must stop (call it between turns). None: the engine's ``rollout`` (:meth:`rollout`).
     """
 
     def __init__(self, engine: Any, max_lag: int, sampling: Any,
                  task_stream: Callable[[int], tuple[list[Task], list[int], random.Random]], stopping: Callable[[], bool],
-                 precision: Callable[[], ContextManager] = contextlib.nullcontext):
+                 precision: Callable[[], ContextManager] = contextlib.nullcontext,
+                 run: Callable[[Collection, Callable[[], None]], Collected] | None = None):
         self.engine, self.max_lag, self.sampling = engine, int(max_lag), sampling
         self._task_stream, self._stopping, self._precision = task_stream, stopping, precision
+        self._run_job = run or self.rollout
         self._queue: queue.Queue[Collection | None] = queue.Queue()
         self._jobs: dict[int, Collection] = {}  # by epoch: queued, running or finished, not yet taken
         self._cancel = threading.Event()
@@ -161,14 +168,14 @@ class LaggedRollouts:
                 raise job.error
         finally:
             self.engine.release(job.version)
-        for e in job.episodes:
+        for e in job.result.episodes:
             e.sampled_epoch = job.sampled_epoch
         return job, synced
 
     @staticmethod
     def metrics(epoch: int, job: Collection) -> dict[str, float]:
         """``rollout/lag_mean`` and ``rollout/lag_max`` (epochs between the sampling weights and the training epoch)."""
-        lags = [epoch - e.sampled_epoch for e in job.episodes]
+        lags = [epoch - e.sampled_epoch for e in job.result.episodes]
         return {"rollout/lag_mean": sum(lags) / max(len(lags), 1), "rollout/lag_max": float(max(lags, default=0))}
 
     def _submit(self, job: Collection) -> None:
@@ -179,17 +186,22 @@ class LaggedRollouts:
         self._jobs[job.epoch] = job
         self._queue.put(job)
 
-    def _run(self, job: Collection):
-        """The engine call of a queued collection (in the thread, on the engine's env slots of that thread): the
-        version it was queued under; after every turn, the stop on a cancel or a SIGTERM."""
-        def turn_done(finished: int) -> None:
+    def rollout(self, job: Collection, check: Callable[[], None]) -> Collected:
+        """The default run: the engine call of a queued collection (on the engine's env slots of this thread), the
+        version it was queued under, the stop checked after every turn."""
+        episodes, stats = self.engine.rollout(job.tasks, job.groups, dataclasses.replace(self.sampling, seed=job.seed),
+                                              progress=lambda finished: check(), version=job.version)
+        return Collected(episodes, job.groups, stats, job.rng, 0.0)
+
+    def _run(self, job: Collection) -> Collected:
+        """A queued collection's run (in the thread), stopped on a cancel or a SIGTERM."""
+        def check() -> None:
             if self._cancel.is_set() or self._stopping():
                 raise Cancelled
 
-        turn_done(0)
+        check()
         with self._precision():  # autocast is per thread: entered here, in the collector's thread
-            return self.engine.rollout(job.tasks, job.groups, dataclasses.replace(self.sampling, seed=job.seed),
-                                       progress=turn_done, version=job.version)
+            return self._run_job(job, check)
 
     def _loop(self) -> None:
         while True:
@@ -198,7 +210,7 @@ class LaggedRollouts:
                 return
             t0 = time.perf_counter()
             try:
-                job.episodes, job.stats = self._run(job)
+                job.result = self._run(job)
             except BaseException as e:  # noqa: B036 - handed to the main thread by take()
                 job.error = e
                 if not isinstance(e, Cancelled):
@@ -231,27 +243,31 @@ class LaggedCollector:
         host: what the DataModule lends (:class:`~cope.train.collect.collector.CollectorHost`): the engine, which must
             overlap (:func:`check_lag`, raised here naming the key), the sampling, the task stream.
         max_lag: L >= 1.
+        run: how a queued collection is gathered in the thread (:class:`LaggedRollouts`'s ``run``; None: the engine's
+            rollout). The branching collector passes its tree growth here.
     """
 
     off_policy = True  # an episode sampled L epochs ago is scored by today's weights: the behaviour correction
 
-    def __init__(self, *, host: CollectorHost, max_lag: int):
+    def __init__(self, *, host: CollectorHost, max_lag: int,
+                 run: Callable[[Collection, Callable[[], None]], Collected] | None = None):
         check_lag(max_lag, host.engine, host.sampling)
         self.host = host
         self.rollouts = LaggedRollouts(host.engine, max_lag, host.sampling, host.task_stream, host.stopping,
-                                       host.precision)
+                                       host.precision, run)
         self.discarded_episodes = 0  # of collections dropped unused by a resume; summed over ranks
 
     def collect(self, epoch: int) -> Collected:
         """The epoch's collection, queued ``max_lag`` epochs ago, with ``rollout/lag_mean``, ``rollout/lag_max``,
-        ``rollout/discarded_episodes`` and ``perf/rollout_wait_seconds``."""
+        ``rollout/discarded_episodes`` and ``perf/rollout_wait_seconds`` added to its run's own metrics."""
         t0 = time.perf_counter()
         job, synced = self.rollouts.take(epoch, self.host.version(), self.host.max_epochs())
         waited = time.perf_counter() - t0 - synced  # training waited for the rollouts this long (0: fully overlapped)
-        job.stats.sync_seconds += synced
-        metrics = {**self.rollouts.metrics(epoch, job), "rollout/discarded_episodes": float(self.discarded_episodes),
-                   "perf/rollout_wait_seconds": waited}
-        return Collected(job.episodes, job.groups, job.stats, job.rng, job.seconds, metrics)
+        got = job.result
+        got.stats.sync_seconds += synced
+        metrics = {**got.metrics, **self.rollouts.metrics(epoch, job),
+                   "rollout/discarded_episodes": float(self.discarded_episodes), "perf/rollout_wait_seconds": waited}
+        return dataclasses.replace(got, rng=job.rng, seconds=job.seconds, metrics=metrics)
 
     def cancel(self) -> None:
         dropped = self.rollouts.cancel()

@@ -55,6 +55,7 @@ from cope.train.collect.branching.stops import StopRule
 from cope.train.collect.branching.tree import Grown, Loop, ScriptedActor, close, grow
 from cope.train.collect.branching.triggers import TRIGGERS, choose_forks
 from cope.train.collect.collector import Collected, CollectorHost
+from cope.train.collect.lagged import LaggedCollector
 
 METRICS = ("rollout/branch_env_steps", "rollout/branch_generated_tokens", "rollout/branch_flat_env_steps_est",
            "rollout/branch_flat_generated_tokens_est", "rollout/branch_saving", "rollout/branch_token_saving",
@@ -96,16 +97,21 @@ class BranchingCollector:
         stop_loops: stop a child whose env repeats an observation of its trajectory (``branch.stop_loops``).
         stop_duplicates: stop a child whose trajectory so far is its parent's or a sibling's
             (``branch.stop_duplicates``).
+        max_lag: ``data.max_lag`` (passed by :func:`cope.train.datamodule.choose_collector`): 0 grows each epoch's
+            trees at its start; L >= 1 grows epoch e's trees in the background on the version of epoch
+            max(0, e - L) (:class:`~cope.train.collect.lagged.LaggedCollector` with this collector's trees as its
+            run: the same schedule, holds, resume and behaviour correction as flat overlapped rollouts).
     """
 
-    off_policy = False  # the weights that sample an epoch are the ones that score it
+    off_policy = False  # the weights that sample an epoch are the ones that score it (True on an instance with a lag)
+    takes_max_lag = True  # choose_collector passes data.max_lag: the trees grow in the background at L >= 1
     needs_fork = True  # for a config rule: an env with fork() or forks_by_replay (env workers: replay), an engine
     # that samples in process or lends its actor
 
     def __init__(self, *, host: CollectorHost, group_size: int, roots: int = 2, trigger: str = "uniform",
                  p: float = 0.5, tag: str = "<explore>", max_depth: int | None = None, entropy_weight: float = 0.2,
                  replay: bool = False, dedup: bool = True, j_max: int | None = None, stop_loops: bool = False,
-                 stop_duplicates: bool = False):
+                 stop_duplicates: bool = False, max_lag: int = 0):
         if not 1 <= roots <= group_size:
             raise ValueError(f"branch.roots must be in [1, data.group_size={group_size}], got {roots}")
         if trigger not in TRIGGERS:
@@ -120,11 +126,10 @@ class BranchingCollector:
             raise ValueError(f"branch.j_max must be null (no cap) or an integer >= 1, got {j_max}")
         engine, sampling = host.engine, host.sampling
         name = type(engine).__name__
-        if not (can(engine, "samples_in_process") or can(engine, "lends_actor")) or not hasattr(engine, "env_factory") \
-                or not hasattr(engine, "slots"):
-            raise ValueError(f"data.engine = {name}: the branching collector (data.collector) samples in process "
-                             "(rollout=hf) or with an engine that lends its sampling actor (rollout=vllm); this one does "
-                             "neither")
+        if not can(engine, "lends_actor") or not hasattr(engine, "env_factory") or not hasattr(engine, "slots"):
+            raise ValueError(f"data.engine = {name}: the branching collector (data.collector) grows its trees with an "
+                             "engine that lends its sampling actor (lends_actor: rollout=hf in process, rollout=vllm on "
+                             "its server); this one does not")
         if sampling.temperature <= 0:
             raise ValueError("data.sampling.temperature=0: a greedy child re-samples its parent's action; branched "
                              "rollouts need a temperature > 0")
@@ -156,18 +161,42 @@ class BranchingCollector:
         self.by_replay = bool(replay) or not by_copy or self.in_workers
         self.dedup, self.j_max = bool(dedup), None if j_max is None else int(j_max)
         self.stops = StopRule(loops=bool(stop_loops), duplicates=bool(stop_duplicates))
+        self.lagged = LaggedCollector(host=host, max_lag=max_lag, run=self._run_job) if max_lag else None
+        self.off_policy = self.lagged is not None  # sampled L epochs ago: the minibatches carry behaviour log-probs
 
     def collect(self, epoch: int) -> Collected:
+        if self.lagged is not None:  # grown in the background on the version of epoch e - max_lag
+            return self.lagged.collect(epoch)
         t0 = time.perf_counter()
         tasks, groups, rng = self.host.task_stream(epoch)
         seed = rng.randrange(2**31)  # after the tasks, before the minibatch order: as the synchronous collector
+        got = self._collect(tasks, groups, rng, seed, None, self._sigterm)
+        for e in got.episodes:
+            e.sampled_epoch = epoch
+        got.seconds = time.perf_counter() - t0
+        return got
+
+    def _sigterm(self) -> None:
+        if self.host.stopping():
+            from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+            raise SIGTERMException
+
+    def _run_job(self, job, check) -> Collected:
+        """A queued collection's trees (``data.max_lag >= 1``, in the collector thread): the held version it was queued
+        under samples, with its seed; ``check`` stops it between waves."""
+        return self._collect(job.tasks, job.groups, job.rng, job.seed, job.version, check)
+
+    def _collect(self, tasks, groups, rng: random.Random, seed: int, version: int | None, check) -> Collected:
+        """The trees of one epoch's task stream sampled by ``version`` (None: synced to the weights as they are now),
+        their trained leaves chosen and their cost counted (no collective: it may run off the main thread)."""
         branch_rng = random.Random(seed ^ 0x5EED)  # the fork decisions, from the same stream
         order = list(dict.fromkeys(groups))
         task_of = dict(zip(groups, tasks))
         for g in order:
             if groups.count(g) != self.leaves:
                 raise ValueError(f"branch: group {g} has {groups.count(g)} tasks, data.group_size={self.leaves} expected")
-        grown = self._grow([task_of[g] for g in order], order, seed, branch_rng)
+        grown = self._grow([task_of[g] for g in order], order, seed, branch_rng, version, check)
         try:
             # each task's leaves together, in creation order (parents before children); branch_of renumbered. A child
             # stopped early is no leaf (and never a parent): it only counts in the cost
@@ -178,7 +207,6 @@ class BranchingCollector:
             for i in ordered:
                 e = grown.nodes[i].episode
                 e.branch_of = new[e.branch_of] if e.branch_of >= 0 else -1
-                e.sampled_epoch = epoch
                 episodes.append(e)
             stopped = [n.episode for n in grown.nodes if n.stop is not None]
         finally:
@@ -189,43 +217,36 @@ class BranchingCollector:
         stats = dataclasses.replace(grown.stats, errors=list(grown.stats.errors), episodes=len(episodes) + len(stopped),
                                     env_steps=int(metrics["rollout/branch_env_steps"]),
                                     generated_tokens=int(metrics["rollout/branch_generated_tokens"]))
-        return Collected(episodes, [e.group for e in episodes], stats, rng, time.perf_counter() - t0, metrics,
-                         trained=chosen.trained, nominal=len(tasks))
+        return Collected(episodes, [e.group for e in episodes], stats, rng, 0.0, metrics, trained=chosen.trained,
+                         nominal=len(tasks))
 
-    def _grow(self, tasks, groups, seed: int, rng: random.Random) -> Grown:
-        from cope.rollout.hf_actor import CachedSamplingActor  # torch-side
-
+    def _grow(self, tasks, groups, seed: int, rng: random.Random, version: int | None, check) -> Grown:
         policy, engine, s = self.host.policy(), self.host.engine, self.host.sampling
         if policy is None:
             raise RuntimeError("BranchingCollector: no policy bound yet (RolloutDataModule.connect must run first)")
-        engine.sync(self.host.version())
+        if version is None:
+            engine.sync(self.host.version())
         choose = functools.partial(self._choose, vocab=len(policy.tokenizer))
-        model = policy.model
-        was_training = model.training
-        model.eval()
-        try:
-            with contextlib.ExitStack() as stack:
-                if self.on_server:  # the server's newest version samples; its log-probs come with every answer
-                    inner = stack.enter_context(engine.actor(s, seed))
-                else:
-                    inner = CachedSamplingActor(policy.model, policy.pad_id, policy.chat.stop_ids, s.max_action_tokens,
-                                                s.temperature, s.top_p, seed=seed, logprobs=self.trigger == "entropy")
-                    stack.enter_context(policy.full_weights())
-                    stack.enter_context(self.host.precision())
-                # env workers: the engine's own batch (its worker processes serve every wave, epoch and validation)
-                envs = stack.enter_context(engine.slots()) if self.in_workers else None
-                template = None
-                if envs is None:
-                    template = engine.env_factory()
-                    template.close()
-                depth = 0 if self.by_replay else (self.max_depth or template.max_steps)
-                loop = Loop(engine.env_factory, template, policy.tokenizer, policy.chat, engine.max_context,
-                            s.max_action_tokens, engine.instructions, self.by_replay, depth, envs,
-                            self.stops if self.stops.on else None, engine.runtime.max_live_episodes)
-                return grow(loop, tasks, groups, leaves=self.leaves, roots=self.roots, actor=ScriptedActor(inner),
-                            choose=choose, rng=rng, stopping=self.host.stopping)
-        finally:
-            model.train(was_training)
+        with contextlib.ExitStack() as stack:
+            # the engine's actor: in process on the model as it is now (its whole weights) or on a held version's
+            # sampler copy; on a server the newest or a held version, its log-probs with every answer. Log-probs are
+            # needed by the entropy trigger and, off-policy, by the behaviour correction
+            inner = stack.enter_context(engine.actor(s, seed, version=version,
+                                                     logprobs=self.trigger == "entropy" or self.off_policy))
+            if not self.on_server:
+                stack.enter_context(self.host.precision())
+            # env workers: the engine's own batch (its worker processes serve every wave, epoch and validation)
+            envs = stack.enter_context(engine.slots()) if self.in_workers else None
+            template = None
+            if envs is None:
+                template = engine.env_factory()
+                template.close()
+            depth = 0 if self.by_replay else (self.max_depth or template.max_steps)
+            loop = Loop(engine.env_factory, template, policy.tokenizer, policy.chat, engine.max_context,
+                        s.max_action_tokens, engine.instructions, self.by_replay, depth, envs,
+                        self.stops if self.stops.on else None, engine.runtime.max_live_episodes)
+            return grow(loop, tasks, groups, leaves=self.leaves, roots=self.roots, actor=ScriptedActor(inner),
+                        choose=choose, rng=rng, check=check)
 
     def _choose(self, parents, slots: int, rng: random.Random, vocab: int):
         return choose_forks(self.trigger, parents, slots, rng, p=self.p, tag=self.tag, max_depth=self.max_depth,
@@ -246,10 +267,15 @@ class BranchingCollector:
         return out
 
     def cancel(self) -> None:
-        """Nothing runs between epochs, so there is nothing to stop."""
+        """Stops the background collections (``data.max_lag >= 1``); nothing else runs between epochs."""
+        if self.lagged is not None:
+            self.lagged.cancel()
 
     def state_dict(self) -> dict:
-        return {}  # nothing is in flight between epochs
+        """With ``data.max_lag >= 1`` the lagged rollouts' counts (the episodes a resume discards); else nothing: no
+        tree is in flight between epochs, so a checkpoint never holds half a tree."""
+        return self.lagged.state_dict() if self.lagged is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
-        """Nothing to restore."""
+        if self.lagged is not None:
+            self.lagged.load_state_dict(state)

@@ -114,8 +114,9 @@ class Loop:
 
 
 def grow(loop: Loop, tasks: list[Task], groups: list[int], *, leaves: int, roots: int, actor: ScriptedActor,
-         choose: ForkChooser, rng: random.Random, stopping: Callable[[], bool] = lambda: False) -> Grown:
+         choose: ForkChooser, rng: random.Random, check: Callable[[], None] = lambda: None) -> Grown:
     """The trees of ``tasks`` (one per task, group ``groups[i]``), ``leaves`` episodes each (see the module doc).
+    ``check()`` runs before every wave and raises to stop (a SIGTERM, a cancelled background collection).
     Raises RuntimeError when a child's shared ids differ from its parent's (a bug, never an env event)."""
     out = Grown([], RolloutStats())
     free = dict.fromkeys(groups, leaves)
@@ -126,10 +127,7 @@ def grow(loop: Loop, tasks: list[Task], groups: list[int], *, leaves: int, roots
         free[g] -= roots
     try:
         while specs:
-            if stopping():
-                from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-                raise SIGTERMException
+            check()
             first = len(out.nodes)
             _wave(loop, specs, task_of, actor, out)
             specs = []
