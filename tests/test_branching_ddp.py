@@ -24,11 +24,13 @@ def _rows(out: Path, rank: int, key: str) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.ddp
-def test_ddp_ranks_grow_whole_trees_and_agree_on_the_weights(train_script, read_metrics, tmp_path):
+@pytest.mark.parametrize("lag", [0, 1])  # 1: each rank's trees grow in its collector thread on the held version
+def test_ddp_ranks_grow_whole_trees_and_agree_on_the_weights(train_script, read_metrics, tmp_path, lag):
     run_dir, trees, weights = tmp_path / "run", tmp_path / "trees", tmp_path / "weights"
     pythonpath = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
     proc = train_script(["debug=fast", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
                          "+collector=branching", "branch.roots=2", "branch.trigger=random", "data.env_runtime.workers=1",
+                         f"data.max_lag={lag}",
                          # a maze the warm-started tiny model solves now and then: a reward spread, so the weights move
                          "model.warm_start_steps=150", "env.sizes=[5]", "env.min_distance=1",
                          "validate_before_fit=false", "trainer.check_val_every_n_epoch=100", f"hydra.run.dir={run_dir}",
@@ -62,3 +64,4 @@ def test_ddp_ranks_grow_whole_trees_and_agree_on_the_weights(train_script, read_
     cols = read_metrics(run_dir / "csv" / "metrics.csv")
     assert cols["counters/episodes"] == [RANKS * TASKS * G * (e + 1) for e in range(EPOCHS)]
     assert len(cols["rollout/branch_leaves"]) == EPOCHS
+    assert cols.get("rollout/lag_mean", [0.0, 0.0]) == [0.0, float(lag)]

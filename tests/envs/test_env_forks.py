@@ -339,11 +339,18 @@ def _tau2(workers: int):
     return _tree(functools.partial(Tau2Env, domain="mock", max_steps=4), workers)
 
 
+def _scienceworld(workers: int):
+    from cope.envs.scienceworld.env import ScienceWorldEnv
+
+    return _tree(functools.partial(ScienceWorldEnv, tasks=["boil"], max_steps=4), workers)
+
+
 @pytest.mark.long
-@pytest.mark.parametrize("grow", ["alfworld", "webshop", pytest.param("tau2", marks=pytest.mark.slow)])  # tau2: ~20 s
+@pytest.mark.parametrize("grow", ["alfworld", "webshop", pytest.param("tau2", marks=pytest.mark.slow),  # tau2: ~20 s
+                                  pytest.param("scienceworld", marks=[pytest.mark.slow, needs_jvm])])  # a JVM a slot
 def test_env_workers_grow_the_same_trees_as_in_process(grow, request):
-    """With env workers every child is replayed in a worker process: the same tree, id for id, as in process
-    (ScienceWorld's replays are tested in process above: a JVM per worker slot is too slow for this tier)."""
+    """With env workers every child is replayed in a worker process (on a worker's reused JVM for ScienceWorld): the
+    same tree, id for id, as in process."""
     if grow == "alfworld":
         if importlib.util.find_spec("alfworld") is None:
             pytest.skip("needs the alfworld extra (alfworld==0.4.2)")
@@ -352,7 +359,7 @@ def test_env_workers_grow_the_same_trees_as_in_process(grow, request):
     else:
         if grow == "tau2" and not HAS_TAU2:
             pytest.skip("needs tau2-bench: pip install 'cope-trainer[tau2]'")
-        build = {"webshop": _webshop, "tau2": _tau2}[grow]
+        build = {"webshop": _webshop, "tau2": _tau2, "scienceworld": _scienceworld}[grow]
         here, there = build(0), build(2)
     assert [(e.tokens, e.branch_of, e.shared_steps, e.reward) for e in here.episodes] == \
         [(e.tokens, e.branch_of, e.shared_steps, e.reward) for e in there.episodes]
