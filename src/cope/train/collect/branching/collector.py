@@ -23,11 +23,12 @@ minibatch count of full groups (``Collected.nominal``), so DDP's optimizer steps
 
 Where it differs: the fork decision is taken on the parent's finished transcript (same tree distribution, batched
 waves); a task whose trigger picks no fork point fills its free slots with fresh roots (``rollout/branch_fill_roots``)
-so every group grows ``group_size`` leaves (fewer where children stopped early). The in-process engine
-(``rollout=hf``) samples each wave with its own cached sampler; a server engine that lends its actor (``rollout=vllm``)
-sends each wave as requests on the newest version, a child's prompt its parent's ids (the server's prefix cache
-serves them); an env that forks only by copy runs only with its envs in this process (``data.env_runtime.workers=0``);
-others are refused by name.
+so every group grows ``group_size`` leaves (fewer where children stopped early). The engine lends the actor that
+samples the waves (``lends_actor``): in process (``rollout=hf``) a cached sampler on the model, on a server
+(``rollout=vllm``) requests on an adapter, a child's prompt its parent's ids (the server's prefix cache serves them);
+with ``data.max_lag >= 1`` the trees grow in the collector thread on the held version the overlapped schedule names
+(:mod:`cope.train.collect.lagged`). An env that forks only by copy runs only with its envs in this process
+(``data.env_runtime.workers=0``); others are refused by name.
 
 Metrics (``Collected.metrics``, the same keys every epoch on every rank): what the trees cost
 (``rollout/branch_env_steps``: own env steps plus the replays' steps; ``rollout/branch_generated_tokens``) against
