@@ -107,7 +107,7 @@ class BranchingCollector:
     off_policy = False  # the weights that sample an epoch are the ones that score it (True on an instance with a lag)
     takes_max_lag = True  # choose_collector passes data.max_lag: the trees grow in the background at L >= 1
     needs_fork = True  # for a config rule: an env with fork() or forks_by_replay (env workers: replay), an engine
-    # that samples in process or lends its actor
+    # that lends its sampling actor
 
     def __init__(self, *, host: CollectorHost, group_size: int, roots: int = 2, trigger: str = "uniform",
                  p: float = 0.5, tag: str = "<explore>", max_depth: int | None = None, entropy_weight: float = 0.2,
