@@ -2,12 +2,16 @@
 the in-process engine (``rollout=hf``) and, where a vLLM interpreter exists, a vLLM server on the same GPU. Phase by
 phase (docs/gpu.md: the commands in order, the card each needs).
 
-Phases (:data:`PHASES`, all in the default plan; ``--phase`` picks some, ``--list``, ``--dry-run``; ``--engine`` and
-``--lags`` narrow the default plan): ``hf_lag0``, ``hf_lag1``, ``vllm_lag0``, ``vllm_lag1``. Each is one real
-``python train.py`` of ``bench.overlap_speed``'s comparison with ``trainer=gpu`` (bf16 mixed precision):
+Phases (:data:`PHASES`; ``--phase`` picks some, ``--list``, ``--dry-run``; ``--engine`` and ``--lags`` narrow the
+default plan): ``hf_lag0``, ``hf_lag1``, ``vllm_lag0``, ``vllm_lag1`` (the default plan), ``branch_lag0``,
+``branch_lag1`` (by name only). Each is one real ``python train.py`` of ``bench.overlap_speed``'s comparison with
+``trainer=gpu`` (bf16 mixed precision):
 
 * ``hf_*``: the in-process engine, generation and training in the trainer's process on the GPU (lag 1: the next
   epoch's rollouts in a thread while the optimizer steps run; a sampler copy of the adapter per held version).
+* ``branch_*``: the in-process engine with branched rollouts (``+collector=branching``, each group of 8 leaves a
+  tree of 2 roots, trained as tries: ``data.share_prefix=true``, the tree attention on CUDA); lag 1: the trees grow
+  in the collector thread on the held version's sampler copy.
 * ``vllm_*``: ``rollout=vllm`` with a managed vLLM server on **the same GPU** (``data.engine.gpu_memory_utilization``
   0.3 leaves the rest to training; on a node with two GPUs attach a server on the other with ``data.engine.url``,
   docs/vllm.md), ``data.engine.max_loras=2`` (a lagged collection's adapter and the newest one served at once),
@@ -92,6 +96,10 @@ PHASES = {p.name: p for p in (
               "hf_lag0 + ~75 s server start; skipped without a vLLM interpreter"),
     PhaseSpec("vllm_lag1", "rollout=vllm, max_lag=1, max_loras=2", "80GB", 2.0,
               "hf_lag1 + ~75 s server start; skipped without a vLLM interpreter"),
+    PhaseSpec("branch_lag0", "rollout=hf, +collector=branching, data.share_prefix=true, max_lag=0", "80GB", 1.0,
+              "hf_lag0's run with 0.62x its env steps and tokens (2 roots of 8 leaves), build cached", default=False),
+    PhaseSpec("branch_lag1", "as branch_lag0 with max_lag=1: the trees grow in the collector thread", "80GB", 0.9,
+              "as hf_lag1", default=False),
 )}
 SETUP = PhaseSpec("setup", "preflight: CUDA, hydra (vendored if carried), vLLM interpreter", "80GB", 0.1, "seconds")
 
@@ -110,7 +118,9 @@ def engine_overrides(engine: str, gpu_memory_utilization: float, vllm_python: st
         return out + ([f"data.engine.python={vllm_python}"] if vllm_python else [])
     if engine == "hf":
         return []
-    raise ValueError(f"--engine: vllm or hf, got {engine!r}")
+    if engine == "branch":
+        return ["+collector=branching", "data.share_prefix=true"]
+    raise ValueError(f"--engine: vllm, hf or branch, got {engine!r}")
 
 
 def plan(args) -> list[dict]:
@@ -263,7 +273,8 @@ def peaks(metrics_csv: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_plan_args(ap, PHASES)
-    ap.add_argument("--engine", choices=("vllm", "hf"), help="the default plan's phases of this engine only")
+    ap.add_argument("--engine", choices=("vllm", "hf", "branch"),
+                    help="the phases of this engine only (branch: its phases, which the default plan leaves out)")
     ap.add_argument("--lags", type=int, nargs="+", help="the default plan's phases at these lags only (0 among them)")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the vLLM server's share of the GPU")
@@ -282,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_overlap_check: vendored {got} into {VENDOR_DIR} ({mib:.1f} MiB); carry `.whl` in the device call")
         return 0
     names = selected(args, PHASES)
-    if args.phase is None:  # --engine / --lags narrow the default plan
-        names = [n for n in names if (args.engine is None or phase_run(n)[0] == args.engine)
+    if args.phase is None:  # --engine / --lags narrow the default plan (--engine branch: its own phases)
+        pool = [n for n in PHASES if phase_run(n)[0] == "branch"] if args.engine == "branch" else names
+        names = [n for n in pool if (args.engine is None or phase_run(n)[0] == args.engine)
                  and (args.lags is None or phase_run(n)[1] in args.lags)]
     by_engine: dict[str, list[int]] = {}
     for n in names:

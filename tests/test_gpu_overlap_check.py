@@ -36,7 +36,12 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def test_plan_phases_and_estimates(tmp_path):
     proc = _cli(["--dry-run"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert all(f"| {n} | 80GB |" in proc.stdout for n in gpu.PHASES)  # every phase in the default plan, any card
+    default = [n for n, p in gpu.PHASES.items() if p.default]
+    assert default == ["hf_lag0", "hf_lag1", "vllm_lag0", "vllm_lag1"]
+    assert all(f"| {n} | 80GB |" in proc.stdout for n in default) and "branch_lag" not in proc.stdout  # any card
+    branch = _cli(["--plan", "--engine", "branch"], tmp_path)  # branched rollouts: by name or --engine only
+    runs = [line for line in branch.stdout.splitlines() if "python train.py" in line]
+    assert branch.returncode == 0 and len(runs) == 2 and all("+collector=branching" in r for r in runs), branch.stderr[-2000:]
     assert "the vllm phases are skipped: 2.2 min estimated" in proc.stdout  # the lent machines' default plan
     assert gpu.SETUP.minutes + sum(p.minutes for n, p in gpu.PHASES.items() if n.startswith("hf")) <= 5.0
     hf = _cli(["--dry-run", "--engine", "hf"], tmp_path)

@@ -154,9 +154,10 @@ def test_gpu_check_preflight_names_what_is_missing(monkeypatch):
     assert gpu.preflight(gpu.argparse.Namespace(engine="hf", vllm_python=None)) is None
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
+@pytest.mark.parametrize("engine", ["vllm", "hf", "branch"])
 def test_gpu_check_runs_are_lag_0_and_1_on_one_gpu_and_pass_the_config_check(compose, tmp_path, engine, capsys, monkeypatch):
     """The runs' configs as the GPU machine checks them (CUDA reported present: the check refuses trainer=gpu here)."""
+    import peft  # noqa: F401 - before CUDA is faked: peft probes CUDA streams on import (the test alone failed)
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -168,6 +169,7 @@ def test_gpu_check_runs_are_lag_0_and_1_on_one_gpu_and_pass_the_config_check(com
         assert "trainer=gpu" in o and "trainer.max_epochs=4" in o
         if engine == "vllm":
             assert {"rollout=vllm", "data.engine.max_loras=2", "data.engine.gpu_memory_utilization=0.3"} <= set(o)
+        assert ("+collector=branching" in o) == (engine == "branch")
         cfg = compose(o, tmp_path)
         check_config(cfg)
         assert cfg.data.max_lag == r["lag"] and cfg.trainer.accelerator == "gpu" and cfg.model.hidden_size == 896
