@@ -36,3 +36,18 @@ def test_a_seed_that_one_arm_lacks_is_left_out():
             "grpo_branch": {"runs": {1: _curve([0, 5], [0.0, 0.3])}}}
     s = summarize(arms)
     assert s["budget"] == {1: 5} and s["arms"]["grpo"]["n"] == 1
+
+
+def test_the_same_comparison_at_equal_generated_tokens():
+    """key="generated_tokens": the budget and the reads come from the tokens counter, the section says so."""
+    from bench.study.equal_steps import lines
+
+    arms = {"grpo": {"runs": {0: {"env_steps": [0, 100], "generated_tokens": [0, 1000], "success": [0.0, 0.5]}}},
+            "grpo_branch": {"runs": {0: {"env_steps": [0, 80], "generated_tokens": [0, 400], "success": [0.0, 0.3]}}}}
+    s = summarize(arms, "generated_tokens")
+    assert s["key"] == "generated_tokens" and s["budget"] == {0: 400}
+    assert s["arms"]["grpo"]["success"][0] == pytest.approx(0.2)  # 0.5 * 400 / 1000
+    assert s["arms"]["grpo_branch"]["steps_ratio"] == pytest.approx(0.4)
+    text = "\n".join(lines(s, {}))
+    assert "### Held-out success at equal generated tokens" in text and "generated tokens of the whole run" in text
+    assert summarize(arms)["budget"] == {0: 80}  # the default: env steps

@@ -146,7 +146,8 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
     lines += _final(final, info)
     lines += _detectable(arms, between, final)
     lines += _sft_gain(summary.get("sft_gain", {}).get(regime))
-    lines += equal_steps.lines(summary.get("equal_steps", {}).get(regime), NAMES)
+    for costs in summary.get("equal_steps", {}).get(regime) or []:  # at equal env steps, then generated tokens
+        lines += equal_steps.lines(costs, NAMES)
     lines += [
         "",
         "Mechanism (gradients: means over the steps where both are non-zero, then over seeds; groups without a reward "

@@ -46,7 +46,8 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
     gradient diagnostics are read (``forecast``, ``echo``)."""
     val = [r for r in _rows(d / "csv/learning_curve.csv") if r.get("val_success") is not None]
     xs, steps, ys = [r["episodes"] for r in val], [r["env_steps"] for r in val], [r["val_success"] for r in val]
-    out = {"episodes": xs, "env_steps": steps, "success": ys, "auc": auc_norm(xs, ys), "final": ys[-1] if ys else None,
+    tokens = [r.get("generated_tokens") for r in val]
+    out = {"episodes": xs, "env_steps": steps, "generated_tokens": tokens if None not in tokens else [], "success": ys, "auc": auc_norm(xs, ys), "final": ys[-1] if ys else None,
            "start": ys[0] if ys else None, "success_drop": max(ys) - ys[-1] if ys else None}  # a late collapse: peak - last
     if threshold is not None:
         out["episodes_to"] = first_reaching(xs, ys, threshold)
@@ -276,7 +277,8 @@ def summarize(results: list[dict], meta: dict) -> dict:
             row.pop("size_runs", None)  # summarized in by_size
     gain = {r: stages.sft_gain({a: {s: c["final"] for s, c in row["runs"].items() if c["final"] is not None}
                                 for a, row in arms.items()}) for r, arms in table.items()}
-    equal = {r: equal_steps.summarize(arms) for r, arms in table.items() if meta["regimes"][r].get("equal_env_steps")}
+    equal = {r: [equal_steps.summarize(arms, key) for key in equal_steps.COSTS] for r, arms in table.items()
+             if meta["regimes"][r].get("equal_env_steps")}
     return {"test": table, "tuning": tuning, "by_size": by_size, "between": between, "final": final_eval.summarize(results),
             "sft_gain": {r: g for r, g in gain.items() if g}, "equal_steps": equal}
 
