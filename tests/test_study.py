@@ -116,8 +116,8 @@ def test_study_smoke_baselines(tmp_path):
 
 def test_study_smoke_branching(tmp_path):
     """The branched rollouts' learning bench (`branching`) in miniature: flat GRPO and the branched arm (`+collector=branching`),
-    one seed; the branched run logged its trees' cost, and the report compares the arms at equal env steps (its table
-    and its figure)."""
+    one seed; the branched run logged its trees' cost, and the report compares the arms at equal env steps and at equal
+    generated tokens (its tables and its figure)."""
     out = tmp_path / "study"
     proc = _study(out, "branching")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -127,7 +127,10 @@ def test_study_smoke_branching(tmp_path):
     with (run / "csv/metrics.csv").open() as f:
         rows = [r for r in csv.DictReader(f) if r.get("rollout/branch_env_steps")]
     assert rows and all(float(r["rollout/branch_env_steps"]) < float(r["rollout/branch_flat_env_steps_est"]) for r in rows)
-    equal = report["equal_steps"]["branching"]
-    assert list(equal["budget"]) == ["0"] and equal["arms"]["grpo_branch"]["steps_ratio"] < 1.0
-    assert "Held-out success at equal env steps" in (out / "study.md").read_text()
+    steps, tokens = report["equal_steps"]["branching"]  # at equal env steps, then at equal generated tokens
+    assert steps["key"] == "env_steps" and tokens["key"] == "generated_tokens"
+    for equal in (steps, tokens):
+        assert list(equal["budget"]) == ["0"] and equal["arms"]["grpo_branch"]["steps_ratio"] < 1.0
+    text = (out / "study.md").read_text()
+    assert "Held-out success at equal env steps" in text and "Held-out success at equal generated tokens" in text
     assert (out / "success_vs_env_steps.png").stat().st_size > 0

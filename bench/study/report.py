@@ -46,9 +46,10 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
     gradient diagnostics are read (``forecast``, ``echo``)."""
     val = [r for r in _rows(d / "csv/learning_curve.csv") if r.get("val_success") is not None]
     xs, steps, ys = [r["episodes"] for r in val], [r["env_steps"] for r in val], [r["val_success"] for r in val]
-    tokens = [r.get("generated_tokens") for r in val]
-    out = {"episodes": xs, "env_steps": steps, "generated_tokens": tokens if None not in tokens else [], "success": ys, "auc": auc_norm(xs, ys), "final": ys[-1] if ys else None,
-           "start": ys[0] if ys else None, "success_drop": max(ys) - ys[-1] if ys else None}  # a late collapse: peak - last
+    tokens = [r.get("generated_tokens") for r in val]  # [] for a record without the column
+    out = {"episodes": xs, "env_steps": steps, "generated_tokens": tokens if None not in tokens else [], "success": ys,
+           "auc": auc_norm(xs, ys), "final": ys[-1] if ys else None, "start": ys[0] if ys else None,
+           "success_drop": max(ys) - ys[-1] if ys else None}  # a late collapse: peak - last
     if threshold is not None:
         out["episodes_to"] = first_reaching(xs, ys, threshold)
         out["env_steps_to"] = first_reaching(steps, ys, threshold)
