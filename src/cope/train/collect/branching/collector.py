@@ -158,7 +158,6 @@ class BranchingCollector:
         self.host, self.leaves, self.roots, self.trigger = host, int(group_size), int(roots), trigger
         self.p, self.tag, self.max_depth, self.entropy_weight = float(p), tag, max_depth, float(entropy_weight)
         self.in_workers = workers > 0
-        self.on_server = not can(engine, "samples_in_process")  # each wave's requests to the engine's server
         self.by_replay = bool(replay) or not by_copy or self.in_workers
         self.dedup, self.j_max = bool(dedup), None if j_max is None else int(j_max)
         self.stops = StopRule(loops=bool(stop_loops), duplicates=bool(stop_duplicates))
@@ -171,7 +170,8 @@ class BranchingCollector:
         t0 = time.perf_counter()
         tasks, groups, rng = self.host.task_stream(epoch)
         seed = rng.randrange(2**31)  # after the tasks, before the minibatch order: as the synchronous collector
-        got = self._collect(tasks, groups, rng, seed, None, self._sigterm)
+        with self.host.precision():  # as the lagged thread enters it around its run
+            got = self._collect(tasks, groups, rng, seed, None, self._sigterm)
         for e in got.episodes:
             e.sampled_epoch = epoch
         got.seconds = time.perf_counter() - t0
@@ -234,8 +234,6 @@ class BranchingCollector:
             # needed by the entropy trigger and, off-policy, by the behaviour correction
             inner = stack.enter_context(engine.actor(s, seed, version=version,
                                                      logprobs=self.trigger == "entropy" or self.off_policy))
-            if not self.on_server:
-                stack.enter_context(self.host.precision())
             # env workers: the engine's own batch (its worker processes serve every wave, epoch and validation)
             envs = stack.enter_context(engine.slots()) if self.in_workers else None
             template = None
