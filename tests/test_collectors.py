@@ -115,7 +115,7 @@ def test_the_collector_is_chosen_once_from_max_lag():
     assert choose_collector(0, ReplayCollector) is ReplayCollector
     with pytest.raises(ValueError, match=r"data\.max_lag must be >= 0"):
         choose_collector(-1)
-    with pytest.raises(ValueError, match=r"data\.collector replaces the collector data\.max_lag=1"):
+    with pytest.raises(ValueError, match=r"data\.max_lag=1: data\.collector \(ReplayCollector\) .* set data\.max_lag=0"):
         choose_collector(1, ReplayCollector)
     branching = functools.partial(BranchingCollector, group_size=4)  # as Hydra's _partial_ gives it
     assert choose_collector(0, branching) is branching  # its trees grow in the background only with a lag

@@ -92,9 +92,10 @@ def _pair(train_script, tmp_path: Path, extra: list[str] = (), fsdp_extra: list[
     return {t: _run(train_script, tmp_path, t, t, [*extra, *(fsdp_extra if t == "fsdp" else ())]) for t in ("ddp", "fsdp")}
 
 
-def _agree(pair: dict, read_metrics, epochs: int, adapter_abs: float = ABS, every_step: bool = True) -> dict:
+def _agree(pair: dict, read_metrics, epochs: int, adapter_abs: float = ABS, every_step: bool = True,
+           logged: tuple[str, ...] = ("loss/total", "train/grad_norm", "policy/approx_kl")) -> dict:
     """Asserts the pair's ddp and fsdp runs agree (the adapters within ``adapter_abs``); returns the fsdp run's facts.
-    ``every_step``: every optimizer step had a gradient (else: at least one)."""
+    ``every_step``: every optimizer step had a gradient (else: at least one); ``logged``: metrics both runs must log."""
     ddp_dir, ddp_rows, ddp_adapter, _ = pair["ddp"]
     fs_dir, fs_rows, fs_adapter, proc = pair["fsdp"]
     for r in range(2):  # the same episodes, token for token, on each rank and epoch
@@ -106,7 +107,7 @@ def _agree(pair: dict, read_metrics, epochs: int, adapter_abs: float = ABS, ever
     compared = [k for k in a if not k.startswith(TIMING)]
     for k in compared:
         assert b[k] == pytest.approx(a[k], rel=REL, abs=ABS), (k, a[k], b[k])
-    assert {"loss/total", "train/grad_norm", "policy/approx_kl"} <= set(compared)
+    assert set(logged) <= set(compared), set(logged) - set(compared)
     assert (min if every_step else max)(a["train/grad_norm"]) > 0 and len(a["loss/total"]) >= 2
     assert set(ddp_adapter) == set(fs_adapter) and ddp_adapter
     for k in ddp_adapter:  # the whole adapter after fit, gathered from the shards

@@ -118,11 +118,14 @@ LEARNS = ["model.warm_start_steps=150", "env.sizes=[5]", "env.min_distance=1", "
 
 
 @pytest.mark.long
-def test_algo_wm_sft_trains(run_train, read_metrics, tmp_path):
+@pytest.mark.parametrize("lag", [0, 1])
+def test_algo_wm_sft_trains(run_train, read_metrics, tmp_path, lag):
+    """Also with overlapped rollouts (data.max_lag=1): the samples are cut from the lagged epoch's episodes."""
     from safetensors.torch import load_file
 
-    run_train(["algo=wm_sft", *LEARNS], tmp_path)
+    run_train(["algo=wm_sft", *LEARNS, f"data.max_lag={lag}"], tmp_path)
     cols = read_metrics(tmp_path / "csv" / "metrics.csv")
+    assert max(cols.get("rollout/lag_max", [0])) == lag  # logged by lagged collection only
     assert len(cols["loss/wm"]) == 2 and all(v > 0 for v in cols["loss/wm"]) and all(v > 0 for v in cols["wm/samples"])
     assert cols["loss/wm_weighted"] == pytest.approx([0.01 * v for v in cols["loss/wm"]])
     lora_b = [v for k, v in load_file(str(tmp_path / "csv" / "adapter" / "adapter_model.safetensors")).items() if "lora_B" in k]

@@ -65,9 +65,11 @@ def choose_collector(max_lag: int, collector: CollectorFactory | None = None) ->
     if collector is not None:
         if not max_lag:
             return collector
-        if getattr(getattr(collector, "func", collector), "takes_max_lag", False):
+        cls = getattr(collector, "func", collector)
+        if getattr(cls, "takes_max_lag", False):
             return functools.partial(collector, max_lag=int(max_lag))
-        raise ValueError(f"data.collector replaces the collector data.max_lag={max_lag} chooses: set one of them")
+        raise ValueError(f"data.max_lag={max_lag}: data.collector ({getattr(cls, '__qualname__', cls)}) collects on its "
+                         "own schedule and takes no lag (only the branching collector does): set data.max_lag=0")
     return functools.partial(LaggedCollector, max_lag=int(max_lag)) if max_lag else SyncCollector
 
 
