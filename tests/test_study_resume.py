@@ -120,3 +120,65 @@ def test_a_sigtermed_launcher_stops_its_runs_and_starts_no_more(tmp_path):
     assert sorted(p.parent.name for p in tmp_path.glob("runs/*/got_sigterm")) == ["seed0", "seed1"]
     assert not (tmp_path / "runs/seed2/started").exists()
     assert "stopped by SIGTERM" in out and "stopping 2 running job(s)" in err
+
+
+HOLDER = '''import os, sys, time
+from pathlib import Path
+run = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("hydra.run.dir=")))
+(run / "pid").write_text(str(os.getpid()))
+if (run.parent / "quick").exists():  # a later attempt: finish at once
+    (run / "csv").mkdir(exist_ok=True)
+    (run / "csv/learning_curve.csv").write_text("epoch,episodes,val_success\\n")
+    sys.exit(0)
+(run / "checkpoints").mkdir(exist_ok=True)
+(run / "checkpoints/last.ckpt").write_text("epoch")
+time.sleep(120)
+'''
+
+ONE_LAUNCHER = '''import sys
+from pathlib import Path
+from bench.study import runs as se
+se.REPO = Path(sys.argv[2])
+print(se.train_one("grpo", 0, Path(sys.argv[2]) / "runs/seed0", [], 1, force=False, resume=True), flush=True)
+'''
+
+
+def test_a_run_another_launcher_holds_is_left_to_it_also_after_that_launcher_was_killed(tmp_path, monkeypatch):
+    """Two launchers on one --out (a second started while the first still waits for its stopped runs): the second
+    leaves the running run alone (its folder untouched), also once the first launcher was SIGKILLed and only its
+    orphaned train.py lives on; it trains the run once that has exited."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "train.py").write_text(HOLDER)
+    monkeypatch.setattr(sample_efficiency, "REPO", tmp_path)
+    run = tmp_path / "runs/seed0"
+    repo = Path(__file__).resolve().parents[1]
+    first = subprocess.Popen([sys.executable, "-c", ONE_LAUNCHER, "-", str(tmp_path)], cwd=repo,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not (run / "checkpoints/last.ckpt").exists():
+        assert first.poll() is None and time.monotonic() - t0 < 60, first.stderr.read()
+        time.sleep(0.05)
+    before = (run / "attempts.json").read_text()
+    got = sample_efficiency.train_one("grpo", 0, run, [], 1, force=False, resume=True)
+    assert got["rc"] == sample_efficiency.BUSY and "left to it" in sample_efficiency.run_state(got)
+    assert (run / "attempts.json").read_text() == before  # nothing of the run was touched
+    first.kill()  # the launcher only: its train.py lives on, holding the lock it was handed
+    first.communicate(timeout=30)
+    child = int((run / "pid").read_text())
+    os.kill(child, 0)  # still alive
+    assert sample_efficiency.train_one("grpo", 0, run, [], 1, force=False, resume=True)["rc"] == sample_efficiency.BUSY
+    os.kill(child, signal.SIGKILL)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 30:  # reaped by init (a zombie keeps no descriptor: the lock is free at once)
+        try:
+            os.kill(child, 0)
+            time.sleep(0.05)
+        except ProcessLookupError:
+            break
+    (run.parent / "quick").write_text("1")
+    done = sample_efficiency.train_one("grpo", 0, run, [], 1, force=False, resume=True)
+    assert done["rc"] == 0 and not done["skipped"] and json.loads((run / "done").read_text())["attempts"] == 2

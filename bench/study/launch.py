@@ -47,7 +47,7 @@ from bench.study import records as study_records
 from bench.study import stages
 from bench.study.regimes import ARM_ALGO, COMMON, DEFAULT_REGIMES, REPO, SMOKE_EVAL, SMOKE_PANEL, SPEC, Regime
 from bench.study.report import EARLY_EPOCHS, _rows, early_forecast_samples, report, run_curve
-from bench.study.runs import STOPPED, finished, run_state, stop_on_sigterm, stopping, train_one
+from bench.study.runs import BUSY, STOPPED, finished, held, run_state, stop_on_sigterm, stopping, train_one
 
 
 @dataclass
@@ -101,8 +101,10 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int, record
             r = {**r, "rc": -15}
         # a record's copy (restored now or by an earlier launch) has no checkpoint to evaluate: the report names it
         if r["rc"] == 0 and job.final_eval and not (d / "restored_from").exists():
-            r = {**r, "rc": study_eval.evaluate(d, ARM_ALGO.get(job.arm, job.arm), job.seed, job.overrides, job.final_eval,
-                                                threads, REPO)}
+            with held(d) as lock:  # one launcher evaluates a run at a time (another one's evaluation: left to it)
+                rc = BUSY if lock is None else study_eval.evaluate(d, ARM_ALGO.get(job.arm, job.arm), job.seed,
+                                                                   job.overrides, job.final_eval, threads, REPO)
+            r = {**r, "rc": rc, "skipped": r["skipped"] and rc == 0}
         if r["rc"] == 0 and not restored:  # also a reused run recorded before records existed
             study_records.save(d, rec, job.overrides)
         done.append(1)

@@ -3,12 +3,15 @@
 :func:`train_one` runs (or reuses) one ``python train.py algo=<a> seed=<s> ...`` in its own folder: a ``done``
 marker (holding the wall time) marks a finished run, which is reused; with ``resume`` an unfinished run continues
 from its epoch checkpoint (``ckpt_path=auto``), otherwise it restarts from scratch. :func:`stop_on_sigterm` makes a
-launcher pass a SIGTERM or Ctrl-C on to its running jobs and start no new one. Used by the study launcher
-(:mod:`bench.study.launch`) and the default demo's seeds (:mod:`bench.demo_seeds`).
+launcher pass a SIGTERM or Ctrl-C on to its running jobs and start no new one. A run folder is trained by one
+process at a time (:func:`held`): a second launcher on the same ``--out`` (say, one started while the first still
+waits for its stopped runs to write their checkpoints) leaves a run another launcher holds to it. Used by the study
+launcher (:mod:`bench.study.launch`) and the default demo's seeds (:mod:`bench.demo_seeds`).
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -28,6 +31,7 @@ def finished(run: Path) -> bool:
 
 
 STOPPED = 128 + signal.SIGTERM  # a run's exit status after SIGTERM (train.py: newest epoch checkpoint kept)
+BUSY = -1000  # a job's rc when another launcher (or the run it started) holds the run folder: left to it
 _LIVE: set[subprocess.Popen] = set()  # the training subprocesses running now (any thread)
 _STOPPING = threading.Event()
 
@@ -66,10 +70,28 @@ def stopping() -> bool:
     return _STOPPING.is_set()
 
 
+@contextlib.contextmanager
+def held(run: Path):
+    """The exclusive lock of ``run`` (``.<name>.lock`` beside the folder, which a restart from scratch deletes):
+    yields the open lock file, or None when another process holds it. A subprocess given the file's descriptor
+    (``pass_fds``) holds the lock with it until it exits, also when the launcher that started it was killed outright
+    (an ``flock`` lasts while any descriptor of it is open)."""
+    run.parent.mkdir(parents=True, exist_ok=True)
+    with open(run.parent / f".{run.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield None
+            return
+        yield f
+
+
 def run_state(r: dict) -> str:
     """One word or phrase for a finished job's line in a launcher's log."""
     if r["skipped"]:
         return "reused"
+    if r["rc"] == BUSY:
+        return "held by another launcher's run: left to it"
     if r["rc"] == 0:
         return "ok"
     if r["rc"] == STOPPED:
@@ -84,10 +106,25 @@ def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, 
     task stream and curve as an uninterrupted run) instead of restarting, its ``bench.log`` appended to; ``wall_s``
     sums its attempts (``attempts.json``), also those whose launcher was killed (:func:`_attempts`)."""
     if finished(run) and not force:
-        return {"algo": algo, "seed": seed, "dir": str(run), "rc": 0, "skipped": True,
-                "wall_s": json.loads((run / "done").read_text())["wall_s"]}
+        return _reused(algo, seed, run)
     if _STOPPING.is_set():  # the launcher is stopping: do not start another run
         return {"algo": algo, "seed": seed, "dir": str(run), "rc": STOPPED, "skipped": False, "wall_s": 0.0}
+    with held(run) as lock:
+        if lock is None:
+            return {"algo": algo, "seed": seed, "dir": str(run), "rc": BUSY, "skipped": False, "wall_s": 0.0}
+        if finished(run) and not force:  # finished by another launcher just before this one took it
+            return _reused(algo, seed, run)
+        return _train_held(algo, seed, run, shared, threads, force, resume, lock.fileno())
+
+
+def _reused(algo: str, seed: int, run: Path) -> dict:
+    return {"algo": algo, "seed": seed, "dir": str(run), "rc": 0, "skipped": True,
+            "wall_s": json.loads((run / "done").read_text())["wall_s"]}
+
+
+def _train_held(algo: str, seed: int, run: Path, shared: list[str], threads: int, force: bool, resume: bool,
+                lock_fd: int) -> dict:
+    """:func:`train_one` with the run's lock held (``lock_fd``, passed on to the training subprocess)."""
     spent = run / "attempts.json"  # the wall time of every attempt (_attempts)
     kept = resume and not force and (run / "checkpoints/last.ckpt").exists()
     if kept:
@@ -102,7 +139,7 @@ def train_one(algo: str, seed: int, run: Path, shared: list[str], threads: int, 
     attempt = {"start": time.time(), "end": None}  # open until this launcher sees the run end
     spent.write_text(json.dumps([*earlier, attempt]))
     with (run / "bench.log").open("a" if kept else "w") as log:  # a resumed run's log goes on after its earlier ones
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(lock_fd,))
         try:
             with tracked(proc):
                 rc = proc.wait()
