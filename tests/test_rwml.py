@@ -22,7 +22,7 @@ from cope.algos.rwml.easy_filter import keep_triplets
 from cope.algos.rwml.embedders import HashedNgramEmbedder, SentenceTransformerEmbedder
 from cope.algos.rwml.prompt import DEFAULT_INSTRUCTION, WorldModelPrompt, prompt_ids
 from cope.algos.rwml.rewards import EmbeddingCosine, ExactMatch, RougeL, rouge_l_f1
-from cope.algos.rwml.triplets import Triplet, extract_triplets
+from cope.algos.rwml.triplets import Triplet, extract_triplets, previous_observation
 from cope.algos.rwml.world import engine_completes
 from cope.batch import collate
 from cope.envs.base import Task
@@ -100,6 +100,18 @@ def test_triplets_of_a_maze_episode_equal_the_hand_built_list(scripted):
         assert extract_triplets([ep], chat) == []
     finally:
         ep.end_reason = was
+
+
+def test_the_previous_observation_is_what_the_agent_saw_before_each_action(scripted):
+    """For RWML's copy diagnostic: the first observation before a_0, then each step's observation (none after the
+    malformed action, whose feedback is harness text only)."""
+    (ep,), texts, tok, chat = scripted
+    env = MAZE()
+    seen = [env.reset(TASK).observation]
+    seen += [env.step(text).observation for text in texts[:-1]]
+    want = [tuple(_encode(tok, o)) if o else () for o in seen]
+    assert [previous_observation(ep, t) for t in range(len(ep.steps))] == want
+    assert want[2] == () and all(want[t] for t in (0, 1, 3, 4))
 
 
 def test_the_prompt_continues_the_transcript_token_exactly(scripted):
@@ -268,10 +280,25 @@ def test_world_model_episodes_are_one_group_per_triplet(scripted):
     assert [e.reward for e in got.episodes[:4]] == [1.0, 0.0, 1.0, 0.0]
     assert set(got.metrics) >= set(METRICS) and got.metrics["rwml/reward"] == 0.5
     assert got.metrics["rwml/pass_rate"] == 1.0 and got.metrics["rwml/all_correct"] == 0.0
+    assert got.metrics["rwml/copy_reward"] == 0.0  # no maze observation here repeats the one before it exactly
     assert got.metrics["rwml/kept"] == 4 and got.metrics["rwml/easy_dropped"] == 0  # easy_keep=0 drops no mixed group
     assert got.stats.episodes == 1 and got.stats.generated_tokens > 9  # env episodes; the predictions' tokens added
     again, _ = _collector(scripted, lambda k, j: j % 2 == 0, easy_keep=0.0)
     assert [e.tokens for e in again.collect(3).episodes] == [e.tokens for e in got.episodes]  # deterministic
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.8])
+def test_the_copy_diagnostic_scores_the_previous_observation_with_the_runs_reward(scripted, threshold):
+    """``rwml/copy_reward``: the run's reward given the observation before a_t as the prediction, on the triplets
+    scored, by hand with ROUGE-L (consecutive maze observations share most words: a loose threshold pays a copy)."""
+    (ep,), _, tok, chat = scripted
+    col, _ = _collector(scripted, lambda k, j: j == 0, reward=RougeL(threshold))
+    got = col.collect(0)
+    dec = functools.partial(tok.decode, skip_special_tokens=True)
+    want = [float(rouge_l_f1(dec(list(previous_observation(ep, tr.step))), dec(list(tr.observation))) >= threshold)
+            for tr in extract_triplets([ep], chat)]
+    assert got.metrics["rwml/copy_reward"] == pytest.approx(sum(want) / len(want))
+    assert (0 < sum(want) < len(want)) if threshold == 0.5 else sum(want) == 0, want
 
 
 def test_all_correct_triplets_are_dropped_by_the_filter_and_an_empty_epoch_trains_placeholders(scripted):

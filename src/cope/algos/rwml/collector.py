@@ -47,7 +47,7 @@ from typing import Any
 from cope.algos.rwml.easy_filter import all_correct, keep_triplets
 from cope.algos.rwml.prompt import WorldModelPrompt, prompt_ids
 from cope.algos.rwml.rewards import EmbeddingCosine, Reward
-from cope.algos.rwml.triplets import extract_triplets
+from cope.algos.rwml.triplets import extract_triplets, previous_observation
 from cope.algos.rwml.world import engine_completes, reduce_over_world
 from cope.episode import EndReason, Episode, Role, Step
 from cope.rollout.engine import Sampling
@@ -57,7 +57,7 @@ from cope.train.collect.sync import SyncCollector
 
 log = logging.getLogger(__name__)
 METRICS = ("rwml/stage", "rwml/placeholder", "rwml/triplets", "rwml/scored", "rwml/kept", "rwml/easy_dropped", "rwml/dropped_long",
-           "rwml/uneven_dropped", "rwml/failed", "rwml/reward", "rwml/pass_rate", "rwml/all_correct",
+           "rwml/uneven_dropped", "rwml/failed", "rwml/reward", "rwml/copy_reward", "rwml/pass_rate", "rwml/all_correct",
            "rwml/task_success", "rwml/predictions_total")
 
 
@@ -184,9 +184,9 @@ class RWMLCollector:
         else:
             sampled = []
         gen_seconds = time.perf_counter() - t0
+        targets = [tokenizer.decode(list(triplets[i].observation), skip_special_tokens=True) for i in chosen]
         texts, pairs = [], []  # (prediction, target) texts of the samples that came back
-        for k, (i, row) in enumerate(zip(chosen, sampled)):
-            target = tokenizer.decode(list(triplets[i].observation), skip_special_tokens=True)
+        for k, (row, target) in enumerate(zip(sampled, targets)):
             for j, item in enumerate(row):
                 if isinstance(item, BaseException):
                     continue
@@ -195,6 +195,11 @@ class RWMLCollector:
                 texts.append(tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=True))
                 pairs.append((k, j, target))
         scores = self.reward(texts, [t for _, _, t in pairs]) if texts else []
+        # the diagnostic: what repeating the observation before a_t would score on the same triplets (a reward that
+        # pays for it can be earned without modelling the action at all)
+        copies = [tokenizer.decode(list(previous_observation(got.episodes[triplets[i].episode], triplets[i].step)),
+                                   skip_special_tokens=True) for i in chosen]
+        copy_scores = self.reward(copies, targets) if chosen else []
         rewards = [[0.0] * self.G for _ in chosen]
         for (k, j, _), r in zip(pairs, scores):
             rewards[k][j] = float(r)
@@ -225,6 +230,7 @@ class RWMLCollector:
             "rwml/uneven_dropped": float(uneven),
             "rwml/failed": float(len(chosen) * self.G - len(pairs)),
             "rwml/reward": sum(flat) / max(len(flat), 1),
+            "rwml/copy_reward": sum(copy_scores) / n,
             "rwml/pass_rate": sum(any(r == 1.0 for r in row) for row in rewards) / n,
             "rwml/all_correct": sum(all_correct(row) for row in rewards) / n,
             "rwml/predictions_total": float(self.predictions_total),

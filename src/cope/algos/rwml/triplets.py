@@ -83,3 +83,12 @@ def extract_triplets(episodes: list[Episode], chat: ChatFormat, skip_invalid: bo
                                  f"action ({opening}), got {ep.tokens[s.action_end: anchor]}")
             out.append(Triplet(ei, t, s.action_end, anchor, obs, bool(s.valid)))
     return out
+
+
+def previous_observation(ep: Episode, step: int) -> tuple[int, ...]:
+    """The observation the agent saw right before a_t: the OBSERVATION-role ids between the previous action's end
+    (the transcript's start for t = 0: the task's first observation) and a_t's start. What a "world model" that
+    repeats the last observation answers (RWML's copy diagnostic, ``rwml/copy_reward``)."""
+    start = ep.steps[step - 1].action_end if step else 0
+    end = ep.steps[step].action_start
+    return tuple(t for t, r in zip(ep.tokens[start:end], ep.roles[start:end]) if r == Role.OBSERVATION)
