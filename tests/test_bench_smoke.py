@@ -136,3 +136,17 @@ def test_branch_cost_smoke(tmp_path):
     assert float(rows[1][5].strip().rstrip("x")) < 1.0  # env steps vs flat
     assert float(rows[1][10].strip().rstrip("x")) < 1.0  # tokens the update forwards (prefix tries) vs flat
     assert float(rows[0][11]) > 0 and float(rows[1][11]) > 0  # the update's seconds per leaf, both measured
+
+
+def test_rwml_calibration_smoke(tmp_path):
+    """bench/rwml_calibration.py samples world-model predictions of a warm-started micro model's own transitions and
+    writes the reward tables (every threshold, the copy and constant predictors beside the policy) and its JSON."""
+    _run("rwml_calibration.py", ["--epochs", "1", "--triplets", "3", "--predictions", "4", "--train-group", "2",
+                                 "--out", str(tmp_path), "--overrides", "debug=fast", "model.warm_start_steps=150",
+                                 "env.sizes=[5]", "env.min_distance=1"])
+    got = json.loads((tmp_path / "calibration.json").read_text())
+    assert got["chosen"] == 3 and len(got["samples"]) == 3 and all(len(s["predictions"]) == 4 for s in got["samples"])
+    assert set(got["distance"]) == {"0.05", "0.1", "0.15", "0.2", "0.3", "0.4", "0.5", "0.6"}
+    assert all(0 <= v["spread_at_g"] <= v["spread"] <= 1 for v in got["distance"].values())
+    md = (tmp_path / "calibration.md").read_text()
+    assert "| tau_d | mean reward |" in md and "with a spread at G=2" in md and "copy's reward" in md
