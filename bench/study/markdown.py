@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from bench.study import equal_steps
+from bench.study import aux_signal, equal_steps
 from bench.study.final_eval import REFERENCES, half_width
 from bench.study.stats import fmt_interval, separates
 
@@ -146,6 +146,7 @@ def _regime(regime: str, info: dict, summary: dict, meta: dict) -> list[str]:
     lines += _final(final, info)
     lines += _detectable(arms, between, final)
     lines += _sft_gain(summary.get("sft_gain", {}).get(regime))
+    lines += aux_signal.lines(summary.get("aux_signal", {}).get(regime), NAMES)
     for costs in summary.get("equal_steps", {}).get(regime) or []:  # at equal env steps, then generated tokens
         lines += equal_steps.lines(costs, NAMES)
     lines += [

@@ -22,7 +22,7 @@ import json
 import math
 from pathlib import Path
 
-from bench.study import equal_steps, final_eval, stages
+from bench.study import aux_signal, equal_steps, final_eval, stages
 from bench.study.markdown import AUX, NAMES, STABILITY, markdown, mean_of
 from bench.study.stats import auc_norm, bootstrap, first_reaching, fmt_interval, mean_band, paired_difference, paired_t
 
@@ -85,6 +85,7 @@ def run_curve(d: Path, threshold: float | None = None, aux: str | None = None) -
         out[f"{k}/{how}"] = (max if how == "max" else min)(vals) if vals else None
     out["collapsed_validations"] = collapsed_validations([r["val/invalid_rate"] for r in metrics if r.get("val/invalid_rate") is not None])
     out["invalid_rate"] = invalid_rate(d)
+    out["aux"] = aux_signal.of_run(metrics)  # what an RWML or WM-SFT stage had to train on
     done = d / "done"
     out["wall_s"] = json.loads(done.read_text())["wall_s"] if done.exists() else None
     return out
@@ -281,7 +282,8 @@ def summarize(results: list[dict], meta: dict) -> dict:
     equal = {r: [equal_steps.summarize(arms, key) for key in equal_steps.COSTS] for r, arms in table.items()
              if meta["regimes"][r].get("equal_env_steps")}
     return {"test": table, "tuning": tuning, "by_size": by_size, "between": between, "final": final_eval.summarize(results),
-            "sft_gain": {r: g for r, g in gain.items() if g}, "equal_steps": equal}
+            "sft_gain": {r: g for r, g in gain.items() if g}, "equal_steps": equal,
+            "aux_signal": {r: a for r, a in ((r, aux_signal.summarize(arms)) for r, arms in table.items()) if a}}
 
 
 def _between(arms: dict) -> list[dict]:
