@@ -109,7 +109,14 @@ def test_study_smoke_baselines(tmp_path):
     with (rwml / "csv/metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert any(r.get("rwml/triplets") for r in rows), "the RWML stage logged no triplets"
-    assert "Share of the SFT gain ECHO recovers" in (out / "study.md").read_text()
+    md = (out / "study.md").read_text()
+    assert "Share of the SFT gain ECHO recovers" in md
+    # what the auxiliary stages trained on: RWML's row (WM-SFT's only where its steps had samples: the cold micro
+    # model's actions are all malformed here, no observation comes back)
+    aux = report["aux_signal"]["baselines_tiny"]
+    assert "rwml_grpo" in aux and set(aux) <= {"rwml_grpo", "wm_sft"} and aux["rwml_grpo"]["rwml_epochs"] == 1
+    assert aux["rwml_grpo"]["rwml_copy_reward"] is not None
+    assert "What the auxiliary stages had to train on" in md
     again = _study(out, "baselines_tiny")
     assert again.returncode == 0 and "(ok)" not in again.stdout, again.stdout[-2000:]
 

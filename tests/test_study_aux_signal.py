@@ -18,7 +18,8 @@ def test_a_run_s_rwml_stage_and_wm_nll_by_hand():
     assert aux_signal.of_run(rows) == {"rwml_epochs": 2, "rwml_reward": 0.25, "rwml_pass_rate": 0.5,
                                        "rwml_copy_reward": 0.5}
     wm = [{"epoch": 0.0, "loss/wm": 0.9}, {"epoch": 0.0, "loss/wm": 0.7}, {"epoch": 1.0, "loss/wm": 0.6},
-          {"epoch": 3.0, "loss/wm": 0.5}, {"epoch": 3.0, "loss/wm": 0.3}, {"epoch": 3.0, "val/success": 0.2}]
+          {"epoch": 3.0, "loss/wm": 0.5}, {"epoch": 3.0, "loss/wm": 0.3}, {"epoch": 3.0, "val/success": 0.2},
+          {"epoch": 4.0, "loss/wm": 0.0, "wm/tokens": 0.0}]  # no sample: no NLL, not the last epoch's
     got = aux_signal.of_run(wm)
     assert got == {"wm_nll_first": pytest.approx(0.8), "wm_nll_last": pytest.approx(0.4)}
     assert aux_signal.of_run([{"epoch": 0.0, "loss/pg": 0.1}]) == {}  # GRPO: no stage, no row

@@ -7,7 +7,8 @@ first and last epochs show whether it moved. So the report prints, per arm and o
 * the RWML stage (``rwml/stage`` 1): its epochs, the mean prediction reward (``rwml/reward``), the share of triplets
   with a prediction scoring 1 (``rwml/pass_rate``) and, where the run logged it, the copy predictor's reward
   (``rwml/copy_reward``);
-* WM-SFT: the observation NLL (``loss/wm``) of the first and the last epoch, each the mean of that epoch's steps.
+* WM-SFT: the observation NLL (``loss/wm``) of the first and the last epoch with samples, each the mean of that
+  epoch's steps that had any (``wm/tokens`` > 0).
 
 A run without either stage gives nothing, and an arm without any such run no row.
 """
@@ -26,7 +27,8 @@ def of_run(rows: list[dict]) -> dict:
         out["rwml_epochs"] = len(stage)
         for key in ("reward", "pass_rate", "copy_reward"):
             out[f"rwml_{key}"] = _mean([r[f"rwml/{key}"] for r in stage if r.get(f"rwml/{key}") is not None])
-    wm = [r for r in rows if r.get("loss/wm") is not None and r.get("epoch") is not None]
+    wm = [r for r in rows if r.get("loss/wm") is not None and r.get("epoch") is not None
+          and (r.get("wm/tokens") is None or r["wm/tokens"] > 0)]  # a step without samples logs a loss of 0
     if wm:
         first, last = min(r["epoch"] for r in wm), max(r["epoch"] for r in wm)
         out["wm_nll_first"] = _mean([r["loss/wm"] for r in wm if r["epoch"] == first])
