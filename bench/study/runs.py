@@ -72,8 +72,8 @@ def stopping() -> bool:
 
 @contextlib.contextmanager
 def held(run: Path):
-    """The exclusive lock of ``run`` (``.<name>.lock`` beside the folder, which a restart from scratch deletes):
-    yields the open lock file, or None when another process holds it. A subprocess given the file's descriptor
+    """The exclusive lock of ``run`` (``.<name>.lock`` beside the folder, not in it: a restart from scratch deletes
+    the folder): yields the open lock file, or None when another process holds it. A subprocess given the file's descriptor
     (``pass_fds``) holds the lock with it until it exits, also when the launcher that started it was killed outright
     (an ``flock`` lasts while any descriptor of it is open)."""
     run.parent.mkdir(parents=True, exist_ok=True)
