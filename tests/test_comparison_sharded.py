@@ -2,7 +2,7 @@
 the real entry point: ``trainer=fsdp`` agrees with ``trainer=ddp`` (the same tokens on each rank, every logged metric
 within fp32 noise, the adapter or the whole weights after fit), with LoRA and with full fine-tuning. The harness and
 its tolerances are ``tests/test_fsdp.py``'s. Each pair also proves the algorithm runs under DDP at all: the ranks
-sample their own episodes and every optimizer step has a gradient.
+sample their own episodes, some optimizer step has a gradient and the algorithm's own loss is logged non-zero.
 """
 from __future__ import annotations
 
