@@ -88,12 +88,15 @@ def test_train_split(compose, tmp_path):
 
 
 @pytest.mark.long
-def test_echo_only_trains_on_the_held_out_split(run_train, read_metrics, tmp_path):
-    """Two epochs on test tasks: the observation loss trains the adapter, no policy-gradient term is computed."""
+@pytest.mark.parametrize("lag", [0, 1])
+def test_echo_only_trains_on_the_held_out_split(run_train, read_metrics, tmp_path, lag):
+    """Two epochs on test tasks: the observation loss trains the adapter, no policy-gradient term is computed; also
+    with overlapped rollouts (data.max_lag=1)."""
     from safetensors.torch import load_file
 
     result = run_train(["algo=echo_only", "data.train_split=test", "algo.objectives.echo.clean_only=false",
-                        "trainer.max_epochs=2"], tmp_path)
+                        "trainer.max_epochs=2", f"data.max_lag={lag}"], tmp_path)
+    assert max(read_metrics(tmp_path / "csv" / "metrics.csv").get("rollout/lag_max", [0])) == lag
     assert result["counters/episodes"] == 2 * 2 * 4
     cols = read_metrics(tmp_path / "csv" / "metrics.csv")
     assert cols.get("loss/echo") and all(v > 0 for v in cols["loss/echo"]) and not cols.get("loss/pg"), sorted(cols)
