@@ -1,5 +1,5 @@
-"""The README's table of config groups lists every option each group has in conf/ (and none it lacks): a preset
-added without a README row is a feature users cannot find."""
+"""The README's table of config groups lists every option each group has in conf/ (and none it lacks), and the docs
+name every algorithm and env: a preset added without its row is a feature users cannot find."""
 import re
 from pathlib import Path
 
@@ -21,3 +21,12 @@ def test_readme_lists_every_option_of_every_group():
     for group, listed in rows.items():
         have = {p.stem for p in (REPO / "conf" / group).glob("*.yaml")}
         assert listed == have, f"README's `{group}` row: missing {sorted(have - listed)}, not in conf/ {sorted(listed - have)}"
+
+
+def test_docs_name_every_algorithm_and_env():
+    """docs/algorithms.md says how to run every `algo` preset and docs/envs/README.md lists every env."""
+    algos = (REPO / "docs/algorithms.md").read_text()
+    envs = (REPO / "docs/envs/README.md").read_text()
+    missing = [p.stem for p in (REPO / "conf/algo").glob("*.yaml") if not re.search(rf"algo={p.stem}\b", algos)]
+    missing += [p.stem for p in (REPO / "conf/env").glob("*.yaml") if f"`{p.stem}`" not in envs]
+    assert not missing, f"not in docs/algorithms.md or docs/envs/README.md: {missing}"
