@@ -90,13 +90,35 @@ def train_script(cope_cache):
     return run_train_script
 
 
+def documented_metric_families() -> set[str]:
+    """The metric families docs/metrics.md has a row for (``rollout`` from ```rollout/*```; ``*`` stands for the
+    ``<objective>/...`` and ``.../<objective>`` rows' placeholder)."""
+    import re
+
+    names = set()
+    for line in (REPO / "docs/metrics.md").read_text().splitlines():
+        if line.startswith("| `"):
+            names.update(re.findall(r"`([^`]+/[^`]*)`", line.split("|")[1]))
+    return {"*" if n.startswith("<") else n.split("/")[0] for n in names}
+
+
+def undocumented_metrics(keys) -> list[str]:
+    """The metric keys (``family/name``) whose family has no row in docs/metrics.md (``<objective>/scale`` matches any
+    family's ``scale``)."""
+    families = documented_metric_families()
+    return sorted(k for k in keys if "/" in k and k.split("/")[0] not in families and not k.endswith("/scale"))
+
+
 def read_metrics_csv(path: Path) -> dict[str, list[float]]:
-    """metrics.csv as columns: each key's non-empty values in file (logging) order."""
+    """metrics.csv as columns: each key's non-empty values in file (logging) order. Every logged family must have its
+    row in docs/metrics.md (a metric users cannot look up fails the test that reads it)."""
     import csv
 
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     keys = {k for r in rows for k in r}
+    missing = undocumented_metrics(keys)
+    assert not missing, f"{path}: logged metrics whose family docs/metrics.md does not describe: {missing}"
     return {k: [float(r[k]) for r in rows if r.get(k) not in (None, "")] for k in sorted(keys)}
 
 

@@ -30,3 +30,13 @@ def test_docs_name_every_algorithm_and_env():
     missing = [p.stem for p in (REPO / "conf/algo").glob("*.yaml") if not re.search(rf"algo={p.stem}\b", algos)]
     missing += [p.stem for p in (REPO / "conf/env").glob("*.yaml") if f"`{p.stem}`" not in envs]
     assert not missing, f"not in docs/algorithms.md or docs/envs/README.md: {missing}"
+
+
+def test_every_metric_read_by_a_test_has_its_family_documented():
+    """conftest's ``read_metrics`` refuses a metrics.csv with a family docs/metrics.md lacks; the families the trainer
+    logs outside training runs' CSVs (eval.py's summary, scheduled weights, the adaptive balance's scale) are
+    documented too."""
+    from conftest import undocumented_metrics
+
+    assert undocumented_metrics(["eval/success", "weight/echo", "forecast/scale", "rwml/reward", "epoch"]) == []
+    assert undocumented_metrics(["rollout/success", "toy/metric"]) == ["toy/metric"]
