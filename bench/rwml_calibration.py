@@ -16,10 +16,10 @@ no-op. This script measures it on the configuration a run would use, through the
 
 Printed per threshold: the mean reward, the share of triplets whose G predictions have a reward spread (what GRPO
 trains on; also its expectation at the run's own group size ``--train-group``, drawn from the G sampled here) and
-the share all-correct (what the too-easy filter drops 90% of), for the distance and the ROUGE-L
-rewards; beside them the same for two trivial predictors that know nothing of the action: **copy** (the previous
-observation, the first one for t = 0) and **constant** (the most frequent observation of the sample). A threshold at
-which copying scores as often as the policy's predictions rewards a world model that ignores the action. Also the
+the share all-correct (what the too-easy filter drops 90% of), for the distance and the ROUGE-L rewards; beside them
+the same for two trivial predictors that know nothing of the action: **copy** (the observation seen right before the
+action, as ``rwml/copy_reward`` scores it) and **constant** (the most frequent observation of the sample). A threshold
+at which copying scores as often as the policy's predictions rewards a world model that ignores the action. Also the
 distance quantiles and a few predictions next to their targets.
 
 Usage: ``python -m bench.rwml_calibration --overrides model=smollm2-135m experiment=smollm2_maze ...
@@ -62,27 +62,16 @@ def group_shares(rewards: list[list[float]], train_group: int | None = None) -> 
     return out
 
 
-def baselines(triplets, observations: list[str]) -> dict[str, list[str]]:
-    """The trivial predictors' answer per triplet: ``copy`` (the previous observation of the episode, ``observations``
-    holding each triplet's target; for t = 0 the episode's first observation) and ``constant`` (the sample's most
-    frequent target)."""
-    copy, prev_of = [], {}
-    for tr, obs in zip(triplets, observations):
-        copy.append(prev_of.get(tr.episode, ""))
-        prev_of[tr.episode] = obs
-    constant = collections.Counter(observations).most_common(1)[0][0] if observations else ""
-    return {"copy": copy, "constant": [constant] * len(observations)}
+def baselines(episodes, triplets, tokenizer, targets: list[str]) -> dict[str, list[str]]:
+    """The trivial predictors' answer per triplet: ``copy`` (the observation the agent saw right before the action,
+    :func:`cope.algos.rwml.triplets.previous_observation`: what ``rwml/copy_reward`` scores in a run) and
+    ``constant`` (the sample's most frequent target, ``targets`` holding each triplet's)."""
+    from cope.algos.rwml.triplets import previous_observation
 
-
-def first_observations(episodes, tokenizer) -> list[str]:
-    """Each episode's first observation text (the prompt's OBSERVATION-role ids)."""
-    from cope.episode import Role
-
-    out = []
-    for e in episodes:
-        ids = [t for t, r in zip(e.tokens[: e.prompt_len], e.roles[: e.prompt_len]) if r == Role.OBSERVATION]
-        out.append(tokenizer.decode(ids, skip_special_tokens=True))
-    return out
+    copy = [tokenizer.decode(list(previous_observation(episodes[tr.episode], tr.step)), skip_special_tokens=True)
+            for tr in triplets]
+    constant = collections.Counter(targets).most_common(1)[0][0] if targets else ""
+    return {"copy": copy, "constant": [constant] * len(targets)}
 
 
 def table(name: str, thresholds, predicted: list[list[float]], trivial: dict[str, list[float]], passes,
@@ -143,9 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         tok, chat = policy.tokenizer, policy.chat
         triplets = extract_triplets(episodes, chat)
         targets = [tok.decode(list(tr.observation), skip_special_tokens=True) for tr in triplets]
-        trivial_text = baselines(triplets, targets)
-        firsts = first_observations(episodes, tok)
-        trivial_text["copy"] = [c if tr.step else firsts[tr.episode] for c, tr in zip(trivial_text["copy"], triplets)]
+        trivial_text = baselines(episodes, triplets, tok, targets)
         rng = random.Random(args.seed)
         chosen = sorted(rng.sample(range(len(triplets)), min(args.triplets, len(triplets))))
         wm = WorldModelPrompt(tok, args.prompt if args.prompt is not None else cfg.rwml.prompt)
