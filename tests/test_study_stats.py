@@ -14,6 +14,7 @@ from bench.study.stats import (
     fmt_interval,
     mean_band,
     paired_difference,
+    paired_ratio,
     paired_t,
     separates,
     t975,
@@ -61,6 +62,31 @@ def test_paired_difference_uses_common_seeds_and_separates():
     assert separates(lo, hi) == "better" and separates(-hi, -lo) == "worse"
     noisy = paired_difference({0: 0.5, 1: 0.1, 2: 0.4}, {0: 0.3, 1: 0.3, 2: 0.3})
     assert separates(noisy[1], noisy[2]) == "no"
+
+
+def test_paired_ratio_is_the_ratio_of_the_mean_gains_over_common_seeds():
+    """The share of the SFT gain: (mean ECHO - mean GRPO) / (mean SFT - mean GRPO) on the seeds all three have, not
+    the mean of per-seed shares (seed 2's gain of 0.02 would make its own share 5.0)."""
+    base = {0: 0.4, 1: 0.3, 2: 0.5, 7: 0.0}
+    top = {0: 0.8, 1: 0.7, 2: 0.52}
+    arm = {0: 0.5, 1: 0.4, 2: 0.6, 9: 1.0}
+    r, lo, hi, n = paired_ratio(arm, top, base)
+    assert n == 3 and r == pytest.approx((0.5 - 0.4) / (0.6733333 - 0.4), rel=1e-5)  # means 0.5, 0.67333, 0.4 on seeds 0-2
+    assert lo <= r <= hi and (lo, hi) == paired_ratio(arm, top, base)[1:3]  # deterministic
+    one = paired_ratio({0: 0.5}, {0: 0.8}, {0: 0.4})
+    assert one[0] == pytest.approx(0.25) and one[1] == one[2] == one[0] and one[3] == 1
+    assert math.isnan(paired_ratio({0: 0.5, 1: 0.6}, {0: 0.4, 1: 0.4}, {0: 0.4, 1: 0.4})[0])  # no gain: no share
+    assert paired_ratio({}, {}, {})[3] == 0
+
+
+def test_sft_gain_reports_per_seed_shares_and_the_pooled_ratio():
+    from bench.study.stages import sft_gain
+
+    final = {"grpo": {0: 0.4, 1: 0.3, 2: 0.5}, "echo": {0: 0.5, 1: 0.4, 2: 0.6}, "grpo_sft": {0: 0.8, 1: 0.7, 2: 0.5}}
+    g = sft_gain(final)
+    assert g["seeds"] == [0, 1, 2] and g["no_gain_seeds"] == 1 and g["shares"] == pytest.approx({0: 0.25, 1: 0.25})
+    assert g["pooled"][0] == pytest.approx(0.1 / (2.0 / 3 - 0.4)) and g["pooled"][1] <= g["pooled"][0] <= g["pooled"][2]
+    assert sft_gain({"grpo": {0: 0.1}, "echo": {0: 0.2}}) is None
 
 
 def test_mean_band_on_the_common_grid():

@@ -270,9 +270,13 @@ def _sft_gain(gain: dict | None) -> list[str]:
     per = ", ".join(f"seed {s} {v:+.2f}" for s, v in sorted(gain["shares"].items()))
     mean = "–" if gain["mean"] is None else f"{gain['mean']:+.2f}"
     flat = f"; {gain['no_gain_seeds']} seed(s) where SFT gained nothing have no share" if gain["no_gain_seeds"] else ""
-    return ["", f"Share of the SFT gain ECHO recovers, (ECHO − GRPO) / (GRPO on SFT − GRPO) in final held-out success, per "
-                f"seed: {per or 'none'}; mean {mean}{flat}. GRPO on SFT also spent its SFT run's demonstrations (env "
-                "steps of the expert, not counted in its curve)."]
+    pooled = gain.get("pooled")
+    pooled = ("–" if pooled is None else
+              f"{pooled[0]:+.2f}" + (f" [{pooled[1]:+.2f}, {pooled[2]:+.2f}]" if len(gain["seeds"]) > 1 else " (1 seed)"))
+    return ["", f"Share of the SFT gain ECHO recovers, (ECHO − GRPO) / (GRPO on SFT − GRPO) in final held-out success: "
+                f"pooled (the ratio of the mean gains over {len(gain['seeds'])} seed(s), bootstrap 95% over seeds) "
+                f"{pooled}; per seed: {per or 'none'}; their mean {mean}{flat}. GRPO on SFT also spent its SFT run's "
+                "demonstrations (env steps of the expert, not counted in its curve)."]
 
 
 def _seeds_line(ran: list[int], info: dict) -> str:

@@ -16,9 +16,11 @@ the share of the SFT gain ECHO recovers is (ECHO - GRPO) / (GRPO on SFT - GRPO),
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.study import stats
 from bench.study.runs import finished, run_state, train_one
 
 REPO = Path(__file__).resolve().parents[2]
@@ -98,7 +100,9 @@ def run_prerequisites(pre: list, tests: list, out_dir: Path, threads: int) -> li
 def sft_gain(final: dict[str, dict[int, float]]) -> dict | None:
     """ECHO's "share of the SFT gain recovered", per seed and its mean: (ECHO - GRPO) / (GRPO on SFT - GRPO), from
     each arm's final held-out success by seed (``final[arm][seed]``); None without the three arms on a common seed.
-    A seed whose SFT gain is 0 has no share (left out, counted)."""
+    A seed whose SFT gain is 0 has no share (left out, counted). ``pooled``: the ratio of the mean gains over the
+    common seeds with its bootstrap interval (:func:`bench.study.stats.paired_ratio`), None where the mean SFT gain
+    is 0: the number to read at few seeds, where one seed's small gain makes its own share large."""
     arms = ("grpo", "echo", "grpo_sft")
     if not all(a in final for a in arms):
         return None
@@ -110,6 +114,11 @@ def sft_gain(final: dict[str, dict[int, float]]) -> dict | None:
             flat += 1
             continue
         shares[s] = (final["echo"][s] - final["grpo"][s]) / gain
+    pooled = None
+    if seeds:
+        point, lo, hi, _ = stats.paired_ratio(final["echo"], final["grpo_sft"], final["grpo"])
+        pooled = None if math.isnan(point) else [point, lo, hi]
     if not shares:
-        return {"seeds": seeds, "shares": {}, "mean": None, "no_gain_seeds": flat}
-    return {"seeds": seeds, "shares": shares, "mean": sum(shares.values()) / len(shares), "no_gain_seeds": flat}
+        return {"seeds": seeds, "shares": {}, "mean": None, "no_gain_seeds": flat, "pooled": pooled}
+    return {"seeds": seeds, "shares": shares, "mean": sum(shares.values()) / len(shares), "no_gain_seeds": flat,
+            "pooled": pooled}

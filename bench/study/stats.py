@@ -80,6 +80,35 @@ def paired_difference(arm: dict[int, float], base: dict[int, float], draws: int 
     return (mean, lo, hi, len(seeds))
 
 
+def paired_ratio(arm: dict[int, float], top: dict[int, float], base: dict[int, float], draws: int = DRAWS,
+                 seed: int = 0, level: float = 0.95) -> tuple[float, float, float, int]:
+    """(ratio, low, high, seeds): the share of ``top``'s gain over ``base`` that ``arm`` recovers, pooled over seeds,
+    (mean arm - mean base) / (mean top - mean base) on the seeds all three have, with the percentile-bootstrap interval
+    of resampling those seeds (each seed's three values together). A resample whose denominator is 0 has no ratio and
+    is left out; nan where the point's denominator is 0. The ratio of the means, not the mean of per-seed ratios: a
+    seed whose own gain is near 0 does not dominate it."""
+    seeds = sorted(s for s in arm.keys() & top.keys() & base.keys()
+                   if all(math.isfinite(d[s]) for d in (arm, top, base)))
+    if not seeds:
+        return (math.nan, math.nan, math.nan, 0)
+    v = np.asarray([[arm[s], top[s], base[s]] for s in seeds], dtype=float)  # (n, 3)
+
+    def ratio(m: np.ndarray) -> np.ndarray:  # m: (..., 3) means
+        den = m[..., 1] - m[..., 2]
+        return np.where(den != 0, (m[..., 0] - m[..., 2]) / np.where(den != 0, den, 1.0), np.nan)
+
+    point = float(ratio(v.mean(axis=0)))
+    if len(seeds) == 1 or not math.isfinite(point):
+        return (point, point, point, len(seeds))
+    rng = np.random.default_rng(seed)
+    dist = ratio(v[rng.integers(0, len(seeds), size=(draws, len(seeds)))].mean(axis=1))
+    dist = np.sort(dist[np.isfinite(dist)])
+    tail = (1.0 - level) / 2
+    lo = float(np.quantile(dist, tail, method="inverted_cdf"))
+    hi = float(np.quantile(dist, 1.0 - tail, method="inverted_cdf"))
+    return (point, lo, hi, len(seeds))
+
+
 # Student t 0.975 quantiles for 1..30 degrees of freedom (tests/test_study_stats.py checks them against scipy)
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
