@@ -20,11 +20,11 @@ ROLES = torch.tensor([
 ])
 
 
-def _batch(invalid_steps=(0, 0, 0)) -> dict:
+def _batch(unclean_steps=(0, 0, 0)) -> dict:
     action = ROLES == A
     return {"roles": ROLES, "action_mask": action, "advantages": action.float() * torch.tensor([[1.0], [-1.0], [0.5]]),
             "aborted": torch.zeros(3, dtype=torch.bool), "aux_row": torch.zeros(3, dtype=torch.bool),
-            "invalid_steps": torch.tensor(invalid_steps), "old_logprobs": torch.full(ROLES.shape, -1.0)}
+            "unclean_steps": torch.tensor(unclean_steps), "old_logprobs": torch.full(ROLES.shape, -1.0)}
 
 
 def _objectives(compose, tmp_path, overrides=()):
@@ -62,6 +62,34 @@ def test_clean_only_leaves_rows_with_an_invalid_action_out():
     assert clean.item() == pytest.approx((1.5 * 3 / 4 + 1.5) / 2)
     assert all_rows.item() == pytest.approx((1.5 * 3 / 4 + 1.5 * 3 / 3 + 1.5) / 3)
     assert float(metrics["echo/clean_rows"]) == 2
+
+
+def test_a_projected_answer_makes_its_rollout_unclean():
+    """Under env.action_parsing=project the maze reads a prose answer as a move (valid, projected): the clean filter
+    must leave that rollout out, as it does a refused one (the paper: no malformed tool call)."""
+    from tiny_fixtures import tiny_chat, tiny_tokenizer
+
+    from cope.batch import collate
+    from cope.envs.base import Task
+    from cope.envs.maze import MazeEnv
+    from cope.rollout.loop import run_episodes
+
+    tok, chat, task = tiny_tokenizer(), tiny_chat(), Task("maze", "train", 0)
+    move = MazeEnv(sizes=[6], max_steps=1, min_distance=1, action_parsing="project").reset(task).admissible_actions[0]
+    answers = [move, f"Let me think. The best move is {move} because it is closer.", "xyz"]
+
+    def actor(contexts, admissible, keys):
+        return [list(tok.encode(answers[k], add_special_tokens=False)) + [chat.stop_id] for k in keys]
+
+    envs = [MazeEnv(sizes=[6], max_steps=1, min_distance=1, action_parsing="project") for _ in answers]
+    eps, _ = run_episodes(envs, [task] * 3, [0, 1, 2], actor, tok, chat, max_context=2048, max_action_tokens=32)
+    assert [(s.valid, s.projected) for e in eps for s in e.steps] == [(True, False), (True, True), (False, False)]
+    batch = collate(eps, 0)
+    assert batch["unclean_steps"].tolist() == [0, 1, 1]
+    lp = torch.full(batch["roles"].shape, -1.5)
+    _, metrics = ObservationLoss(weight=1.0, clean_only=True)(ForwardOut(logprobs=lp, entropy=torch.zeros(lp.shape)),
+                                                              batch)
+    assert float(metrics["echo/clean_rows"]) == 1  # the strict rollout only
 
 
 def test_another_objective_on_is_refused_before_any_work(compose, tmp_path):

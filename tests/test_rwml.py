@@ -126,6 +126,35 @@ def test_the_prompt_continues_the_transcript_token_exactly(scripted):
         assert text == f"{DEFAULT_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n", text
 
 
+@pytest.mark.parametrize("family", ["chatml-hermes", "llama3.1", "mistral"])
+def test_native_tool_calls_give_triplets_whose_target_is_the_tool_result(family):
+    """env.action_format=native: the answer to a call sits in the template's tool-result turn (Llama 3.1's ipython,
+    Mistral's [TOOL_RESULTS]), not a user turn: the triplet's target is still the tool result's observation ids, and
+    the world-model question follows a_t as the user turn a text action gets (Triplet.opening)."""
+    from tool_templates import GOOD_SCRIPT, family_tokenizer, run_tool_episodes
+
+    from cope.algos.rwml.prompt import sft_sample
+    from cope.chat import ChatFormat
+
+    tok = family_tokenizer(family)
+    chat = ChatFormat.from_template(tok)
+    eps, envs, _ = run_tool_episodes(tok, chat, [GOOD_SCRIPT])
+    (ep,), prompt = eps, WorldModelPrompt(tok)
+    triplets = extract_triplets(eps, chat)
+    assert [tr.step for tr in triplets] == list(range(len(ep.steps))) == [0, 1, 2]
+    for tr, (obs, _h) in zip(triplets, envs[0].turns[1:]):
+        s = ep.steps[tr.step]
+        assert tok.decode(list(tr.observation)) == obs  # the tool's answer, and only it
+        assert tr.history_end == s.action_end and tr.anchor == s.action_end + (0 if tr.opening else len(chat.after_action(s.closed)))
+        ids = prompt_ids(ep, tr, chat, prompt)
+        assert ids == [*ep.tokens[: s.action_end], *chat.after_action(s.closed), *prompt.ids, *chat.close_turn()]
+        sample = sft_sample(tr, chat, prompt)
+        whole = ep.tokens[: sample.anchor] + sample.tokens
+        assert whole[: len(ids)] == ids and [t for t, m in zip(sample.tokens, sample.target) if m] == [
+            *tr.observation, *chat.turn_end]
+    assert any(tr.opening for tr in triplets) == (family != "chatml-hermes")  # hermes answers calls in a user turn
+
+
 # -- rewards ------------------------------------------------------------------------------------------------------------
 def test_embedding_reward_at_its_threshold():
     vectors = {"a": [1.0, 0.0], "b": [0.0, 1.0], "c": [1.0, 0.0]}
@@ -155,6 +184,17 @@ def test_rouge_l_and_exact_match_at_their_thresholds():
 def test_tau_d_outside_its_range_names_the_key(tau_d):
     with pytest.raises(ValueError, match=r"rwml\.reward\.tau_d must be in \(0, 2\)"):
         EmbeddingCosine(tau_d=tau_d)
+
+
+def test_tau_d_of_one_or_more_warns_that_an_empty_prediction_passes(caplog):
+    """At tau_d >= 1 an empty prediction (all-zero embedding: distance exactly 1) or unrelated text scores 1."""
+    with caplog.at_level("WARNING", logger="cope.algos.rwml.rewards"):
+        assert EmbeddingCosine(tau_d=1.05)(["", "I am a banana"], ["Goal: 2 south. Open: north, south."] * 2) == [1.0, 1.0]
+    assert "rwml.reward.tau_d=1.05" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cope.algos.rwml.rewards"):
+        assert EmbeddingCosine(tau_d=0.99)([""], ["Goal: 2 south."]) == [0.0]
+    assert caplog.text == ""
 
 
 def test_sentence_transformer_embedder_names_the_path_and_the_extra(tmp_path):
@@ -314,6 +354,63 @@ def test_all_correct_triplets_are_dropped_by_the_filter_and_an_empty_epoch_train
     col, _ = _collector(scripted, lambda k, j: True, easy_keep=1.0, max_triplets=3)
     got = col.collect(0)
     assert got.metrics["rwml/scored"] == 3 and got.metrics["rwml/kept"] == 3 and got.metrics["rwml/all_correct"] == 1.0
+
+
+def _other_rank(monkeypatch, kept: int):
+    """reduce_over_world as on 2 ranks whose other one kept ``kept`` groups (and sampled as many predictions)."""
+    def reduce(values, op, world):
+        assert world == 2 and op in ("max", "sum"), op
+        return [max(values[0], float(kept))] if op == "max" else [values[0] + float(kept * 4)]
+    monkeypatch.setattr("cope.algos.rwml.collector.reduce_over_world", reduce)
+
+
+def _two_ranks(scripted, right, monkeypatch, other: int, **kw):
+    col, engine = _collector(scripted, right, **kw)
+    col.host = dataclasses.replace(col.host, world=lambda: 2)
+    _other_rank(monkeypatch, other)
+    return col, engine
+
+
+def test_under_ddp_each_rank_trains_all_it_kept_and_takes_the_fullest_ranks_steps(scripted, monkeypatch):
+    """A rank never drops a kept group because another rank kept fewer: it trains all of them, and every rank takes
+    the optimizer steps of the rank that kept the most (Collected.nominal); a rank that kept none trains one idle row
+    in each of those steps, and only when no rank kept one does the epoch fall back to the placeholders."""
+    from cope.train.collect.experience import cut_minibatches
+
+    col, _ = _two_ranks(scripted, lambda k, j: j % 2 == 0, monkeypatch, other=1, easy_keep=0.0)
+    got = col.collect(0)  # this rank 4 groups, the other 1: none dropped here
+    assert got.metrics["rwml/kept"] == 4 and len(got.episodes) == 16 and got.nominal == 16
+    col, _ = _two_ranks(scripted, lambda k, j: j % 2 == 0, monkeypatch, other=6, easy_keep=0.0)
+    got = col.collect(0)
+    assert len(got.episodes) == 16 and got.nominal == 24 and got.metrics["rwml/placeholder"] == 0.0
+    assert len(cut_minibatches(got.episodes, 8, 0, random.Random(0), count=-(-got.nominal // 8))) == 3
+    col, engine = _two_ranks(scripted, lambda k, j: True, monkeypatch, other=2, easy_keep=0.0)  # all dropped here
+    got = col.collect(0)
+    (idle,) = got.episodes
+    assert idle.aborted and not idle.steps and got.nominal == 8 and got.metrics["rwml/placeholder"] == 0.0
+    (ep,), *_ = scripted
+    assert idle.tokens == ep.tokens[: ep.prompt_len]
+    mbs = cut_minibatches(got.episodes, 8, 0, random.Random(0), count=1)
+    assert len(mbs) == 1 and not mbs[0]["action_mask"].any()  # a forward with nothing to train
+    col, _ = _two_ranks(scripted, lambda k, j: True, monkeypatch, other=0, easy_keep=0.0)
+    got = col.collect(0)
+    assert got.metrics["rwml/placeholder"] == 1.0 and got.nominal is None and [e.tokens for e in got.episodes] == [ep.tokens]
+
+
+def test_a_rank_without_a_triplet_still_enters_the_engines_completion(scripted):
+    """engine.complete is called on every rank, with no context too: under trainer=fsdp it gathers the weights, a
+    collective every rank must enter (a rank skipping it would hang the others)."""
+    col, engine = _collector(scripted, lambda k, j: True, max_prediction_tokens=32, max_context=40)
+    got = col.collect(0)
+    (contexts, _, n), = engine.calls
+    assert contexts == [] and n == 4 and got.metrics["rwml/dropped_long"] == 4 and got.metrics["rwml/placeholder"] == 1.0
+
+
+def test_a_blank_prompt_or_a_prediction_cap_beyond_the_context_fails_at_build(scripted):
+    with pytest.raises(ValueError, match=r"rwml\.prompt is empty"):
+        _collector(scripted, lambda k, j: True, prompt="  ")
+    with pytest.raises(ValueError, match=r"rwml\.max_prediction_tokens=64 leaves no room .* data\.max_context=64"):
+        _collector(scripted, lambda k, j: True, max_prediction_tokens=64, max_context=64)
 
 
 def test_the_stage_switch_and_the_collector_state(scripted):

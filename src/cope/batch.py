@@ -24,7 +24,8 @@ class RolloutBatch(TypedDict, total=False):
         action_mask (N, T) bool: policy-gradient targets, the ACTION tokens of non-aborted episodes.
         advantages (N, T) float: the episode's advantage on its action tokens, 0 elsewhere.
         aborted (N,) bool: the episode was aborted (env error); ECHO leaves such rows out.
-        invalid_steps (N,) long: the episode's actions the env refused (``Step.valid`` False); ECHO's clean-rollout
+        unclean_steps (N,) long: the episode's actions not in the env's strict format (``Step.strict`` False: the env
+            refused it, or read it out of free text under ``env.action_parsing=project``); ECHO's clean-rollout
             filter (``clean_only``) leaves rows with any out.
         episode_index (N,) long: index into the epoch's episode list (-1: a row a transform appended).
         aux_row (N,) bool: rows that are not episode transcripts (all False here; CoPE's plain forecast
@@ -64,7 +65,7 @@ class RolloutBatch(TypedDict, total=False):
     action_mask: torch.Tensor
     advantages: torch.Tensor
     aborted: torch.Tensor
-    invalid_steps: torch.Tensor
+    unclean_steps: torch.Tensor
     episode_index: torch.Tensor
     aux_row: torch.Tensor
     behaviour_logprobs: torch.Tensor
@@ -117,7 +118,7 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
         "action_mask": action_mask,
         "advantages": advantages,
         "aborted": aborted,
-        "invalid_steps": torch.tensor([sum(not s.valid for s in e.steps) for e in episodes], dtype=torch.long),
+        "unclean_steps": torch.tensor([sum(not s.strict for s in e.steps) for e in episodes], dtype=torch.long),
         "episode_index": torch.tensor(indices if indices is not None else list(range(n)), dtype=torch.long),
         "aux_row": torch.zeros(n, dtype=torch.bool),
         **extra,

@@ -69,14 +69,16 @@ class ObservationLoss(Objective):
     """ECHO's environment-modelling term (``loss/echo``).
 
     Rows used: ``~batch["aborted"]``, minus rows that are not transcripts (``batch["aux_row"]``, when present), and
-    with ``clean_only`` minus rows with an action the env refused (``batch["invalid_steps"] > 0``).
+    with ``clean_only`` minus rows with an action not in the env's strict format (``batch["unclean_steps"] > 0``: refused,
+    or read out of free text by the action projection, ``env.action_parsing=project``).
 
     Args:
         weight: lambda, the multiplier in the total loss (>= 0; ECHO's published value 0.05).
         schedule: ``constant`` or ``linear`` from ``weight`` to ``final_weight``.
         final_weight: end point of the linear schedule (>= 0).
         schedule_steps: length of the linear schedule in optimizer steps.
-        clean_only: only rollouts with no invalid action (ECHO's verifier-free run trains on clean rollouts).
+        clean_only: only rollouts whose every action was in the strict format (ECHO's verifier-free run trains on
+            clean rollouts: no malformed tool call).
         alone: the run's only objective (ECHO without a verifier, ``algo=echo_only``): every other objective of
             ``algo.objectives`` must have weight 0 (and final weight 0), refused before any work otherwise.
     """
@@ -93,7 +95,7 @@ class ObservationLoss(Objective):
         if "aux_row" in batch:
             valid = valid & ~batch["aux_row"].bool()  # (N,)
         if self.clean_only:
-            valid = valid & (batch["invalid_steps"] == 0)  # (N,)
+            valid = valid & (batch["unclean_steps"] == 0)  # (N,)
         loss, metrics = observation_nll(out.logprobs, batch["roles"], valid)
         if self.clean_only:
             metrics["echo/clean_rows"] = valid.sum().float()

@@ -25,11 +25,14 @@ Where we deliberately differ from the paper:
     * the embedder and tau_d are not published: ours are config choices (:mod:`~cope.algos.rwml.embedders`);
     * in the RWML stage the epoch's ``rollout/*`` metrics describe the world-model episodes (``rollout/success`` is
       the prediction pass rate); the task episodes' success is ``rwml/task_success``;
-    * under DDP every rank trains the same number of world-model groups (the minimum over ranks; the rest dropped
-      and counted, ``rwml/uneven_dropped``): the ranks' optimizer steps must meet;
-    * an RWML epoch without a single triplet (a cold-start policy whose every action is malformed gets no observation
-      back) trains its task episodes with every reward 0 (:func:`placeholders`: no policy gradient, the KL term
-      only; ``rwml/placeholder`` 1): an epoch without batches would end Lightning's fit;
+    * under DDP every rank trains all of its kept groups and takes the optimizer steps of the rank with the most
+      (``Collected.nominal``): a rank with fewer spreads them over smaller minibatches, a rank with none trains one
+      idle row (an aborted episode: no target, counted in ``rollout/aborted``), so the ranks' steps meet;
+    * an RWML epoch in which no rank kept a world-model group (a cold-start policy whose every action is malformed gets
+      no observation back; or every triplet all-correct and dropped by the too-easy filter: such a group has no
+      advantage anyway) trains its task episodes with every reward 0 (:func:`placeholders`: no policy gradient, the
+      KL term only; ``rwml/placeholder`` 1; ``rollout/*`` then describes the placeholders, read ``rwml/reward``): an
+      epoch without batches would end Lightning's fit;
     * a prediction's step is ``valid`` (it is an answer, not an env action; its correctness is the reward).
 
 Only collect-then-train is wrapped: the world-model episodes are sampled by the current weights and carry no
@@ -53,11 +56,12 @@ from cope.episode import EndReason, Episode, Role, Step
 from cope.rollout.engine import Sampling
 from cope.rollout.loop import Sampled
 from cope.train.collect.collector import Collected, CollectorFactory, CollectorHost
+from cope.train.collect.experience import idle_row
 from cope.train.collect.sync import SyncCollector
 
 log = logging.getLogger(__name__)
 METRICS = ("rwml/stage", "rwml/placeholder", "rwml/triplets", "rwml/scored", "rwml/kept", "rwml/easy_dropped", "rwml/dropped_long",
-           "rwml/uneven_dropped", "rwml/failed", "rwml/reward", "rwml/copy_reward", "rwml/pass_rate", "rwml/all_correct",
+           "rwml/failed", "rwml/reward", "rwml/copy_reward", "rwml/pass_rate", "rwml/all_correct",
            "rwml/task_success", "rwml/predictions_total")
 
 
@@ -108,6 +112,11 @@ class RWMLCollector:
             raise ValueError(f"rwml.epochs must be null (RWML throughout) or >= 0, got {epochs}")
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"rwml.batch_size must be null (all at once) or >= 1, got {batch_size}")
+        if prompt is not None and not prompt.strip():
+            raise ValueError("rwml.prompt is empty: give the world-model instruction, or null for the default")
+        if max_prediction_tokens >= max_context:
+            raise ValueError(f"rwml.max_prediction_tokens={max_prediction_tokens} leaves no room for a prompt in "
+                             f"data.max_context={max_context}: every triplet would be dropped")
         if host.sampling.temperature <= 0:
             raise ValueError("data.sampling.temperature=0: RWML's G predictions of a triplet would all be the same greedy "
                              "answer (every group's advantage 0); sample with a temperature > 0")
@@ -147,21 +156,25 @@ class RWMLCollector:
             base["rwml/predictions_total"] = float(self.predictions_total)
             return dataclasses.replace(got, metrics={**got.metrics, **base})
         t0 = time.perf_counter()
-        episodes, groups, metrics, tokens, gen_seconds = self._world_model_episodes(got, epoch)
-        if not episodes:  # no world-model group on some rank: an epoch without batches would end the fit
-            episodes, groups = placeholders(got.episodes), list(got.groups)
+        episodes, groups, metrics, tokens, gen_seconds, most = self._world_model_episodes(got, epoch)
+        nominal = most * self.G if self.host.world() > 1 else None  # every rank takes the steps of the fullest one
+        if most == 0:  # no world-model group on any rank: an epoch without batches would end the fit
+            episodes, groups, nominal = placeholders(got.episodes), list(got.groups), None
             metrics["rwml/placeholder"] = 1.0
             if not self._warned:
                 self._warned = True
-                log.warning("RWML epoch %d: no world-model triplet to train on (rwml/triplets=%d on this rank; e.g. every "
-                            "action malformed, so no observation came back): the epoch trains its task episodes with "
-                            "reward 0 (no policy gradient, the KL term only; rwml/placeholder=1)", epoch,
-                            int(metrics["rwml/triplets"]))
+                log.warning("RWML epoch %d: no rank kept a world-model group to train on (this rank: rwml/triplets=%d, "
+                            "scored %d, dropped by the too-easy filter %d, too long %d): the epoch trains its task "
+                            "episodes with reward 0 (no policy gradient, the KL term only; rwml/placeholder=1)", epoch,
+                            int(metrics["rwml/triplets"]), int(metrics["rwml/scored"]),
+                            int(metrics["rwml/easy_dropped"]), int(metrics["rwml/dropped_long"]))
+        elif not episodes:  # other ranks kept groups: this one trains an idle row in each of their steps
+            episodes, groups = [idle_row(got.episodes[0])], [0]
         stats = dataclasses.replace(got.stats, errors=list(got.stats.errors))
         stats.generated_tokens += tokens
         stats.gen_seconds += gen_seconds
         seconds = got.seconds + time.perf_counter() - t0
-        return Collected(episodes, groups, stats, got.rng, seconds, {**got.metrics, **base, **metrics})
+        return Collected(episodes, groups, stats, got.rng, seconds, {**got.metrics, **base, **metrics}, nominal=nominal)
 
     def _world_model_episodes(self, got: Collected, epoch: int):
         policy = self._policy()
@@ -177,12 +190,9 @@ class RWMLCollector:
         sampling = Sampling(temperature=s.temperature, top_p=s.top_p, max_action_tokens=self.max_prediction_tokens,
                             seed=sub.randrange(2**31))
         t0 = time.perf_counter()
-        if chosen:
-            with self.host.precision():
-                sampled = self.host.engine.complete([prompts[i] for i in chosen], sampling, n=self.G,
-                                                    batch_size=self.batch_size)
-        else:
-            sampled = []
+        with self.host.precision():  # on every rank, none chosen too: under trainer=fsdp it gathers the weights
+            sampled = self.host.engine.complete([prompts[i] for i in chosen], sampling, n=self.G,
+                                                batch_size=self.batch_size)
         gen_seconds = time.perf_counter() - t0
         targets = [tokenizer.decode(list(triplets[i].observation), skip_special_tokens=True) for i in chosen]
         texts, pairs = [], []  # (prediction, target) texts of the samples that came back
@@ -205,8 +215,7 @@ class RWMLCollector:
             rewards[k][j] = float(r)
         keep = keep_triplets(rewards, self.easy_keep, sub)
         kept = [k for k in range(len(chosen)) if keep[k]]
-        even = int(reduce_over_world([len(kept)], "min", self.host.world())[0])
-        uneven, kept = len(kept) - even, kept[:even]
+        most = int(reduce_over_world([len(kept)], "max", self.host.world())[0])
         predicted = {(k, j): text for (k, j, _), text in zip(pairs, texts)}
         episodes, groups = [], []
         for g, k in enumerate(kept):
@@ -227,7 +236,6 @@ class RWMLCollector:
             "rwml/kept": float(len(kept)),
             "rwml/easy_dropped": float(sum(not x for x in keep)),
             "rwml/dropped_long": float(len(triplets) - len(fits)),
-            "rwml/uneven_dropped": float(uneven),
             "rwml/failed": float(len(chosen) * self.G - len(pairs)),
             "rwml/reward": sum(flat) / max(len(flat), 1),
             "rwml/copy_reward": sum(copy_scores) / n,
@@ -235,7 +243,7 @@ class RWMLCollector:
             "rwml/all_correct": sum(all_correct(row) for row in rewards) / n,
             "rwml/predictions_total": float(self.predictions_total),
         }
-        return episodes, groups, metrics, tokens, gen_seconds
+        return episodes, groups, metrics, tokens, gen_seconds, most
 
     @staticmethod
     def _episode(task, group: int, prompt: list[int], item: Any, reward: float, text: str, chat, epoch: int) -> Episode:

@@ -4,6 +4,8 @@ After the transcript up to and including a_t, one extra **user** turn asks the p
 the assistant turn that follows is the prediction:
 
     Episode.tokens[:anchor]                      history h_t, a_t, then the scaffold after an action (ends user_open)
+    [Triplet.opening]                            after a native tool call only: that scaffold, which the transcript
+                                                 does not hold there (its tool-result turn follows a_t)
     [world-model instruction ids]                the user text, tokenized once (as CoPE's PlanPrompt)
     [turn_end newline assistant_open]            ChatFormat.close_turn(): the model's own assistant header
     target                                       WM-SFT: s_{t+1}'s observation ids + the turn end;
@@ -72,7 +74,7 @@ class WorldModelSample:
 def prompt_ids(episode: Episode, triplet: Triplet, chat: ChatFormat, prompt: WorldModelPrompt) -> list[int]:
     """The world-model prompt of ``triplet``: its transcript prefix, the instruction and the assistant header (what
     RWML's policy continues with its prediction)."""
-    return [*episode.tokens[: triplet.anchor], *prompt.ids, *chat.close_turn()]
+    return [*episode.tokens[: triplet.anchor], *triplet.opening, *prompt.ids, *chat.close_turn()]
 
 
 def target_ids(triplet: Triplet, chat: ChatFormat) -> list[int]:
@@ -81,8 +83,9 @@ def target_ids(triplet: Triplet, chat: ChatFormat) -> list[int]:
 
 
 def sft_sample(triplet: Triplet, chat: ChatFormat, prompt: WorldModelPrompt) -> WorldModelSample:
-    """The WM-SFT sample of ``triplet``: instruction and header (no loss), then the target (loss)."""
-    head = [*prompt.ids, *chat.close_turn()]
+    """The WM-SFT sample of ``triplet``: the opening (after a native call), instruction and header (no loss), then the
+    target (loss)."""
+    head = [*triplet.opening, *prompt.ids, *chat.close_turn()]
     tgt = target_ids(triplet, chat)
     return WorldModelSample(triplet.episode, triplet.step, triplet.anchor, head + tgt,
                             [False] * len(head) + [True] * len(tgt))

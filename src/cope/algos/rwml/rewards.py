@@ -16,11 +16,14 @@ ROUGE-L one inclusive (``F1 >= threshold``).
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Protocol
 
 import torch
 
 from cope.algos.rwml.embedders import HashedNgramEmbedder
+
+log = logging.getLogger(__name__)
 
 Embedder = Callable[[list[str]], torch.Tensor]  # texts -> (n, D) rows
 
@@ -80,12 +83,18 @@ class EmbeddingCosine:
 
     Args:
         embedder: the frozen embedder E (``texts -> (n, D)``; default :class:`HashedNgramEmbedder`).
-        tau_d: the distance threshold, in (0, 2) (cosine distances lie in [0, 2]).
+        tau_d: the distance threshold, in (0, 2) (cosine distances lie in [0, 2]). At tau_d >= 1 the reward pays an
+            empty prediction (an all-zero embedding has distance 1) and text orthogonal to the target: a warning says
+            so, since that is almost surely a mistake.
     """
 
     def __init__(self, embedder: Embedder | None = None, tau_d: float = 0.2):
         if not 0.0 < tau_d < 2.0:
             raise ValueError(f"rwml.reward.tau_d must be in (0, 2) (a cosine distance threshold), got {tau_d}")
+        if tau_d >= 1.0:
+            log.warning("rwml.reward.tau_d=%s: a distance of 1 (an empty prediction, unrelated text) is under it, so the "
+                        "reward pays predictions that know nothing of the target",
+                        tau_d)
         self.embedder = embedder if embedder is not None else HashedNgramEmbedder()
         self.tau_d = float(tau_d)
 

@@ -16,7 +16,11 @@ Which steps give a triplet (deliberate choices; the paper does not spell them ou
       refuses ("Nothing happens.", "Wall. ...") is part of its dynamics, and a world model that knows which
       actions fail is what a planner needs. RWML's too-easy filter (:mod:`cope.algos.rwml.easy_filter`) already
       thins out the answers that are trivially predictable. ``skip_invalid=True`` drops them;
-    * the last step of a finished episode is kept (its feedback, "You reached the goal.", is an observation).
+    * the last step of a finished episode is kept (its feedback, "You reached the goal.", is an observation);
+    * native tool calls (``env.action_format=native``): the answer to a call sits in the template's tool-result turn
+      (Llama 3.1's ``ipython``, Mistral's ``[TOOL_RESULTS]``); the world-model question still follows a_t as a user
+      turn (``Triplet.opening``, the scaffold the transcript holds after a text action), and the target is the tool
+      result's OBSERVATION ids.
 """
 from __future__ import annotations
 
@@ -34,11 +38,15 @@ class Triplet:
         episode: index of the episode in the list it was cut from (or the caller's ``indices``).
         step: t, the action's step.
         history_end: ``steps[t].action_end``: history and a_t are ``Episode.tokens[:history_end]``.
-        anchor: where the world-model prompt continues the transcript: ``history_end`` plus the scaffold that follows
+        anchor: where the world-model prompt leaves the transcript: ``history_end`` plus the scaffold that follows
             an action (``ChatFormat.after_action``: the turn end the engine added when the action hit its cap, the
-            newline, the user turn's opening), which the transcript holds there too.
+            newline, the user turn's opening), which the transcript holds there too; ``history_end`` itself after a
+            native tool call, whose answer came in the template's tool-result turn instead (``opening``).
         observation: s_{t+1}: the OBSERVATION-role ids of step t's feedback span.
         valid: whether the env accepted a_t.
+        opening: the scaffold the world-model prompt adds after ``Episode.tokens[:anchor]`` before its user text: empty
+            where the transcript holds it; ``ChatFormat.after_action`` after a native tool call (the world-model
+            question is a user turn, not the tool's).
     """
 
     episode: int
@@ -47,6 +55,7 @@ class Triplet:
     anchor: int
     observation: tuple[int, ...]
     valid: bool
+    opening: tuple[int, ...] = ()
 
 
 def extract_triplets(episodes: list[Episode], chat: ChatFormat, skip_invalid: bool = False,
@@ -78,10 +87,13 @@ def extract_triplets(episodes: list[Episode], chat: ChatFormat, skip_invalid: bo
                 continue
             opening = chat.after_action(s.closed)
             anchor = s.action_end + len(opening)
-            if s.obs_start != s.action_end or ep.tokens[s.action_end: anchor] != opening:
+            if s.obs_start == s.action_end and ep.tokens[s.action_end: anchor] == opening:
+                out.append(Triplet(ei, t, s.action_end, anchor, obs, bool(s.valid)))
+            elif s.obs_start == s.action_end and chat.tools is not None:  # a native call, answered in a tool-result turn
+                out.append(Triplet(ei, t, s.action_end, s.action_end, obs, bool(s.valid), tuple(opening)))
+            else:
                 raise ValueError(f"step {t} of episode {ei}: its feedback turn does not open with the scaffold after an "
                                  f"action ({opening}), got {ep.tokens[s.action_end: anchor]}")
-            out.append(Triplet(ei, t, s.action_end, anchor, obs, bool(s.valid)))
     return out
 
 
