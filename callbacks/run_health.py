@@ -4,7 +4,9 @@ A week of GPU time must not go to a run stepping on empty batches. Before each t
 epoch's experience is collected by then), this callback reads the epoch record and counts, over all ranks:
 
 * ``health/aborted_frac``: the share of the epoch's episodes that were aborted (env crash, worker or server
-  failure, timeout). More than ``max_aborted_frac`` for ``aborted_epochs`` epochs in a row stops the run.
+  failure, timeout: :attr:`cope.episode.Episode.failed`). More than ``max_aborted_frac`` for ``aborted_epochs``
+  epochs in a row stops the run. An episode its collector skipped on purpose (``EndReason.SKIPPED``: an SFT
+  demonstration too long for the context, failed or not replayable) is no failure: it counts among the episodes only.
 * ``health/signal_groups``: GRPO groups with a reward spread (the only groups whose policy gradient is not 0).
   None in ``zero_signal_epochs`` epochs in a row stops the run. Auxiliary objectives may still train then
   (ECHO on observations, CoPE forecasts from all-win groups): a cold start that is meant to wait longer sets a
@@ -86,7 +88,7 @@ class RunHealth(Callback):
         # the context is left out too): a collector's own one-step episodes (RWML's world-model predictions, always
         # valid, no feedback) would otherwise count as a learned format
         steps = [s for e in record.episodes if not e.aborted for s in e.steps if s.obs_start >= 0]
-        local = torch.tensor([sum(e.aborted for e in record.episodes), len(record.episodes),
+        local = torch.tensor([sum(e.failed for e in record.episodes), len(record.episodes),
                               sum(len(r) > 1 for r in groups.values()), sum(not s.valid for s in steps), len(steps)],
                              dtype=torch.float64)
         if getattr(trainer, "world_size", 1) > 1:

@@ -36,9 +36,9 @@ DM = dict(env=maze_factory, tasks_per_epoch=4, group_size=2, minibatch_size=8, m
 SKIP_KEYS = ("sft/skipped_too_long", "sft/skipped_failed", "sft/skipped_broken")
 
 
-def demo_datamodule(policy, max_context: int = CONTEXT, **collector) -> RolloutDataModule:
-    dm = RolloutDataModule(**{**DM, "max_context": max_context}, collector=functools.partial(
-        DemoCollector, env=maze_factory, max_context=max_context, **collector))
+def demo_datamodule(policy, max_context: int = CONTEXT, env=maze_factory, cap: int = 4, **collector) -> RolloutDataModule:
+    dm = RolloutDataModule(**{**DM, "max_context": max_context, "env": env, "sampling": Sampling(max_action_tokens=cap)},
+                           collector=functools.partial(DemoCollector, env=env, max_context=max_context, **collector))
     dm.connect(policy)
     return dm
 
@@ -145,6 +145,75 @@ def test_a_demonstration_too_long_for_the_context_is_counted_and_skipped(policy,
     dm.teardown("fit")
 
 
+def test_a_demonstration_whose_final_feedback_does_not_fit_is_skipped_as_too_long(policy, expert_epoch):
+    """One token short of the longest demonstration: the loop ends it DONE with its final feedback turn dropped
+    (``obs_start < 0``); that is a demonstration that does not fit, skipped, not kept with its last observation cut."""
+    _, full = expert_epoch
+    longest = max(full.episodes, key=lambda e: len(e.tokens))
+    dm = demo_datamodule(policy, max_context=len(longest.tokens) - 1)
+    got = dm.collector.collect(0)
+    stub = got.episodes[full.episodes.index(longest)]
+    assert stub.skipped and not stub.steps and got.metrics["sft/skipped_too_long"] >= 1
+    assert all(e.tokens == f.tokens for e, f in zip(got.episodes, full.episodes) if not e.aborted)  # never cut
+    dm.teardown("fit")
+
+
+def test_an_action_longer_than_the_sampling_cap_is_skipped_as_too_long(policy, tmp_path):
+    """Actions of 2 ids (``south.``) under ``data.sampling.max_action_tokens=1``: the policy could never emit them
+    closed, so they are not trained (``too_long``); under a cap of 2 they are."""
+    env = maze_factory()
+    rows = []
+    for i in range(2):
+        env.reset(Task("maze", "train", i))
+        rows.append({"task": f"maze/train/{i}", "turns": [{"action": f"{a}."} for a in env.shortest_path()]})
+    path = _write(tmp_path / "dotted.jsonl", rows)
+    assert len(policy.tokenizer.encode("south.", add_special_tokens=False)) == 2
+    got = demo_datamodule(policy, source="file", path=path, cap=1).collector.collect(0)
+    assert got.metrics["sft/skipped_too_long"] == 4 and got.metrics["sft/demos"] == 0
+    assert all(e.skipped for e in got.episodes)
+    got = demo_datamodule(policy, source="file", path=path, cap=2).collector.collect(0)
+    assert got.metrics["sft/demos"] == 4 and all(s.content_len == 2 for e in got.episodes for s in e.steps)
+
+
+class FlakyExpertMaze(MazeEnv):
+    """A maze whose expert raises on its 3rd call (a ScienceWorld JVM hiccup while reading the gold path)."""
+
+    calls = 0
+
+    def expert_action(self):
+        FlakyExpertMaze.calls += 1
+        if FlakyExpertMaze.calls == 3:
+            raise RuntimeError("gold path unreadable")
+        return super().expert_action()
+
+
+def test_an_expert_that_raises_skips_its_demonstration_not_the_run(policy, caplog):
+    dm = demo_datamodule(policy, env=functools.partial(FlakyExpertMaze, sizes=[6], max_steps=8))
+    with caplog.at_level("WARNING"):
+        got = dm.collector.collect(0)
+    assert got.metrics["sft/skipped_broken"] == 1 and got.metrics["sft/demos"] == 3
+    assert [e.failed for e in got.episodes].count(True) == 1  # an env failure: counted as one, unlike a skip
+    assert "FlakyExpertMaze.expert_action() raised RuntimeError('gold path unreadable')" in caplog.text
+    dm.teardown("fit")
+
+
+def test_skipped_demonstrations_are_no_env_failures_for_run_health(policy):
+    """An SFT epoch whose demonstrations are all too long for the context: every one a stub that trains nothing, none
+    counted as an env abort (``env/aborted_episodes``, ``rollout/aborted``), so the run-health rule that stops runs
+    whose env keeps failing (here after one such epoch) does not fire."""
+    from cope.callbacks.run_health import RunHealth
+
+    dm = demo_datamodule(policy, max_context=110)
+    record = dm.collect_epoch(0)
+    module = SimpleNamespace(logged={}, log_dict=lambda d, **kw: module.logged.update(d))
+    RunHealth(aborted_epochs=1).on_train_epoch_start(SimpleNamespace(world_size=1, datamodule=SimpleNamespace(
+        train_record=record)), module)
+    assert module.logged["health/aborted_frac"] == 0.0 and module.logged["health/aborted_streak"] == 0.0
+    assert record.metrics["sft/skipped_too_long"] == 4 and all(e.skipped and e.aborted for e in record.episodes)
+    assert record.metrics["env/aborted_episodes"] == 0 and record.tally["rollout/aborted"] == 0
+    dm.teardown("fit")
+
+
 class Plain:
     """An env class without expert_action; counts instances (none must be made for the check)."""
 
@@ -214,6 +283,13 @@ def test_jsonl_errors_name_the_key_and_the_line(tmp_path, lines, line, message):
         assert f": line {line}: " in text and message in text, text
     with pytest.raises(FileNotFoundError, match=r"sft\.path='.*nope\.jsonl': no such file"):
         read_trajectories(tmp_path / "nope.jsonl", "maze", "train", 100)
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_the_key_and_the_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(json.dumps(GOOD).encode() + b"\n" + json.dumps({**GOOD, "step": 1}).encode()[:-3] + b"\xff\"}\n")
+    with pytest.raises(ValueError, match=r"^sft\.path='.*t\.jsonl': line 2: not UTF-8 text .*byte 0xff"):
+        read_trajectories(path, "maze", "train", 100)
 
 
 def test_a_file_of_demonstrations_replays_token_exact_and_keeps_the_successes(policy, expert_epoch, tmp_path):

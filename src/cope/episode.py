@@ -26,6 +26,9 @@ class EndReason:
     MAX_STEPS = "max_steps"  # step budget used up: a failure
     CONTEXT = "context"  # the next turn would not fit the context: truncated, counted, kept as a failure
     ABORTED = "aborted"  # the env crashed or timed out: excluded from the loss, counted
+    # left out on purpose by its collector (an SFT demonstration it cannot train as it is): excluded from the loss like
+    # an aborted one (Episode.aborted), but no failure: not in env/aborted_episodes, rollout/aborted, health/aborted_frac
+    SKIPPED = "skipped"
 
 
 @dataclass
@@ -105,6 +108,18 @@ class Episode:
 
     @property
     def aborted(self) -> bool:
+        """No loss trains it: the env or a worker failed (``ABORTED``), or its collector skipped it (``SKIPPED``)."""
+        return self.end_reason in (EndReason.ABORTED, EndReason.SKIPPED)
+
+    @property
+    def skipped(self) -> bool:
+        """Left out on purpose (``EndReason.SKIPPED``): :attr:`aborted`, but not counted as a failure."""
+        return self.end_reason == EndReason.SKIPPED
+
+    @property
+    def failed(self) -> bool:
+        """Aborted by a failure of the env, a worker or the server (not :attr:`skipped`): what ``env/aborted_episodes``,
+        ``rollout/aborted`` and ``health/aborted_frac`` count."""
         return self.end_reason == EndReason.ABORTED
 
     @property

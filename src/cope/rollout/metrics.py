@@ -8,7 +8,8 @@ from __future__ import annotations
 from cope.episode import Episode
 
 # what episode_tally counts: episodes (all), ok (not aborted); over the ok episodes: success, reward, score,
-# steps, tokens, and per step invalid, projected, strict, multi_action, action_cap; over all: truncated, aborted
+# steps, tokens, and per step invalid, projected, strict, multi_action, action_cap; over all: truncated, aborted (by a
+# failure: Episode.failed, not the episodes a collector skipped on purpose, which are neither ok nor aborted)
 TALLY_KEYS = ("episodes", "ok", "success", "reward", "score", "steps", "tokens", "invalid", "projected", "strict",
               "multi_action", "action_cap", "truncated", "aborted")
 
@@ -31,7 +32,7 @@ def episode_tally(eps: list[Episode]) -> dict[str, float]:
         "multi_action": float(sum(s.multi_action for s in steps)),
         "action_cap": float(sum(not s.closed for s in steps)),
         "truncated": float(sum(e.truncated for e in eps)),
-        "aborted": float(sum(e.aborted for e in eps)),
+        "aborted": float(sum(e.failed for e in eps)),
     }
 
 

@@ -27,7 +27,8 @@ Where we deliberately differ from the paper:
       the prediction pass rate); the task episodes' success is ``rwml/task_success``;
     * under DDP every rank trains all of its kept groups and takes the optimizer steps of the rank with the most
       (``Collected.nominal``): a rank with fewer spreads them over smaller minibatches, a rank with none trains one
-      idle row (an aborted episode: no target, counted in ``rollout/aborted``), so the ranks' steps meet;
+      idle row (:func:`~cope.train.collect.experience.idle_row`: skipped, no target, in no failure count), so the
+      ranks' steps meet;
     * an RWML epoch in which no rank kept a world-model group (a cold-start policy whose every action is malformed gets
       no observation back; or every triplet all-correct and dropped by the too-easy filter: such a group has no
       advantage anyway) trains its task episodes with every reward 0 (:func:`placeholders`: no policy gradient, the

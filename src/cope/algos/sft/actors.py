@@ -4,9 +4,11 @@ Both follow :class:`cope.rollout.loop.Actor`: per live episode (``keys`` are the
 ``i``) the action's token ids, ``tokenizer.encode(action, add_special_tokens=False) + [chat stop id]``, the way a
 policy that chose it and then stopped would have emitted it, so the rollout loop builds the transcript token-exact,
 in the policy's own chat scaffold. Where there is no action to give, the item is an exception and the loop aborts
-that episode (the collector then skips it). Each actor records the text it gave per key (``given``), so the
-collector can check that the env received exactly that text (a tokenizer whose decode does not invert its encode
-would change it).
+that episode (the collector then skips it): the demonstration ran out (``lacking``: the script used up, the expert
+answered None; no failure of the env), or the expert raised (logged by the loop with the env's name and the error, as
+an exception in ``env.step``; one demonstration skipped, never the run). Each actor records the text it gave per key
+(``given``), so the collector can check that the env received exactly that text (a tokenizer whose decode does not
+invert its encode would change it).
 """
 from __future__ import annotations
 
@@ -17,10 +19,15 @@ class _DemoActor:
     def __init__(self, tokenizer: Any, stop_id: int):
         self.tokenizer, self.stop_id = tokenizer, int(stop_id)
         self.given: dict[int, list[str]] = {}
+        self.lacking: set[int] = set()  # keys whose demonstration had no next action (not an env failure)
 
     def reset(self) -> None:
         """A new rollout: forget what was given (``run_episodes`` calls it first)."""
-        self.given = {}
+        self.given, self.lacking = {}, set()
+
+    def _lacking(self, key: int, message: str) -> RuntimeError:
+        self.lacking.add(key)
+        return RuntimeError(message)
 
     def _ids(self, key: int, action: str) -> list[int]:
         self.given.setdefault(key, []).append(action)
@@ -45,8 +52,12 @@ class ExpertActor(_DemoActor):
         out = []
         for key in keys:
             env = self.envs[key]
-            action = env.expert_action()
-            out.append(RuntimeError(f"{type(env).__name__}.expert_action() has no action for a live episode")
+            try:
+                action = env.expert_action()
+            except Exception as e:  # noqa: BLE001 - a failing expert skips its demonstration, never the run
+                out.append(RuntimeError(f"{type(env).__name__}.expert_action() raised {e!r}"))
+                continue
+            out.append(self._lacking(key, f"{type(env).__name__}.expert_action() has no action for a live episode")
                        if action is None else self._ids(key, action))
         return out
 
@@ -69,6 +80,6 @@ class ScriptedActor(_DemoActor):
         for key in keys:
             done = len(self.given.get(key, ()))
             script = self.actions[key]
-            out.append(RuntimeError(f"the demonstration's {len(script)} actions are used up, the episode goes on")
+            out.append(self._lacking(key, f"the demonstration's {len(script)} actions are used up, the episode goes on")
                        if done >= len(script) else self._ids(key, script[done]))
         return out

@@ -18,14 +18,18 @@ Which demonstrations (``source``, :mod:`cope.algos.sft.demos`):
   resume checks (another file, or another ``sft.keep``, would train other demonstrations).
 
 A demonstration that cannot be trained as it is, is skipped, never truncated, and counted: one that does not fit
-``data.max_context`` (the loop ended it with ``end_reason="context"``, or an action longer than the sampling cap
-overran it: ``sft/skipped_too_long``), one that did not succeed with ``keep=success`` (``sft/skipped_failed``), and
-one that did not replay as given (``sft/skipped_broken``: the expert had no action for a live episode, the env
-raised, the recorded actions ended before the episode, or the env received other text than the demonstration's
-action). A skipped demonstration stays in the epoch as an aborted stub, the task's first prompt only (every rank
-then trains the same number of minibatches under DDP, and no loss trains an aborted row); it is also counted in
-``env/aborted_episodes``. ``sft/demos`` and ``sft/demo_tokens`` count the demonstrations trained and their action
-tokens. The same keys every epoch, on every rank (this rank's counts).
+(``sft/skipped_too_long``: the loop ended it with ``end_reason="context"``, or its final feedback turn did not fit
+``data.max_context`` and was dropped, or one of its actions is longer than the sampling cap
+``data.sampling.max_action_tokens``, which the policy could never emit closed), one that did not succeed with
+``keep=success`` (``sft/skipped_failed``), and one that did not replay as given (``sft/skipped_broken``: the expert
+had no action for a live episode or raised, the env raised, the recorded actions ended before the episode, or the env
+received other text than the demonstration's action; an exception is logged as a warning naming the env and the
+error). A skipped demonstration stays in the epoch as a stub, the task's first prompt only (every rank then trains
+the same number of minibatches under DDP, and no loss trains it): ``end_reason="skipped"``, which no failure count
+reads (``env/aborted_episodes``, ``rollout/aborted``, ``health/aborted_frac``), except where the env, a worker or the
+expert raised: that stub stays ``"aborted"``, an env failure the run-health rule sees. ``sft/demos`` and
+``sft/demo_tokens`` count the demonstrations trained and their action tokens. The same keys every epoch, on every
+rank (this rank's counts).
 
 Not off-policy: no policy sampled these episodes, so there are no behaviour log-probs to carry; the policy gradient,
 which would need them, is off in ``algo=sft``.
@@ -58,11 +62,12 @@ def bound_policy(host: CollectorHost) -> Any:
     return policy
 
 
-def skipped_stub(ep: Episode) -> Episode:
-    """A skipped demonstration as it stays in the epoch: its task's first prompt only, aborted (no loss trains it)."""
+def skipped_stub(ep: Episode, failed: bool = False) -> Episode:
+    """A skipped demonstration as it stays in the epoch: its task's first prompt only, no loss trains it.
+    ``end_reason`` ``SKIPPED`` (no failure), or ``ABORTED`` with ``failed`` (the env, a worker or the expert raised)."""
     n = ep.prompt_len or len(ep.tokens)
     return Episode(task=ep.task, group=ep.group, tokens=ep.tokens[:n], roles=ep.roles[:n], prompt_len=ep.prompt_len,
-                   end_reason=EndReason.ABORTED, sampled_epoch=ep.sampled_epoch)
+                   end_reason=EndReason.ABORTED if failed else EndReason.SKIPPED, sampled_epoch=ep.sampled_epoch)
 
 
 class DemoCollector:
@@ -149,7 +154,8 @@ class DemoCollector:
                 skip = self.skip_reason(ep, actor.given.get(key, []), scripts[s + key].actions if scripts else None)
                 if skip is not None:
                     counts[skip] += 1
-                    ep = skipped_stub(ep)
+                    failed = ep.aborted and key not in actor.lacking  # the loop aborted it, not for want of an action
+                    ep = skipped_stub(ep, failed=failed)
                 episodes.append(ep)
         for e in episodes:
             e.sampled_epoch = epoch
@@ -182,8 +188,10 @@ class DemoCollector:
         ``script``: the file's actions (None: the expert's)."""
         if ep.aborted:
             return "broken"
-        if ep.truncated or len(ep.tokens) > self.max_context:
-            return "too_long"
+        cap = self.host.sampling.max_action_tokens
+        if (ep.truncated or len(ep.tokens) > self.max_context or (ep.steps and ep.steps[-1].obs_start < 0)
+                or any(s.content_len > cap for s in ep.steps)):
+            return "too_long"  # the context, the final feedback turn dropped (it did not fit), or the action cap
         if [s.action_text for s in ep.steps] != given or (script is not None and list(script) != given):
             return "broken"
         if self.keep == "success" and not ep.success:

@@ -16,8 +16,9 @@
   A task id (``<env>/<split>/<index>``, :attr:`cope.envs.base.Task.id`) maps back to the Task of that env, split and
   index: the env must be the run's (``env.name``), the split the one training draws from (``data.train_split``:
   a demonstration of a held-out task would train on the validation panel), the index inside it. Bad input fails
-  before any model is built, naming ``sft.path`` and the line: a missing or empty file, a line that is not a JSON
-  object, a row without a key its shape needs, an unknown task, an action that is not a string, a step out of order.
+  before any model is built, naming ``sft.path`` and the line: a missing or empty file, a line that is not UTF-8
+  text or not a JSON object, a row without a key its shape needs, an unknown task, an action that is not a string, a
+  step out of order.
 
   Which episodes are kept (:func:`replay_outcome`): each is replayed through a fresh env episode on its actions
   alone (no model, before training): it must end exactly at its last action (an episode cut short, by the context
@@ -104,13 +105,13 @@ def read_trajectories(path: str | Path, env_name: str, split: str, num_tasks: in
         raise FileNotFoundError(f"{key}={str(path)!r}: no such file (a trajectories.jsonl of a training or eval.py run)")
     demos: list[tuple[Task, list[str], str]] = []
     open_episodes: dict[tuple[Any, Any], int] = {}  # (epoch, episode) of turn rows -> its index in demos
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
+    with path.open("rb") as f:  # bytes, decoded per line: a bad byte is named by its line
+        for n, raw in enumerate(f, 1):
             try:
-                _read_row(line, where, demos, open_episodes, env_name, split, num_tasks)
+                line = _decode(raw)
+                if not line.strip():
+                    continue
+                _read_row(line, f"{path}:{n}", demos, open_episodes, env_name, split, num_tasks)
             except ValueError as e:
                 raise ValueError(f"{key}={str(path)!r}: line {n}: {e}") from None
     if not demos:
@@ -155,6 +156,13 @@ def _read_row(line: str, where: str, demos: list, open_episodes: dict, env_name:
         raise ValueError(f"task {task.id!r} in (epoch {row['epoch']!r}, episode {row['episode']!r}), "
                          f"whose step 0 was {demos[i][0].id!r}")
     demos[i][1].append(_action(row["action"]))
+
+
+def _decode(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text ({e.reason}: byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)") from None
 
 
 def _action(value: Any) -> str:

@@ -78,8 +78,9 @@ def epoch_metrics(episodes: list[Episode], stats: RolloutStats, seconds: float, 
     m.update({
         "env/errors": float(stats.env_errors),
         "env/tool_call_errors": float(stats.tool_call_errors),  # native tool calls the loop refused (invalid steps)
-        "env/aborted_episodes": float(sum(e.aborted for e in episodes)),
-        "env/groups_shrunk": float(len({e.group for e in episodes if e.aborted})),
+        # failures only (Episode.failed): an episode its collector skipped on purpose (SFT) is no env error
+        "env/aborted_episodes": float(sum(e.failed for e in episodes)),
+        "env/groups_shrunk": float(len({e.group for e in episodes if e.failed})),
         **{f"env/{k}": float(v) for k, v in env_events.items()},
         "perf/rollout_seconds": seconds,
         "perf/tokens_per_s": stats.generated_tokens / max(stats.gen_seconds, 1e-9),
@@ -152,11 +153,12 @@ def cut_minibatches(episodes: list[Episode], minibatch_size: int, pad_id: int, r
 
 def idle_row(e: Episode) -> Episode:
     """A row that trains nothing, for a minibatch that must exist but has no episode (:func:`cut_minibatches`): ``e``'s
-    first prompt only, aborted (no action, advantage or ECHO target), collated as episode -1 and ``aux_row`` (no
+    first prompt only, skipped (``EndReason.SKIPPED``: aborted for every loss, no action, advantage or ECHO target, but
+    no failure in the counts), collated as episode -1 and ``aux_row`` (no
     transcript: no transform or transcript objective reads it). Its step is a forward and a zero gradient, so the
     gradient all-reduce of every step still meets on every rank."""
     return Episode(task=e.task, group=e.group, tokens=e.tokens[: e.prompt_len], roles=e.roles[: e.prompt_len],
-                   prompt_len=e.prompt_len, end_reason=EndReason.ABORTED, sampled_epoch=e.sampled_epoch)
+                   prompt_len=e.prompt_len, end_reason=EndReason.SKIPPED, sampled_epoch=e.sampled_epoch)
 
 
 def keep_trained(episodes: list[Episode], trained: Sequence[int]) -> list[Episode]:
