@@ -10,7 +10,9 @@ Deliberate choices:
     * Token mean over the whole batch (every target token weighs the same; TRL's SFTTrainer and HF Trainer average
       the same way), not a mean per episode first: a demonstration is a sequence of correct actions, and a long one
       has more of them to teach. The normalizer is the batch's target count, read from the masks alone, so a
-      micro-batched step computes exactly the loss of the whole minibatch (``ForwardOut``'s contract).
+      micro-batched step computes exactly the loss of the whole minibatch (``ForwardOut``'s contract). Under DDP the
+      mean is each rank's own (the ranks' gradients are then averaged, as Lightning does): a rank with fewer target
+      tokens weighs each of them more, as in HF Trainer without ``average_tokens_across_devices``.
     * ``observations=True`` also trains the OBSERVATION tokens (the env's own text, as ECHO's observation loss,
       :mod:`cope.algos.echo`) of the same rows, in the same token mean; HARNESS text and the chat scaffold (PROMPT)
       are never targets. Off by default: SFT imitates the actions.
