@@ -68,7 +68,8 @@ class TrajectoryTable(Callback):
     Args:
         num_episodes: episodes per table (the first success and first failure come first); >= 1.
         every_n_epochs: write after epochs ``n-1, 2n-1, ...`` (0-based); >= 1.
-        max_chars: action and observation texts are cut to this many characters; >= 1.
+        max_chars: observation texts are cut to this many characters; >= 1. Actions are never cut: the file is a set
+            of demonstrations ``algo=sft sft.source=file`` replays, and a cut action would be another action.
         messages: also write the episodes as OpenAI chat messages (``trajectories_messages.jsonl``; never cut).
     """
 
@@ -86,7 +87,7 @@ class TrajectoryTable(Callback):
             ep = episodes[i]
             for j, s in enumerate(ep.steps):
                 obs = feedback_text(ep, j, tokenizer)[: self.max_chars]
-                out.append([epoch, ep.task.id, i, j, s.action_text[: self.max_chars], bool(s.valid), float(s.reward), obs,
+                out.append([epoch, ep.task.id, i, j, s.action_text, bool(s.valid), float(s.reward), obs,
                             ep.sampled_epoch])
         return out
 

@@ -126,9 +126,10 @@ def test_trajectory_jsonl_rows_decode_only_observation_and_harness(tok, tmp_path
     assert rows[2]["observation"] == "you moved south" and rows[2]["action"] == "go south"
     # a second epoch appends; the epoch column tells them apart
     trainer.current_epoch = 4
-    TrajectoryTable(num_episodes=1, max_chars=4).on_train_epoch_end(trainer, pl_module)
+    TrajectoryTable(num_episodes=1, max_chars=3).on_train_epoch_end(trainer, pl_module)
     rows = read_jsonl(tmp_path / "trajectories.jsonl")
-    assert len(rows) == 4 and rows[-1]["epoch"] == 4 and rows[-1]["observation"] == "goal"  # cut to max_chars
+    assert len(rows) == 4 and rows[-1]["epoch"] == 4 and rows[-1]["observation"] == "goa"  # cut to max_chars
+    assert rows[-1]["action"] == "look"  # an action is never cut: algo=sft replays this file
 
 
 def test_trajectory_every_n_epochs_rank_zero_and_empty(tok, tmp_path):
