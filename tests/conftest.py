@@ -30,6 +30,8 @@ import cope  # noqa: E402
 
 assert cope.__file__ and Path(cope.__file__).resolve().parent == REPO / "src" / "cope", cope.__path__
 
+from metric_docs import undocumented_metrics  # noqa: E402  (tests/metric_docs.py: the docs' metric families)
+
 OFFLINE_ENV = {
     "WANDB_MODE": "disabled",
     "HF_HUB_OFFLINE": "1",
@@ -88,25 +90,6 @@ def run_train(cope_cache):
 @pytest.fixture(scope="session")
 def train_script(cope_cache):
     return run_train_script
-
-
-def documented_metric_families() -> set[str]:
-    """The metric families docs/metrics.md has a row for (``rollout`` from ```rollout/*```; ``*`` stands for the
-    ``<objective>/...`` and ``.../<objective>`` rows' placeholder)."""
-    import re
-
-    names = set()
-    for line in (REPO / "docs/metrics.md").read_text().splitlines():
-        if line.startswith("| `"):
-            names.update(re.findall(r"`([^`]+/[^`]*)`", line.split("|")[1]))
-    return {"*" if n.startswith("<") else n.split("/")[0] for n in names}
-
-
-def undocumented_metrics(keys) -> list[str]:
-    """The metric keys (``family/name``) whose family has no row in docs/metrics.md (``<objective>/scale`` matches any
-    family's ``scale``)."""
-    families = documented_metric_families()
-    return sorted(k for k in keys if "/" in k and k.split("/")[0] not in families and not k.endswith("/scale"))
 
 
 def read_metrics_csv(path: Path) -> dict[str, list[float]]:

@@ -3,6 +3,8 @@ name every algorithm and env: a preset added without its row is a feature users 
 import re
 from pathlib import Path
 
+from metric_docs import undocumented_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +38,5 @@ def test_every_metric_read_by_a_test_has_its_family_documented():
     """conftest's ``read_metrics`` refuses a metrics.csv with a family docs/metrics.md lacks; the families the trainer
     logs outside training runs' CSVs (eval.py's summary, scheduled weights, the adaptive balance's scale) are
     documented too."""
-    from conftest import undocumented_metrics
-
     assert undocumented_metrics(["eval/success", "weight/echo", "forecast/scale", "rwml/reward", "epoch"]) == []
     assert undocumented_metrics(["rollout/success", "toy/metric"]) == ["toy/metric"]
