@@ -159,8 +159,9 @@ def test_a_demonstration_whose_final_feedback_does_not_fit_is_skipped_as_too_lon
 
 
 def test_an_action_longer_than_the_sampling_cap_is_skipped_as_too_long(policy, tmp_path):
-    """Actions of 2 ids (``south.``) under ``data.sampling.max_action_tokens=1``: the policy could never emit them
-    closed, so they are not trained (``too_long``); under a cap of 2 they are."""
+    """Actions of 2 ids (``south.``) and their stop id under ``data.sampling.max_action_tokens=2``: the sampler counts
+    the stop id in its cap (cope.rollout.hf_actor), so the policy could never emit them closed and they are not trained
+    (``too_long``); under a cap of 3 they are."""
     env = maze_factory()
     rows = []
     for i in range(2):
@@ -168,10 +169,10 @@ def test_an_action_longer_than_the_sampling_cap_is_skipped_as_too_long(policy, t
         rows.append({"task": f"maze/train/{i}", "turns": [{"action": f"{a}."} for a in env.shortest_path()]})
     path = _write(tmp_path / "dotted.jsonl", rows)
     assert len(policy.tokenizer.encode("south.", add_special_tokens=False)) == 2
-    got = demo_datamodule(policy, source="file", path=path, cap=1).collector.collect(0)
+    got = demo_datamodule(policy, source="file", path=path, cap=2).collector.collect(0)
     assert got.metrics["sft/skipped_too_long"] == 4 and got.metrics["sft/demos"] == 0
     assert all(e.skipped for e in got.episodes)
-    got = demo_datamodule(policy, source="file", path=path, cap=2).collector.collect(0)
+    got = demo_datamodule(policy, source="file", path=path, cap=3).collector.collect(0)
     assert got.metrics["sft/demos"] == 4 and all(s.content_len == 2 for e in got.episodes for s in e.steps)
 
 

@@ -19,8 +19,8 @@ Which demonstrations (``source``, :mod:`cope.algos.sft.demos`):
 
 A demonstration that cannot be trained as it is, is skipped, never truncated, and counted: one that does not fit
 (``sft/skipped_too_long``: the loop ended it with ``end_reason="context"``, or its final feedback turn did not fit
-``data.max_context`` and was dropped, or one of its actions is longer than the sampling cap
-``data.sampling.max_action_tokens``, which the policy could never emit closed), one that did not succeed with
+``data.max_context`` and was dropped, or one of its actions, with its end-of-turn id, is longer than the sampling cap
+``data.sampling.max_action_tokens``, which counts that id: the policy could never emit it closed), one that did not succeed with
 ``keep=success`` (``sft/skipped_failed``), and one that did not replay as given (``sft/skipped_broken``: the expert
 had no action for a live episode or raised, the env raised, the recorded actions ended before the episode, or the env
 received other text than the demonstration's action; an exception is logged as a warning naming the env and the
@@ -190,7 +190,7 @@ class DemoCollector:
             return "broken"
         cap = self.host.sampling.max_action_tokens
         if (ep.truncated or len(ep.tokens) > self.max_context or (ep.steps and ep.steps[-1].obs_start < 0)
-                or any(s.content_len > cap for s in ep.steps)):
+                or any(s.action_end - s.action_start > cap for s in ep.steps)):  # the stop id counts in the cap
             return "too_long"  # the context, the final feedback turn dropped (it did not fit), or the action cap
         if [s.action_text for s in ep.steps] != given or (script is not None and list(script) != given):
             return "broken"
