@@ -118,7 +118,5 @@ def sft_gain(final: dict[str, dict[int, float]]) -> dict | None:
     if seeds:
         point, lo, hi, _ = stats.paired_ratio(final["echo"], final["grpo_sft"], final["grpo"])
         pooled = None if math.isnan(point) else [point, lo, hi]
-    if not shares:
-        return {"seeds": seeds, "shares": {}, "mean": None, "no_gain_seeds": flat, "pooled": pooled}
-    return {"seeds": seeds, "shares": shares, "mean": sum(shares.values()) / len(shares), "no_gain_seeds": flat,
-            "pooled": pooled}
+    mean = sum(shares.values()) / len(shares) if shares else None
+    return {"seeds": seeds, "shares": shares, "mean": mean, "no_gain_seeds": flat, "pooled": pooled}

@@ -64,11 +64,14 @@ def bootstrap(values: Sequence[float], stat: str = "mean", draws: int = DRAWS, s
         return (point, point, point)
     rng = np.random.default_rng(seed)
     samples = a[rng.integers(0, a.size, size=(draws, a.size))]  # (draws, n)
-    dist = np.sort(fn(samples, axis=1))  # (draws,)
+    return (point, *_percentiles(fn(samples, axis=1), level))
+
+
+def _percentiles(dist: np.ndarray, level: float) -> tuple[float, float]:
+    """The percentile interval of a bootstrap distribution (draws,), read without interpolation."""
     tail = (1.0 - level) / 2
-    lo = float(np.quantile(dist, tail, method="inverted_cdf"))
-    hi = float(np.quantile(dist, 1.0 - tail, method="inverted_cdf"))
-    return (point, lo, hi)
+    return (float(np.quantile(dist, tail, method="inverted_cdf")),
+            float(np.quantile(dist, 1.0 - tail, method="inverted_cdf")))
 
 
 def paired_difference(arm: dict[int, float], base: dict[int, float], draws: int = DRAWS, seed: int = 0,
@@ -102,11 +105,7 @@ def paired_ratio(arm: dict[int, float], top: dict[int, float], base: dict[int, f
         return (point, point, point, len(seeds))
     rng = np.random.default_rng(seed)
     dist = ratio(v[rng.integers(0, len(seeds), size=(draws, len(seeds)))].mean(axis=1))
-    dist = np.sort(dist[np.isfinite(dist)])
-    tail = (1.0 - level) / 2
-    lo = float(np.quantile(dist, tail, method="inverted_cdf"))
-    hi = float(np.quantile(dist, 1.0 - tail, method="inverted_cdf"))
-    return (point, lo, hi, len(seeds))
+    return (point, *_percentiles(dist[np.isfinite(dist)], level), len(seeds))
 
 
 # Student t 0.975 quantiles for 1..30 degrees of freedom (tests/test_study_stats.py checks them against scipy)

@@ -93,8 +93,7 @@ class EmbeddingCosine:
             raise ValueError(f"rwml.reward.tau_d must be in (0, 2) (a cosine distance threshold), got {tau_d}")
         if tau_d >= 1.0:
             log.warning("rwml.reward.tau_d=%s: a distance of 1 (an empty prediction, unrelated text) is under it, so the "
-                        "reward pays predictions that know nothing of the target",
-                        tau_d)
+                        "reward pays predictions that know nothing of the target", tau_d)
         self.embedder = embedder if embedder is not None else HashedNgramEmbedder()
         self.tau_d = float(tau_d)
 

@@ -154,8 +154,8 @@ def cut_minibatches(episodes: list[Episode], minibatch_size: int, pad_id: int, r
 def idle_row(e: Episode) -> Episode:
     """A row that trains nothing, for a minibatch that must exist but has no episode (:func:`cut_minibatches`): ``e``'s
     first prompt only, skipped (``EndReason.SKIPPED``: aborted for every loss, no action, advantage or ECHO target, but
-    no failure in the counts), collated as episode -1 and ``aux_row`` (no
-    transcript: no transform or transcript objective reads it). Its step is a forward and a zero gradient, so the
+    no failure in the counts), collated as episode -1 and ``aux_row`` (no transcript: no transform or transcript
+    objective reads it). Its step is a forward and a zero gradient, so the
     gradient all-reduce of every step still meets on every rank."""
     return Episode(task=e.task, group=e.group, tokens=e.tokens[: e.prompt_len], roles=e.roles[: e.prompt_len],
                    prompt_len=e.prompt_len, end_reason=EndReason.SKIPPED, sampled_epoch=e.sampled_epoch)
