@@ -323,6 +323,67 @@ def test_a_file_of_demonstrations_replays_token_exact_and_keeps_the_successes(po
         demo_datamodule(policy, path=path)
 
 
+class FlakyReplayMaze(MazeEnv):
+    """A maze whose 2nd reset raises (a transient env error while ``select_demos`` replays the file)."""
+
+    resets = 0
+
+    def reset(self, task):
+        FlakyReplayMaze.resets += 1
+        if FlakyReplayMaze.resets == 2:
+            raise RuntimeError("transient")
+        return super().reset(task)
+
+
+def test_a_transient_replay_error_does_not_change_the_kept_demonstrations(policy, expert_epoch, tmp_path):
+    """A replay the env raised on is kept (judged when an epoch draws it): the kept list, so the draws and the resume
+    fingerprint, are those of a run without the error; a file where every replay raises is refused."""
+    _, got = expert_epoch
+    path = _write(tmp_path / "traj.jsonl", _turn_rows(got.episodes))
+    clean = demo_datamodule(policy, source="file", path=path).collector
+    FlakyReplayMaze.resets = 0
+    flaky = demo_datamodule(policy, source="file", path=path,
+                            env=functools.partial(FlakyReplayMaze, sizes=[6], max_steps=8)).collector
+    assert flaky.replayed["error"] == 1 and flaky.replayed["success"] == 3
+    assert flaky.demos == clean.demos and flaky.fingerprint == clean.fingerprint
+    out = flaky.collect(0)  # the errored one replays fine now: trained
+    assert out.metrics["sft/demos"] == 4 and [e.tokens for e in out.episodes] == [e.tokens for e in clean.collect(0).episodes]
+    FlakyReplayMaze.resets = 1  # the next reset raises: the only demonstration's replay
+    with pytest.raises(ValueError, match=r"none of its 1 episodes is kept .*'error': 1"):
+        demo_datamodule(policy, source="file", path=_write(tmp_path / "one.jsonl", _turn_rows(got.episodes[:1])),
+                        env=functools.partial(FlakyReplayMaze, sizes=[6], max_steps=8))
+
+
+@pytest.mark.parametrize("unclean", ["skip", "train"])
+def test_sft_leaves_out_the_actions_the_env_refused_in_a_successful_demonstration(policy, expert_epoch, tmp_path,
+                                                                                   unclean):
+    """A file demonstration that first walks into a wall (refused, the agent stays) and then walks the expert's path
+    still succeeds and is kept; with ``sft.unclean=skip`` its refused action is no target (``unclean_mask`` covers
+    exactly that step's action ids), the rest of it is; ``train`` imitates it too."""
+    _, got = expert_epoch
+    ep = min(got.episodes, key=lambda e: e.num_steps)
+    assert ep.num_steps < 8  # room for one more action in max_steps
+    env = maze_factory()
+    bump = next(m for m in ("north", "south", "east", "west") if (env.reset(ep.task), env.step(m))[1].valid is False)
+    path = _write(tmp_path / "bump.jsonl", [{"task": ep.task.id, "turns": [{"action": a} for a in
+                                                                            [bump, *(s.action_text for s in ep.steps)]]}])
+    demo = demo_datamodule(policy, source="file", path=path).collector.collect(0).episodes[0]
+    assert demo.success and not demo.steps[0].valid and all(s.strict for s in demo.steps[1:])
+    batch = collate([demo], policy.pad_id)
+    bad = demo.steps[0]
+    want_unclean = torch.zeros_like(batch["action_mask"])
+    want_unclean[0, bad.action_start:bad.action_end] = True
+    assert torch.equal(batch["unclean_mask"], want_unclean) and bool(batch["action_mask"][0, bad.action_start])
+    logprobs = torch.randn(batch["input_ids"].shape)
+    loss, metrics = SFTLoss(unclean=unclean)(ForwardOut(logprobs, torch.zeros_like(logprobs)), batch)
+    targets = batch["action_mask"] & ~want_unclean if unclean == "skip" else batch["action_mask"]
+    assert loss.item() == pytest.approx(-(logprobs[targets]).mean().item(), rel=1e-6)
+    assert metrics["sft/target_tokens"] == int(targets.sum())
+    assert metrics.get("sft/unclean_tokens", 0) == (bad.action_end - bad.action_start if unclean == "skip" else 0)
+    with pytest.raises(ValueError, match=r"algo\.objectives\.sft\.unclean .* must be one of \('skip', 'train'\)"):
+        SFTLoss(unclean="mask")
+
+
 def _host(world: int, rank: int, seed: int = 0):
     return SimpleNamespace(world=lambda: world, rank=lambda: rank,
                            task_stream=lambda e: TaskStream([], [], random.Random(e)))

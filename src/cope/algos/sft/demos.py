@@ -23,7 +23,8 @@
   Which episodes are kept (:func:`replay_outcome`): each is replayed through a fresh env episode on its actions
   alone (no model, before training): it must end exactly at its last action (an episode cut short, by the context
   or another step budget, or one the env ends earlier, is dropped as not replayable) and, with ``sft.keep=success``
-  (the default), succeed: the env's verdict on the replay, not a flag of the file (turn rows carry none).
+  (the default), succeed: the env's verdict on the replay, not a flag of the file (turn rows carry none). One whose
+  replay raised is kept and judged when drawn (:func:`select_demos`).
 """
 from __future__ import annotations
 
@@ -194,7 +195,12 @@ def replay_outcome(env: Env, demo: Demo) -> str:
 def select_demos(demos: list[Demo], env_factory: Callable[[], Env], keep: str,
                  key: str = "sft.path") -> tuple[list[Demo], dict[str, int]]:
     """The demonstrations kept (:func:`replay_outcome` ``success``, and ``failure`` too with ``keep="all"``) and
-    how many of each outcome there were; ValueError naming ``key`` and ``sft.keep`` when none is kept."""
+    how many of each outcome there were; ValueError naming ``key`` and ``sft.keep`` when none replays to a kept outcome.
+
+    A demonstration whose replay raised (``error``) is kept too: whether it succeeds is left to the epochs that draw
+    it, which replay it again and skip it as ``broken`` if the env raises again. An env error is no property of the
+    demonstration: dropping it here would make the kept list, so the draws and the resume fingerprint, depend on a
+    transient failure (a resume refused; under DDP, ranks drawing from different lists)."""
     env = env_factory()
     try:
         outcomes = [replay_outcome(env, d) for d in demos]
@@ -202,9 +208,10 @@ def select_demos(demos: list[Demo], env_factory: Callable[[], Env], keep: str,
         env.close()
     counts = {o: outcomes.count(o) for o in ("success", "failure", "cut", "early", "error")}
     wanted = ("success",) if keep == "success" else ("success", "failure")
-    kept = [d for d, o in zip(demos, outcomes) if o in wanted]
-    log.info("%s: %d episodes read, %d kept (sft.keep=%s); replayed: %s", key, len(demos), len(kept), keep, counts)
-    if not kept:
+    kept = [d for d, o in zip(demos, outcomes) if o in wanted or o == "error"]
+    log.info("%s: %d episodes read, %d kept (sft.keep=%s; %d whose replay raised, retried when drawn); replayed: %s",
+             key, len(demos), len(kept), keep, counts["error"], counts)
+    if not any(o in wanted for o in outcomes):
         raise ValueError(f"{key}: none of its {len(demos)} episodes is kept with sft.keep={keep} (replayed through "
                          f"the env: {counts}; 'cut': the episode goes on after its last recorded action)")
     return kept, counts

@@ -16,6 +16,13 @@ Deliberate choices:
     * ``observations=True`` also trains the OBSERVATION tokens (the env's own text, as ECHO's observation loss,
       :mod:`cope.algos.echo`) of the same rows, in the same token mean; HARNESS text and the chat scaffold (PROMPT)
       are never targets. Off by default: SFT imitates the actions.
+    * ``unclean="skip"`` (the default) leaves out the action tokens of steps not in the env's strict format
+      (``batch["unclean_mask"]``: an action the env refused, or one it read out of free text under
+      ``env.action_parsing=project``). A successful demonstration from a file (a stronger run's episodes) can hold
+      a move into a wall or a malformed call that the episode recovered from: imitating it teaches the mistake. The
+      rest of the transcript stays (later actions are conditioned on the env's answer to it). ``unclean="train"``
+      imitates every action, as behaviour cloning of whole trajectories does (AgentTuning, ETO). The experts here
+      make no such steps, so it matters for ``sft.source=file``.
     * Temperature: ``ForwardOut.logprobs`` at action tokens are taken under the sampling distribution
       ``softmax(logits / module.temperature)`` (:mod:`cope.train.logprobs`), which is right for a policy-gradient
       ratio but is not the model's own distribution. The cross-entropy of SFT is the model's own (untempered), so an
@@ -34,12 +41,17 @@ import torch
 from cope.episode import Role
 from cope.train.objectives import ForwardOut, Metrics, Objective
 
+UNCLEAN = ("skip", "train")
+
 
 def sft_targets(action_mask: torch.Tensor, roles: torch.Tensor, aborted: torch.Tensor, aux_row: torch.Tensor | None,
-                observations: bool) -> torch.Tensor:
-    """(N, T) bool: the tokens SFT trains: ``action_mask`` (the ACTION tokens of non-aborted rows), plus, when
-    ``observations``, the OBSERVATION tokens of the rows that are neither aborted nor auxiliary (``aux_row``)."""
+                observations: bool, unclean_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, T) bool: the tokens SFT trains: ``action_mask`` (the ACTION tokens of non-aborted rows) minus
+    ``unclean_mask`` when given (the actions of steps left out), plus, when ``observations``, the OBSERVATION tokens
+    of the rows that are neither aborted nor auxiliary (``aux_row``)."""
     targets = action_mask.bool()  # (N, T)
+    if unclean_mask is not None:
+        targets = targets & ~unclean_mask.bool()
     if observations:
         rows = ~aborted.bool()  # (N,)
         if aux_row is not None:
@@ -74,6 +86,8 @@ class SFTLoss(Objective):
     Args:
         weight: multiplier in the total loss.
         observations: also train the OBSERVATION tokens of the same rows (off: actions only).
+        unclean: ``skip`` (leave out the actions of steps not in the env's strict format, ``batch["unclean_mask"]``)
+            or ``train`` (imitate them too); see the module docstring.
         temperature: the temperature the module scores action tokens at (``${module.temperature}``): 1, or <= 0
             (greedy, scored at 1); anything else is refused (the loss would be another cross-entropy).
         schedule, final_weight, schedule_steps: see :class:`cope.train.objectives.Objective`.
@@ -82,7 +96,7 @@ class SFTLoss(Objective):
     name = "sft"
 
     def __init__(self, weight: float = 1.0, observations: bool = False, temperature: float = 1.0,
-                 schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0):
+                 unclean: str = "skip", schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0):
         super().__init__(weight=weight, schedule=schedule, final_weight=final_weight, schedule_steps=schedule_steps)
         if not isinstance(observations, bool):
             raise ValueError(f"algo.objectives.sft.observations (SFTLoss.observations) must be true or false, "
@@ -91,9 +105,16 @@ class SFTLoss(Objective):
             raise ValueError(f"module.temperature={temperature}: algo=sft trains the model's own cross-entropy, so "
                              f"action tokens must be scored at temperature 1 (module.temperature follows "
                              f"data.sampling.temperature, which SFT never samples with: set it to 1)")
-        self.observations = observations
+        if unclean not in UNCLEAN:
+            raise ValueError(f"algo.objectives.sft.unclean (SFTLoss.unclean) must be one of {UNCLEAN}, "
+                             f"got {unclean!r}")
+        self.observations, self.unclean = observations, unclean
 
     def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
+        unclean = batch.get("unclean_mask") if self.unclean == "skip" else None
         targets = sft_targets(batch["action_mask"], batch["roles"], batch["aborted"], batch.get("aux_row"),
-                              self.observations)
-        return sft_cross_entropy(out.logprobs, targets)
+                              self.observations, unclean)
+        loss, metrics = sft_cross_entropy(out.logprobs, targets)
+        if unclean is not None:
+            metrics["sft/unclean_tokens"] = (unclean.bool() & batch["action_mask"].bool()).sum().float()
+        return loss, metrics
