@@ -81,7 +81,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=REPO / "bench/results/cope_update_cost.md")
     args = p.parse_args(argv)
 
-    from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
     from step_overhead import collect
 
@@ -90,20 +89,11 @@ def main(argv: list[str] | None = None) -> dict:
     from cope.algos.cope.prompted import PlanPrompt, build_prompted
     from cope.algos.cope.shared_prefix import collate_shared
     from cope.batch import collate
-    from cope.run.train import instantiate_plain
     from cope.train.module import AgentRLModule
     from cope.train.packing.group_prefix import pack_groups
     from cope.train.packing.tree_batch import packs_prefixes, use_tree_attention
-    from cope.train.step.backward import backward_microbatched
 
-    torch.manual_seed(args.seed)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=[*args.model_overrides, "algo=grpo", f"paths.output_dir={tempfile.mkdtemp()}",
-                                           f"seed={args.seed}"])
-    env_factory = instantiate(cfg.env)
-    dm = instantiate(cfg.data, env=env_factory, progress=False)
-    policy = instantiate_plain(cfg.model)(env_factory=env_factory)
-    dm.connect(policy)
+    cfg, dm, policy = load_policy(args.model_overrides, args.seed)
     eps = collect(dm, policy, args.episodes, args.min_success, args.max_batches, args.seed)
     chunks, fm = build_prompted(eps, policy.chat, PlanPrompt(policy.tokenizer), K=args.K, max_context=int(cfg.data.max_context),
                                 gate=args.gate, mask_projected=args.mask_projected)
@@ -148,27 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs[name] = dict(module=module, batches=batches, opt=module.optimizer_factory(list(params.values())),
                           state={n: q.detach().clone() for n, q in params.items()}, times=[], steps=len(batches),
                           attn=attn, **_work(batches, budget, attn == "sdpa"))
-    policy.model.train()
-    for r in range(args.warmup + args.epochs):
-        for v in runs.values():
-            with torch.no_grad():
-                for n, q in params.items():
-                    q.copy_(v["state"][n])
-            policy.model.set_attn_implementation(v["attn"])
-            t0 = time.perf_counter()
-            for batch in v["batches"]:
-                with memory:  # micro-batched as training_step does (the model's token budget)
-                    backward_microbatched(v["module"], batch)
-                if clip:
-                    torch.nn.utils.clip_grad_norm_(params.values(), float(clip))
-                v["opt"].step()
-                v["opt"].zero_grad(set_to_none=True)
-            dt = time.perf_counter() - t0
-            v["state"] = {n: q.detach().clone() for n, q in params.items()}
-            v["peak_bytes"] = max(v.get("peak_bytes", 0), memory.take_peak())
-            if r >= args.warmup:
-                v["times"].append(dt)
-        print(f"round {r + 1}/{args.warmup + args.epochs}" + (" (warmup)" if r < args.warmup else ""), flush=True)
+    interleave(runs, policy, params, memory, clip, args.warmup, args.epochs)
     base = statistics.mean(runs["GRPO"]["times"])
     n_succ = sum(e.success for e in eps)
     lines = [f"{len(eps)} episodes ({n_succ} won), {len(pg)} policy minibatch(es) of <= {size}; {len(chunks)} forecast "
@@ -272,6 +242,54 @@ class SavedTensorPeak:
         return peak
 
 
+def load_policy(model_overrides: list[str], seed: int):
+    """(cfg, DataModule connected to its policy, policy) of ``algo=grpo`` with ``model_overrides``."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from cope.run.train import instantiate_plain
+
+    torch.manual_seed(seed)
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[*model_overrides, "algo=grpo", f"paths.output_dir={tempfile.mkdtemp()}",
+                                           f"seed={seed}"])
+    env_factory = instantiate(cfg.env)
+    dm = instantiate(cfg.data, env=env_factory, progress=False)
+    policy = instantiate_plain(cfg.model)(env_factory=env_factory)
+    dm.connect(policy)
+    return cfg, dm, policy
+
+
+def interleave(runs: dict, policy, params: dict, memory: SavedTensorPeak, clip, warmup: int, epochs: int) -> None:
+    """Times ``warmup + epochs`` rounds of every run's epoch (``runs[name]``: ``module``, ``batches``, ``attn``,
+    ``opt``, ``state``, ``times``), round-robin, each from its own weights (swapped into ``params`` outside the
+    timer); appends the timed rounds' seconds to ``times`` and keeps the peak of ``memory`` in ``peak_bytes``."""
+    from cope.train.step.backward import backward_microbatched
+
+
+    policy.model.train()
+    for r in range(warmup + epochs):
+        for v in runs.values():
+            with torch.no_grad():
+                for n, q in params.items():
+                    q.copy_(v["state"][n])
+            policy.model.set_attn_implementation(v["attn"])
+            t0 = time.perf_counter()
+            for batch in v["batches"]:
+                with memory:  # micro-batched as training_step does (the model's token budget)
+                    backward_microbatched(v["module"], batch)
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(params.values(), float(clip))
+                v["opt"].step()
+                v["opt"].zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            v["state"] = {n: q.detach().clone() for n, q in params.items()}
+            v["peak_bytes"] = max(v.get("peak_bytes", 0), memory.take_peak())
+            if r >= warmup:
+                v["times"].append(dt)
+        print(f"round {r + 1}/{warmup + epochs}" + (" (warmup)" if r < warmup else ""), flush=True)
+
+
 def _work(batches: list[dict], budget: int | None, dense: bool = False) -> dict[str, int]:
     """Per epoch, over the micro-batches the module cuts under ``budget`` tokens: real tokens forwarded, positions the
     model computes (rows x columns of each micro-batch: padding too), trained target tokens (action tokens of the
@@ -316,7 +334,7 @@ def _batch_work(b: dict, budget: int | None, out: dict, dense: bool = False) -> 
     from cope.train.packing.prefix_tree import PrefixTree
     from cope.train.packing.tree_batch import packed_view
 
-    out["targets"] += int(b["action_mask"].sum()) + int(b["forecast_mask"].sum() if "forecast_mask" in b else 0)
+    out["targets"] += int(b["action_mask"].sum()) + sum(int(b[k].sum()) for k in ("forecast_mask", "wm_mask") if k in b)
     pack = packed_view(b)  # what the model forwards: the packed rows (a plain batch's own), in micro-batches of whole rows
     out["tokens"] += pack.tokens
     lengths = list(pack.lengths)

@@ -74,6 +74,20 @@ def test_cope_update_cost_smoke(tmp_path):
     assert kept["peak_bytes"] > tree["peak_bytes"] and "GRPO (groups shared, tiles kept)" in v
 
 
+def test_wm_sft_cost_smoke(tmp_path):
+    out = tmp_path / "wm.md"
+    _run("wm_sft_cost.py", ["--model-overrides", "debug=fast", "model.warm_start_steps=150", "env.sizes=[5]",
+                            "--episodes", "4", "--epochs", "1", "--warmup", "0", "--out", str(out)])
+    text = out.read_text()
+    for name in ("GRPO", "WM-SFT (plain)", "WM-SFT (packed, dense mask)", "WM-SFT (packed, tree)"):
+        assert f"| {name} |" in text
+    v = json.loads(out.with_suffix(".json").read_text())["variants"]
+    plain, dense, tree = v["WM-SFT (plain)"], v["WM-SFT (packed, dense mask)"], v["WM-SFT (packed, tree)"]
+    assert plain["targets"] == dense["targets"] == tree["targets"] > v["GRPO"]["targets"]  # the same samples trained
+    assert tree["tokens"] <= dense["tokens"] < plain["tokens"]  # the history once per episode, not once per sample
+    assert tree["cells"] < dense["cells"] and all(x["mean_s"] > 0 for x in v.values())
+
+
 def test_step_vs_raw_smoke(tmp_path):
     out = tmp_path / "svr.json"
     proc = _run("step_vs_raw.py", ["--quick", "--json", str(out)])

@@ -3,6 +3,7 @@ against a hand computation on one sample, micro-batches against one forward, the
 ``algo=wm_sft`` end to end."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from types import SimpleNamespace
@@ -103,6 +104,46 @@ def test_micro_batches_equal_one_forward(scripted):
         torch.testing.assert_close(g_b[n], g_a[n], atol=1e-6, rtol=1e-4, msg=n)
 
 
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_packed_samples_train_what_plain_rows_train(scripted, share_prefix):
+    """``wm_sft.layout=packed`` (each sample a segment after its transcript) against one row per sample, at
+    temperature 0.7 with the policy gradient on and micro-batches: the same loss and gradient, the targets scored
+    untempered in both; packed forwards each transcript once (fewer tokens). With ``data.share_prefix`` the packed
+    rows then join their group's trie (``pack_groups``), and still train the same."""
+    from cope.train.packing.group_prefix import pack_groups
+
+    ep, tok, chat = scripted
+    policy = tiny_policy()
+    eps = [dataclasses.replace(ep, advantage=a) for a in (1.0, -0.5)]  # one group: the same transcript twice
+    samples = build_samples(eps, chat, WorldModelPrompt(tok))[0]
+    plain = append_samples(collate(eps, 0), eps, samples, 0, "plain")
+    packed = append_samples(collate(eps, 0), eps, samples, 0, "packed")
+    assert "packed" in packed and packed["input_ids"].shape[0] == 2 and int(plain["aux_row"].sum()) == len(samples)
+    assert int(packed["attention_mask"].sum()) < int(plain["attention_mask"].sum())  # the prefixes once
+    assert int(packed[WM_MASK].sum()) == int(plain[WM_MASK].sum()) == sum(sum(s.target) for s in samples)
+    assert (packed["roles"][packed[WM_MASK]] == Role.PAD).all()  # untempered, no transcript objective reads them
+    if share_prefix:
+        plain, packed = pack_groups(plain, eps), pack_groups(packed, eps)
+
+    def step(batch, budget):
+        module = _module(policy, [PolicyGradient(), WorldModelNLL(weight=0.5)], budget, temperature=0.7)
+        module.score_minibatches([batch])
+        module.zero_grad(set_to_none=True)
+        _, total, metrics = module._backward(batch)
+        return total, metrics, {n: p.grad.clone() for n, p in module.named_parameters() if p.requires_grad}
+
+    total_a, m_a, g_a = step(plain, None)
+    total_b, m_b, g_b = step(packed, int(row_lengths(packed).max()))
+    assert total_a.abs() > 0 and float(m_a["loss/wm"]) > 0
+    torch.testing.assert_close(total_b, total_a, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(m_b["loss/wm"], m_a["loss/wm"], atol=1e-6, rtol=1e-5)
+    for n in g_a:
+        torch.testing.assert_close(g_b[n], g_a[n], atol=1e-6, rtol=1e-4, msg=n)
+    with pytest.raises(ValueError, match=r"wm_sft \(packed\) needs the 2D attention mask .* one sample layout only"):
+        append_samples(packed if share_prefix else append_samples(collate(eps, 0), eps, samples, 0, "packed"),
+                       eps, samples, 0, "packed")
+
+
 def test_the_callback_needs_the_wm_objective():
     dm = SimpleNamespace(add_collate_transform=lambda fn: None)
     module = SimpleNamespace(objectives=[PolicyGradient()], policy=None)
@@ -110,6 +151,8 @@ def test_the_callback_needs_the_wm_objective():
         WorldModelSFT().setup(SimpleNamespace(datamodule=dm), module, "fit")
     with pytest.raises(ValueError, match=r"wm_sft\.max_per_episode"):
         WorldModelSFT(max_per_episode=0)
+    with pytest.raises(ValueError, match=r"wm_sft\.layout must be one of \('packed', 'plain'\)"):
+        WorldModelSFT(layout="rows")
 
 
 # a maze a 150-step warm start sometimes walks validly: observations to predict in every epoch

@@ -19,136 +19,42 @@ import torch
 from cope.algos.cope.chunks import ForecastChunk
 from cope.algos.cope.loss import FORECAST
 from cope.episode import Episode, Role
-from cope.train.packing.prefix_tree import PrefixTree, TreeNode
-from cope.train.packing.tree_batch import PackedRows, branch
-
-# Fill values of the known per-token keys on positions a packing adds (other (N, T) keys get 0).
-_TOKEN_FILL = {"attention_mask": 0, "position_ids": 0, "roles": int(Role.PAD), "step_ids": -1, "action_mask": False, "advantages": 0.0}
-# Fill values of the known per-row keys on plain packing's extra rows (other (N, ...) keys get 0).
-_ROW_FILL = {"aborted": False, "episode_index": -1}
+from cope.train.packing.segments import Placed, append_rows, pack_segments, target_mask
 
 
-def _rows_of(batch: dict) -> dict[int, int]:
-    return {int(e): r for r, e in enumerate(batch["episode_index"].tolist()) if e >= 0}
-
-
-def _check_2d(batch: dict, fn: str) -> tuple[int, int]:
-    am = batch["attention_mask"]
-    if am.dim() != 2:
-        raise ValueError(f"{fn} needs the 2D attention mask of collate, got shape {tuple(am.shape)} (apply one forecast packing only)")
-    return am.shape[0], am.shape[1]
-
-
-def _widen(batch: dict, N: int, T: int, T_new: int, pad_id: int) -> dict:
-    """Copy of ``batch`` with every (N, T, ...) key padded to T_new columns."""
-    out = dict(batch)
-    for k, v in batch.items():
-        if not torch.is_tensor(v) or v.dim() < 2 or tuple(v.shape[:2]) != (N, T) or k in _ROW_FILL or T_new == T:
-            continue
-        fill = pad_id if k == "input_ids" else _TOKEN_FILL.get(k, 0)
-        ext = torch.full((N, T_new - T, *v.shape[2:]), fill, dtype=v.dtype)
-        out[k] = torch.cat([v, ext], dim=1)  # (N, T_new, ...)
+def _forecast_keys(out: dict, placed: list[Placed], chunks: list[ForecastChunk]) -> dict:
+    """``out`` with the forecast keys written from where the chunks landed."""
+    shape = tuple(out["input_ids"].shape)
+    fchunk = torch.full(shape, -1, dtype=torch.long)  # (N', T')
+    for p in placed:
+        fchunk[p.row, p.start:p.end] = p.index
+    out["forecast_mask"], out["forecast_chunk"] = target_mask(placed, shape), fchunk
+    out["forecast_actions"] = torch.tensor([c.num_actions for c in chunks], dtype=torch.long)  # (C,)
+    out["forecast_weight"] = torch.tensor([c.weight for c in chunks], dtype=torch.float32)  # (C,)
     return out
 
 
 def pack_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
     """Append each chunk after its episode's transcript in the same row, and set ``packed``: the rows as they are,
-    each a tree (its transcript the root, each segment a child that sees the transcript up to the segment's anchor).
+    each a tree (its transcript the root, each segment a child that sees the transcript up to the segment's anchor):
+    :func:`cope.train.packing.segments.pack_segments`.
 
-    A segment is a branch (:func:`cope.train.packing.tree_batch.branch`), ``[tokens[anchor - 1]] + chunk.tokens``: it sees
-    transcript positions < anchor - 1 and causally itself, and its position ids continue from anchor - 1, so it is
-    scored exactly as the sequence ``tokens[:anchor] + chunk.tokens`` (the repeated token, a non-target, supplies the
-    logits that predict the chunk's first token). Every forecast token lives in a segment, never at a transcript
-    position: a forecast is a cross-entropy under the model's own distribution, while transcript action tokens are
-    scored at the sampling temperature for the policy gradient (reusing a_t's transcript positions, as this packing
-    did before 2026-12-02, scored the a_t part of a forecast at that temperature: packed and plain differed at
-    T != 1). ``attention_mask`` stays 2D (1 on transcript and segment tokens, rows right padded). When no chunk is
-    appended, the batch has no ``packed``.
+    Every forecast token lives in a segment, never at a transcript position: a forecast is a cross-entropy under the
+    model's own distribution, while transcript action tokens are scored at the sampling temperature for the policy
+    gradient (reusing a_t's transcript positions, as this packing did before 2026-12-02, scored the a_t part of a
+    forecast at that temperature: packed and plain differed at T != 1). ``attention_mask`` stays 2D (1 on transcript
+    and segment tokens, rows right padded). When no chunk is appended, the batch has no ``packed``.
     """
-    N, T = _check_2d(batch, "pack_forecasts")
-    lengths = batch["attention_mask"].sum(-1).tolist()
-    rows = _rows_of(batch)
-    ends = list(lengths)  # next free column per row
-    segs = []  # (row, first column, context length, ids, targets, chunk id)
-    for cid, ch in enumerate(chunks):
-        r = rows.get(ch.episode)
-        if r is None:
-            continue
-        ep = episodes[ch.episode]
-        if lengths[r] != len(ep.tokens) or not 1 <= ch.anchor <= len(ep.tokens):
-            raise ValueError(f"pack_forecasts: chunk {cid} does not match the row of episode {ch.episode}")
-        ctx, ids = branch(ep.tokens, ch.anchor, ch.tokens)
-        segs.append((r, ends[r], ctx, ids, [False, *ch.target], cid))
-        ends[r] += len(ids)
-    T_new = max([T, *ends])
-    out = _widen(batch, N, T, T_new, pad_id)
-    fmask = torch.zeros(N, T_new, dtype=torch.bool)  # (N, T_new)
-    fchunk = torch.full((N, T_new), -1, dtype=torch.long)  # (N, T_new)
-    if segs:
-        ids_t, real = out["input_ids"].clone(), out["attention_mask"].clone()
-        for r, c0, _, ids, tgt, cid in segs:
-            c1 = c0 + len(ids)
-            ids_t[r, c0:c1] = torch.tensor(ids, dtype=torch.long)
-            fmask[r, c0:c1] = torch.tensor(tgt, dtype=torch.bool)
-            fchunk[r, c0:c1] = cid
-            real[r, c0:c1] = 1
-        tree = _segment_tree(lengths, segs, T_new)
-        out["input_ids"], out["position_ids"], out["attention_mask"] = ids_t, tree.position_ids(), real
-        out["packed"] = PackedRows.of_rows(out, tree)
-    out["forecast_mask"], out["forecast_chunk"] = fmask, fchunk
-    out["forecast_actions"] = torch.tensor([c.num_actions for c in chunks], dtype=torch.long)  # (C,)
-    out["forecast_weight"] = torch.tensor([c.weight for c in chunks], dtype=torch.float32)  # (C,)
-    out["aux_row"] = batch.get("aux_row", torch.zeros(N, dtype=torch.bool))  # (N,): no rows added
-    return out
-
-
-def _segment_tree(lengths: list[int], segs: list[tuple], length: int) -> PrefixTree:
-    """The packed rows as trees: per row, its transcript ``[0, lengths[r])`` (the root) and each segment
-    ``(row, first column, context, ids, ...)`` a child that sees the transcript's first ``context`` tokens."""
-    rows: list[list[TreeNode]] = [[TreeNode(0, n, -1, 0)] for n in lengths]
-    for r, c0, ctx, ids, *_ in segs:
-        rows[r].append(TreeNode(c0, c0 + len(ids), 0, ctx))
-    return PrefixTree(rows=tuple(tuple(nodes) for nodes in rows), length=length)
+    out, placed = pack_segments(batch, episodes, chunks, pad_id, "pack_forecasts")
+    return _forecast_keys(out, placed, chunks)
 
 
 def plain_forecasts(batch: dict, episodes: list[Episode], chunks: list[ForecastChunk], pad_id: int) -> dict:
     """Each chunk as its own extra row ``tokens[:anchor] + chunk`` with a 2D mask (the reference
-    packing: simple, more compute). Extra rows are all ``roles=PAD``, so no other objective sees them."""
-    N, T = _check_2d(batch, "plain_forecasts")
-    rows = _rows_of(batch)
-    keep = [(cid, ch) for cid, ch in enumerate(chunks) if ch.episode in rows]
-    seqs = [episodes[ch.episode].tokens[: ch.anchor] + list(ch.tokens) for _, ch in keep]
-    M = len(keep)
-    T_new = max([T, *(len(s) for s in seqs)])
-    out = _widen(batch, N, T, T_new, pad_id)
-    fmask = torch.zeros(N + M, T_new, dtype=torch.bool)  # (N + M, T_new)
-    fchunk = torch.full((N + M, T_new), -1, dtype=torch.long)  # (N + M, T_new)
-    ids = torch.full((M, T_new), pad_id, dtype=torch.long)  # (M, T_new)
-    attn = torch.zeros(M, T_new, dtype=out["attention_mask"].dtype)  # (M, T_new)
-    for m, ((cid, ch), seq) in enumerate(zip(keep, seqs)):
-        ids[m, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[m, : len(seq)] = 1
-        fmask[N + m, ch.anchor : len(seq)] = torch.tensor(ch.target, dtype=torch.bool)
-        fchunk[N + m, ch.anchor : len(seq)] = cid
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (M, T_new), as collate does
-    for k, v in list(out.items()):
-        if not torch.is_tensor(v) or v.dim() < 1 or v.shape[0] != N:
-            continue
-        if k == "input_ids":
-            extra = ids
-        elif k == "attention_mask":
-            extra = attn
-        elif k == "position_ids":
-            extra = pos
-        else:
-            fill = _ROW_FILL.get(k, _TOKEN_FILL.get(k, 0))
-            extra = torch.full((M, *v.shape[1:]), fill, dtype=v.dtype)
-        out[k] = torch.cat([v, extra], dim=0)  # (N + M, ...)
-    out["forecast_mask"], out["forecast_chunk"] = fmask, fchunk
-    out["forecast_actions"] = torch.tensor([c.num_actions for c in chunks], dtype=torch.long)  # (C,)
-    out["forecast_weight"] = torch.tensor([c.weight for c in chunks], dtype=torch.float32)  # (C,)
-    out["aux_row"] = torch.cat([torch.zeros(N, dtype=torch.bool), torch.ones(M, dtype=torch.bool)])  # (N + M,): forecasts
-    return out
+    packing: simple, more compute): :func:`cope.train.packing.segments.append_rows`. Extra rows are all
+    ``roles=PAD``, so no other objective sees them."""
+    out, placed = append_rows(batch, episodes, chunks, pad_id, "plain_forecasts")
+    return _forecast_keys(out, placed, chunks)
 
 
 PACKINGS = {"packed": pack_forecasts, "plain": plain_forecasts}

@@ -3,19 +3,25 @@
 Each epoch, from the episodes the DataModule collected, every triplet (:mod:`cope.algos.rwml.triplets`: history, a_t,
 the observation s_{t+1}) becomes a world-model sample (:func:`cope.algos.rwml.prompt.sft_sample`: the transcript up
 to a_t, the world-model user turn, the assistant header, then s_{t+1}'s ids and the turn end as the target). Each
-minibatch gets the samples of its own episodes as extra rows (``tokens[:anchor] + sample``, right padded, 2D mask,
-``aux_row`` True, ``roles`` PAD: no other objective sees them) and ``wm_mask`` marks their targets;
-:class:`cope.algos.rwml.wm_loss.WorldModelNLL` adds ``weight x`` their mean token NLL to the policy-gradient loss of
-the same step.
+minibatch gets the samples of its own episodes laid in by ``layout`` (:mod:`cope.train.packing.segments`) and
+``wm_mask`` marks their targets; :class:`cope.algos.rwml.wm_loss.WorldModelNLL` adds ``weight x`` their mean token NLL
+to the policy-gradient loss of the same step. Sample tokens are ``roles`` PAD in either layout: scored untempered (the
+model's own distribution), and no other objective sees them.
 
-Why extra rows of the rollout minibatch (CoPE's ``update=joint`` with ``packing=plain``), not batches of their own
-(``update=separate``, the authors' recommended world-model path): the coefficient (0.01; their range 1e-4 .. 0.01)
-then means what it says, a weight in the summed loss, where in an Adam step of its own it is mostly normalized away;
-the run takes exactly GRPO's optimizer steps (same count, same LR schedule), so a comparison with GRPO at equal steps
-holds; and each sample is trained in the step of the episode it comes from. The cost is longer minibatches
-(``module.max_tokens_per_microbatch`` bounds each forward). Plain rows, not segments packed after their transcript:
-one row per sample is the reference layout, and with ``data.share_prefix`` the DataModule places them beside the
-shared-prefix trees (:func:`cope.train.packing.group_prefix.pack_groups` treats them as rows of their own).
+* ``packed`` (the default): each sample a segment after its episode's transcript, in the same row (a tree: the
+  segment sees the transcript up to its anchor). The transcript is forwarded once for all of its samples, so the
+  cost is the samples' own tokens; one row per sample forwards the prefix once per sample, which grows with the
+  square of the episode's turns (``bench/wm_sft_cost.py`` measures both). With ``data.share_prefix`` the rows then
+  join their group's trie.
+* ``plain``: one extra row per sample, ``tokens[:anchor] + sample``, ``aux_row`` True: the reference layout (the
+  study's WM-SFT runs used it), the same loss and gradient (``tests/test_wm_sft.py``).
+
+Why in the rollout minibatch (CoPE's ``update=joint``), not batches of their own (``update=separate``, the authors'
+recommended world-model path): the coefficient (0.01; their range 1e-4 .. 0.01) then means what it says, a weight in
+the summed loss, where in an Adam step of its own it is mostly normalized away; the run takes exactly GRPO's optimizer
+steps (same count, same LR schedule), so a comparison with GRPO at equal steps holds; and each sample is trained in
+the step of the episode it comes from. The cost is longer minibatches (``module.max_tokens_per_microbatch`` bounds
+each forward).
 
 Which samples: every triplet of every non-aborted episode, failed episodes too (no success gate: dynamics are learned
 from any transition; their builder takes whatever trajectories it is handed, one sample per env turn), the last
@@ -24,52 +30,26 @@ and counted when longer than ``max_context``.
 """
 from __future__ import annotations
 
-import torch
 from lightning.pytorch import Callback
 
 from cope.algos.rwml.prompt import WorldModelPrompt, WorldModelSample, sft_sample
 from cope.algos.rwml.triplets import extract_triplets
 from cope.algos.rwml.wm_loss import WM_MASK
-from cope.episode import Episode, Role
+from cope.episode import Episode
+from cope.train.packing.segments import append_rows, pack_segments, target_mask
 
-# fill of the known keys on the appended rows (other (N, ...) keys get 0): no policy-gradient target, no transcript
-_FILL = {"roles": int(Role.PAD), "step_ids": -1, "action_mask": False, "advantages": 0.0, "aborted": False,
-         "episode_index": -1}
+LAYOUTS = ("packed", "plain")
 
 
-def append_samples(batch: dict, episodes: list[Episode], samples: list[WorldModelSample], pad_id: int) -> dict:
-    """A new batch: ``batch`` (2D attention mask, as :func:`cope.batch.collate` gives it) with one row per sample
-    whose episode has a row in it, ``Episode.tokens[:anchor] + sample.tokens``; adds ``wm_mask`` (N + M, T') bool and
-    sets ``aux_row`` (N + M,) True on the new rows. Every (N, T) key is right padded to T' columns."""
-    am = batch["attention_mask"]
-    if am.dim() != 2:
-        raise ValueError(f"wm_sft: needs the 2D attention mask of collate, got shape {tuple(am.shape)}")
-    N, T = am.shape
-    rows = {int(e) for e in batch["episode_index"].tolist() if e >= 0}
-    mine = [s for s in samples if s.episode in rows]
-    seqs = [episodes[s.episode].tokens[: s.anchor] + s.tokens for s in mine]
-    M, T2 = len(mine), max([T, *(len(q) for q in seqs)])
-    ids = torch.full((M, T2), pad_id, dtype=torch.long)  # (M, T2)
-    attn = torch.zeros(M, T2, dtype=am.dtype)  # (M, T2)
-    mask = torch.zeros(N + M, T2, dtype=torch.bool)  # (N + M, T2)
-    for m, (s, q) in enumerate(zip(mine, seqs)):
-        ids[m, : len(q)] = torch.tensor(q, dtype=torch.long)
-        attn[m, : len(q)] = 1
-        mask[N + m, s.anchor: len(q)] = torch.tensor(s.target, dtype=torch.bool)
-    new = {"input_ids": ids, "attention_mask": attn, "position_ids": (attn.long().cumsum(-1) - 1).clamp(min=0)}
-    out = dict(batch)
-    for k, v in batch.items():
-        if not torch.is_tensor(v) or v.dim() < 1 or v.shape[0] != N:
-            continue
-        if v.dim() >= 2 and v.shape[1] == T and T2 > T:  # (N, T, ...) -> (N, T2, ...)
-            fill = pad_id if k == "input_ids" else _FILL.get(k, 0)
-            v = torch.cat([v, torch.full((N, T2 - T, *v.shape[2:]), fill, dtype=v.dtype)], dim=1)
-        extra = new.get(k)
-        if extra is None:
-            extra = torch.full((M, *v.shape[1:]), _FILL.get(k, 0), dtype=v.dtype)
-        out[k] = torch.cat([v, extra.to(v.dtype)], dim=0)  # (N + M, ...)
-    out["aux_row"] = torch.cat([batch.get("aux_row", torch.zeros(N, dtype=torch.bool)), torch.ones(M, dtype=torch.bool)])
-    out[WM_MASK] = mask
+def append_samples(batch: dict, episodes: list[Episode], samples: list[WorldModelSample], pad_id: int,
+                   layout: str = "plain") -> dict:
+    """A new batch: ``batch`` (2D attention mask, as :func:`cope.batch.collate` gives it) with the samples of its
+    episodes laid in by ``layout`` (:mod:`cope.train.packing.segments`): ``plain``, one extra row per sample,
+    ``Episode.tokens[:anchor] + sample.tokens``, ``aux_row`` True on it; ``packed``, each sample a segment after its
+    episode's transcript (the row a tree, ``packed`` set). Adds ``wm_mask`` marking the targets."""
+    lay = append_rows if layout == "plain" else pack_segments
+    out, placed = lay(batch, episodes, samples, pad_id, f"wm_sft ({layout})")
+    out[WM_MASK] = target_mask(placed, tuple(out["input_ids"].shape))
     return out
 
 
@@ -101,14 +81,17 @@ class WorldModelSFT(Callback):
         skip_invalid: no samples from steps the env refused.
         max_per_episode: keep the last N samples of an episode (None: all).
         max_context: samples longer than this are dropped and counted (None: no limit).
+        layout: ``packed`` (segments in their transcript's row) or ``plain`` (a row per sample); module doc.
     """
 
     def __init__(self, prompt: str | None = None, skip_invalid: bool = False, max_per_episode: int | None = None,
-                 max_context: int | None = None):
+                 max_context: int | None = None, layout: str = "packed"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"wm_sft.layout must be one of {LAYOUTS}, got {layout!r}")
         if max_per_episode is not None and max_per_episode < 1:
             raise ValueError(f"wm_sft.max_per_episode must be null (all) or >= 1, got {max_per_episode}")
         self.prompt_text, self.skip_invalid, self.max_per_episode = prompt, bool(skip_invalid), max_per_episode
-        self.max_context = max_context
+        self.max_context, self.layout = max_context, layout
         self._prompt: WorldModelPrompt | None = None
         self._chat, self._pad_id, self._datamodule = None, 0, None
         self._built: tuple[list, list, dict] | None = None  # (the epoch's episode list, its samples, their metrics)
@@ -136,7 +119,7 @@ class WorldModelSFT(Callback):
         return self._built[1], self._built[2]
 
     def transform(self, batch: dict, episodes: list[Episode]) -> dict:
-        return append_samples(batch, episodes, self.samples(episodes)[0], self._pad_id)
+        return append_samples(batch, episodes, self.samples(episodes)[0], self._pad_id, self.layout)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if self._built is not None:
