@@ -354,34 +354,38 @@ def test_a_transient_replay_error_does_not_change_the_kept_demonstrations(policy
                         env=functools.partial(FlakyReplayMaze, sizes=[6], max_steps=8))
 
 
-@pytest.mark.parametrize("unclean", ["skip", "train"])
+@pytest.mark.parametrize("invalid", ["skip", "train"])
 def test_sft_leaves_out_the_actions_the_env_refused_in_a_successful_demonstration(policy, expert_epoch, tmp_path,
-                                                                                   unclean):
-    """A file demonstration that first walks into a wall (refused, the agent stays) and then walks the expert's path
-    still succeeds and is kept; with ``sft.unclean=skip`` its refused action is no target (``unclean_mask`` covers
-    exactly that step's action ids), the rest of it is; ``train`` imitates it too."""
+                                                                                   invalid):
+    """A file demonstration that first walks into a wall (refused, the agent stays) and then walks the expert's path,
+    its first move in prose read by ``env.action_parsing=project``, still succeeds and is kept; with
+    ``sft.invalid=skip`` its refused action is no target (``invalid_mask`` covers exactly that step's action ids), the
+    rest of it is, the projected answer included (the env accepted it); ``train`` imitates the refused one too."""
     _, got = expert_epoch
     ep = min(got.episodes, key=lambda e: e.num_steps)
     assert ep.num_steps < 8  # room for one more action in max_steps
     env = maze_factory()
     bump = next(m for m in ("north", "south", "east", "west") if (env.reset(ep.task), env.step(m))[1].valid is False)
+    moves = [s.action_text for s in ep.steps]
     path = _write(tmp_path / "bump.jsonl", [{"task": ep.task.id, "turns": [{"action": a} for a in
-                                                                            [bump, *(s.action_text for s in ep.steps)]]}])
-    demo = demo_datamodule(policy, source="file", path=path).collector.collect(0).episodes[0]
-    assert demo.success and not demo.steps[0].valid and all(s.strict for s in demo.steps[1:])
+                                                                            [bump, f"I think {moves[0]}", *moves[1:]]]}])
+    projecting = functools.partial(MazeEnv, sizes=[6], max_steps=8, action_parsing="project")
+    demo = demo_datamodule(policy, source="file", path=path, env=projecting, cap=8).collector.collect(0).episodes[0]
+    assert demo.success and not demo.steps[0].valid and all(s.strict for s in demo.steps[2:])
+    assert demo.steps[1].valid and not demo.steps[1].strict  # projected: valid, trained
     batch = collate([demo], policy.pad_id)
     bad = demo.steps[0]
-    want_unclean = torch.zeros_like(batch["action_mask"])
-    want_unclean[0, bad.action_start:bad.action_end] = True
-    assert torch.equal(batch["unclean_mask"], want_unclean) and bool(batch["action_mask"][0, bad.action_start])
+    want_invalid = torch.zeros_like(batch["action_mask"])
+    want_invalid[0, bad.action_start:bad.action_end] = True
+    assert torch.equal(batch["invalid_mask"], want_invalid) and bool(batch["action_mask"][0, bad.action_start])
     logprobs = torch.randn(batch["input_ids"].shape)
-    loss, metrics = SFTLoss(unclean=unclean)(ForwardOut(logprobs, torch.zeros_like(logprobs)), batch)
-    targets = batch["action_mask"] & ~want_unclean if unclean == "skip" else batch["action_mask"]
+    loss, metrics = SFTLoss(invalid=invalid)(ForwardOut(logprobs, torch.zeros_like(logprobs)), batch)
+    targets = batch["action_mask"] & ~want_invalid if invalid == "skip" else batch["action_mask"]
     assert loss.item() == pytest.approx(-(logprobs[targets]).mean().item(), rel=1e-6)
     assert metrics["sft/target_tokens"] == int(targets.sum())
-    assert metrics.get("sft/unclean_tokens", 0) == (bad.action_end - bad.action_start if unclean == "skip" else 0)
-    with pytest.raises(ValueError, match=r"algo\.objectives\.sft\.unclean .* must be one of \('skip', 'train'\)"):
-        SFTLoss(unclean="mask")
+    assert metrics.get("sft/invalid_tokens", 0) == (bad.action_end - bad.action_start if invalid == "skip" else 0)
+    with pytest.raises(ValueError, match=r"algo\.objectives\.sft\.invalid .* must be one of \('skip', 'train'\)"):
+        SFTLoss(invalid="mask")
 
 
 def _host(world: int, rank: int, seed: int = 0):

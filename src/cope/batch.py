@@ -22,9 +22,8 @@ class RolloutBatch(TypedDict, total=False):
         roles (N, T) long: :class:`cope.episode.Role` values, PAD = -1.
         step_ids (N, T) long: the step a token belongs to, -1 for the first prompt and padding.
         action_mask (N, T) bool: policy-gradient targets, the ACTION tokens of non-aborted episodes.
-        unclean_mask (N, T) bool: the part of ``action_mask`` whose step is not in the env's strict format
-            (``Step.strict`` False: refused by the env, or projected out of free text); SFT leaves it out by default
-            (:mod:`cope.algos.sft.loss`).
+        invalid_mask (N, T) bool: the part of ``action_mask`` whose step the env refused (``Step.valid`` False);
+            SFT leaves it out by default (:mod:`cope.algos.sft.loss`).
         advantages (N, T) float: the episode's advantage on its action tokens, 0 elsewhere.
         aborted (N,) bool: the episode was aborted (env error); ECHO leaves such rows out.
         unclean_steps (N,) long: the episode's actions not in the env's strict format (``Step.strict`` False: the env
@@ -66,7 +65,7 @@ class RolloutBatch(TypedDict, total=False):
     roles: torch.Tensor
     step_ids: torch.Tensor
     action_mask: torch.Tensor
-    unclean_mask: torch.Tensor
+    invalid_mask: torch.Tensor
     advantages: torch.Tensor
     aborted: torch.Tensor
     unclean_steps: torch.Tensor
@@ -110,11 +109,11 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
             advantages[i, :L] = table[step_ids[i, :L] + 1]
     aborted = torch.tensor([e.aborted for e in episodes], dtype=torch.bool)
     action_mask = (roles == int(Role.ACTION)) & ~aborted[:, None]
-    unclean = torch.zeros((n, T), dtype=torch.bool)
+    invalid = torch.zeros((n, T), dtype=torch.bool)
     for i, e in enumerate(episodes):
         for s in e.steps:
-            if not s.strict:
-                unclean[i, s.action_start:s.action_end] = True
+            if not s.valid:
+                invalid[i, s.action_start:s.action_end] = True
     advantages = advantages * action_mask
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     extra = {"behaviour_logprobs": behaviour_logprobs(episodes, action_mask)} if behaviour else {}
@@ -125,7 +124,7 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
         "roles": roles,
         "step_ids": step_ids,
         "action_mask": action_mask,
-        "unclean_mask": unclean & action_mask,
+        "invalid_mask": invalid & action_mask,
         "advantages": advantages,
         "aborted": aborted,
         "unclean_steps": torch.tensor([sum(not s.strict for s in e.steps) for e in episodes], dtype=torch.long),

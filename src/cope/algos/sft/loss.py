@@ -16,13 +16,14 @@ Deliberate choices:
     * ``observations=True`` also trains the OBSERVATION tokens (the env's own text, as ECHO's observation loss,
       :mod:`cope.algos.echo`) of the same rows, in the same token mean; HARNESS text and the chat scaffold (PROMPT)
       are never targets. Off by default: SFT imitates the actions.
-    * ``unclean="skip"`` (the default) leaves out the action tokens of steps not in the env's strict format
-      (``batch["unclean_mask"]``: an action the env refused, or one it read out of free text under
-      ``env.action_parsing=project``). A successful demonstration from a file (a stronger run's episodes) can hold
-      a move into a wall or a malformed call that the episode recovered from: imitating it teaches the mistake. The
-      rest of the transcript stays (later actions are conditioned on the env's answer to it). ``unclean="train"``
-      imitates every action, as behaviour cloning of whole trajectories does (AgentTuning, ETO). The experts here
-      make no such steps, so it matters for ``sft.source=file``.
+    * ``invalid="skip"`` (the default) leaves out the action tokens of steps the env refused
+      (``batch["invalid_mask"]``: ``Step.valid`` False, e.g. a move into a wall or a malformed call). A successful
+      demonstration from a file (a stronger run's episodes) can hold such a step that the episode recovered from:
+      imitating it teaches the mistake. The rest of the transcript stays (later actions are conditioned on the env's
+      answer to it). An answer the env read out of free text (``env.action_parsing=project``) is valid and trained:
+      the env accepted it, and a file of such a run's successes is all of that form (replay it under
+      ``env.action_parsing=strict`` to have them refused). ``invalid="train"`` imitates every action, as behaviour
+      cloning of whole trajectories does (AgentTuning, ETO). The experts here make no invalid steps.
     * Temperature: ``ForwardOut.logprobs`` at action tokens are taken under the sampling distribution
       ``softmax(logits / module.temperature)`` (:mod:`cope.train.logprobs`), which is right for a policy-gradient
       ratio but is not the model's own distribution. The cross-entropy of SFT is the model's own (untempered), so an
@@ -41,17 +42,17 @@ import torch
 from cope.episode import Role
 from cope.train.objectives import ForwardOut, Metrics, Objective
 
-UNCLEAN = ("skip", "train")
+INVALID = ("skip", "train")
 
 
 def sft_targets(action_mask: torch.Tensor, roles: torch.Tensor, aborted: torch.Tensor, aux_row: torch.Tensor | None,
-                observations: bool, unclean_mask: torch.Tensor | None = None) -> torch.Tensor:
+                observations: bool, invalid_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(N, T) bool: the tokens SFT trains: ``action_mask`` (the ACTION tokens of non-aborted rows) minus
-    ``unclean_mask`` when given (the actions of steps left out), plus, when ``observations``, the OBSERVATION tokens
+    ``invalid_mask`` when given (the actions of steps left out), plus, when ``observations``, the OBSERVATION tokens
     of the rows that are neither aborted nor auxiliary (``aux_row``)."""
     targets = action_mask.bool()  # (N, T)
-    if unclean_mask is not None:
-        targets = targets & ~unclean_mask.bool()
+    if invalid_mask is not None:
+        targets = targets & ~invalid_mask.bool()
     if observations:
         rows = ~aborted.bool()  # (N,)
         if aux_row is not None:
@@ -86,8 +87,8 @@ class SFTLoss(Objective):
     Args:
         weight: multiplier in the total loss.
         observations: also train the OBSERVATION tokens of the same rows (off: actions only).
-        unclean: ``skip`` (leave out the actions of steps not in the env's strict format, ``batch["unclean_mask"]``)
-            or ``train`` (imitate them too); see the module docstring.
+        invalid: ``skip`` (leave out the actions of steps the env refused, ``batch["invalid_mask"]``) or ``train``
+            (imitate them too); see the module docstring.
         temperature: the temperature the module scores action tokens at (``${module.temperature}``): 1, or <= 0
             (greedy, scored at 1); anything else is refused (the loss would be another cross-entropy).
         schedule, final_weight, schedule_steps: see :class:`cope.train.objectives.Objective`.
@@ -96,7 +97,7 @@ class SFTLoss(Objective):
     name = "sft"
 
     def __init__(self, weight: float = 1.0, observations: bool = False, temperature: float = 1.0,
-                 unclean: str = "skip", schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0):
+                 invalid: str = "skip", schedule: str = "constant", final_weight: float = 0.0, schedule_steps: int = 0):
         super().__init__(weight=weight, schedule=schedule, final_weight=final_weight, schedule_steps=schedule_steps)
         if not isinstance(observations, bool):
             raise ValueError(f"algo.objectives.sft.observations (SFTLoss.observations) must be true or false, "
@@ -105,16 +106,16 @@ class SFTLoss(Objective):
             raise ValueError(f"module.temperature={temperature}: algo=sft trains the model's own cross-entropy, so "
                              f"action tokens must be scored at temperature 1 (module.temperature follows "
                              f"data.sampling.temperature, which SFT never samples with: set it to 1)")
-        if unclean not in UNCLEAN:
-            raise ValueError(f"algo.objectives.sft.unclean (SFTLoss.unclean) must be one of {UNCLEAN}, "
-                             f"got {unclean!r}")
-        self.observations, self.unclean = observations, unclean
+        if invalid not in INVALID:
+            raise ValueError(f"algo.objectives.sft.invalid (SFTLoss.invalid) must be one of {INVALID}, "
+                             f"got {invalid!r}")
+        self.observations, self.invalid = observations, invalid
 
     def __call__(self, out: ForwardOut, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
-        unclean = batch.get("unclean_mask") if self.unclean == "skip" else None
+        invalid = batch.get("invalid_mask") if self.invalid == "skip" else None
         targets = sft_targets(batch["action_mask"], batch["roles"], batch["aborted"], batch.get("aux_row"),
-                              self.observations, unclean)
+                              self.observations, invalid)
         loss, metrics = sft_cross_entropy(out.logprobs, targets)
-        if unclean is not None:
-            metrics["sft/unclean_tokens"] = (unclean.bool() & batch["action_mask"].bool()).sum().float()
+        if invalid is not None:
+            metrics["sft/invalid_tokens"] = (invalid.bool() & batch["action_mask"].bool()).sum().float()
         return loss, metrics
