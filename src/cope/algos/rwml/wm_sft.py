@@ -12,7 +12,9 @@ model's own distribution), and no other objective sees them.
   segment sees the transcript up to its anchor). The transcript is forwarded once for all of its samples, so the
   cost is the samples' own tokens; one row per sample forwards the prefix once per sample, which grows with the
   square of the episode's turns (``bench/wm_sft_cost.py`` measures both). With ``data.share_prefix`` the rows then
-  join their group's trie.
+  join their group's trie. A packed row holds its transcript and all of its samples, and a row is never split: one
+  longer than ``module.max_tokens_per_microbatch`` is forwarded alone, over the budget (``max_per_episode`` bounds
+  it; a plain row is at most ``max_context``).
 * ``plain``: one extra row per sample, ``tokens[:anchor] + sample``, ``aux_row`` True: the reference layout (the
   study's WM-SFT runs used it), the same loss and gradient (``tests/test_wm_sft.py``).
 
@@ -47,6 +49,8 @@ def append_samples(batch: dict, episodes: list[Episode], samples: list[WorldMode
     episodes laid in by ``layout`` (:mod:`cope.train.packing.segments`): ``plain``, one extra row per sample,
     ``Episode.tokens[:anchor] + sample.tokens``, ``aux_row`` True on it; ``packed``, each sample a segment after its
     episode's transcript (the row a tree, ``packed`` set). Adds ``wm_mask`` marking the targets."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"wm_sft.layout must be one of {LAYOUTS}, got {layout!r}")
     lay = append_rows if layout == "plain" else pack_segments
     out, placed = lay(batch, episodes, samples, pad_id, f"wm_sft ({layout})")
     out[WM_MASK] = target_mask(placed, tuple(out["input_ids"].shape))
