@@ -96,6 +96,7 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
     roles = torch.full((n, T), int(Role.PAD), dtype=torch.long)
     step_ids = torch.full((n, T), -1, dtype=torch.long)
     advantages = torch.zeros((n, T))
+    invalid = torch.zeros((n, T), dtype=torch.bool)
     for i, e in enumerate(episodes):
         L = len(e.tokens)
         input_ids[i, :L] = torch.tensor(e.tokens, dtype=torch.long)
@@ -107,13 +108,10 @@ def collate(episodes: list[Episode], pad_id: int, indices: list[int] | None = No
         else:  # each step's own advantage on its tokens (only its action tokens are kept below)
             table = torch.tensor([0.0, *e.step_advantages])  # index 0: no step (the prompt)
             advantages[i, :L] = table[step_ids[i, :L] + 1]
+        if any(not s.valid for s in e.steps):  # each refused step's tokens (only its action tokens are kept below)
+            invalid[i, :L] = torch.tensor([False, *(not s.valid for s in e.steps)])[step_ids[i, :L] + 1]
     aborted = torch.tensor([e.aborted for e in episodes], dtype=torch.bool)
     action_mask = (roles == int(Role.ACTION)) & ~aborted[:, None]
-    invalid = torch.zeros((n, T), dtype=torch.bool)
-    for i, e in enumerate(episodes):
-        for s in e.steps:
-            if not s.valid:
-                invalid[i, s.action_start:s.action_end] = True
     advantages = advantages * action_mask
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     extra = {"behaviour_logprobs": behaviour_logprobs(episodes, action_mask)} if behaviour else {}
