@@ -95,3 +95,55 @@ def test_the_default_records_folder_is_committed_not_ignored():
     probe = "bench/results/study/runs/prior/test/grpo/lr3e-3/seed0/csv/metrics.csv"
     r = subprocess.run(["git", "check-ignore", "-q", probe], cwd=repo)
     assert r.returncode == 1, f"{probe} is git-ignored: the study's records would not be committed"
+
+
+def test_a_restored_run_is_never_saved_back_over_its_record(tmp_path, monkeypatch):
+    """A record can hold more than a run folder does (a reused run's ``reused.json``): the launches after the one
+    that restored it leave it as committed."""
+    (tmp_path / "train.py").write_text(FAKE)
+    monkeypatch.setattr(sample_efficiency, "REPO", tmp_path)
+    out, records = tmp_path / "out", tmp_path / "records"
+    study.run_jobs(_jobs(), out, 1, 1, records)
+    rec = _jobs()[0].dir(records)
+    (rec / "reused.json").write_text('{"from": "an earlier study"}\n')
+    import shutil
+    shutil.rmtree(out)
+    for _ in range(2):  # the launch that restores it, then one that finds the restored folder
+        assert all(r["skipped"] for r in study.run_jobs(_jobs(), out, 1, 1, records))
+    assert (rec / "reused.json").read_text() == '{"from": "an earlier study"}\n' and _calls(tmp_path) == 2
+
+
+def test_a_fresh_checkout_trains_only_the_prerequisites_of_unfinished_runs(tmp_path, monkeypatch):
+    """GRPO on SFT seed 0 is recorded, seed 1 is not: on a fresh checkout seed 0's SFT run is not trained again (its
+    adapter is needed by nothing), seed 1's is."""
+    from bench.study import stages
+    (tmp_path / "train.py").write_text(FAKE)
+    monkeypatch.setattr(sample_efficiency, "REPO", tmp_path)
+    out, records = tmp_path / "out", tmp_path / "records"
+    ov = ("trainer.max_epochs=2",)
+    tests = [study.Job("baselines", "test", "grpo_sft", "lr", s, ov) for s in (0, 1)]
+    pre = stages.prerequisites(tests, study.Job, lambda r: ov, smoke=True)
+    study.run_jobs(stages.with_adapters(tests[:1], pre, out), out, 1, 1, records)  # seed 0's test run, recorded
+    import shutil
+    shutil.rmtree(out)  # a new checkout: seed 0 only as a record
+    tests = stages.with_adapters(tests, pre, out)
+    study._restore(tests, out, records)
+    before = _calls(tmp_path)
+    results = stages.run_prerequisites(pre, tests, out, 1)
+    assert _calls(tmp_path) == before + 1  # seed 1's SFT only
+    assert [r["skipped"] for r in results] == [True, False] and all(r["rc"] == 0 for r in results)
+    assert not pre[0].dir(out).exists() and (pre[1].dir(out) / "done").exists()
+
+
+def test_every_reused_record_is_its_source_s_record_byte_for_byte():
+    """A committed record with ``reused.json`` (study5's GRPO and ECHO, study4's runs) holds exactly the files of the
+    record it names, so the report reads the earlier study's run and nothing else."""
+    repo = Path(__file__).resolve().parents[1]
+    reused = sorted((repo / "bench/results").glob("*/runs/**/reused.json"))
+    assert len(reused) >= 10
+    for marker in reused:
+        rec, src = marker.parent, repo / json.loads(marker.read_text())["from"]
+        files = json.loads((rec / "record.json").read_text())["files"]
+        assert files == json.loads((src / "record.json").read_text())["files"], rec
+        for name in files:
+            assert (rec / name).read_bytes() == (src / name).read_bytes(), f"{rec / name} differs from {src / name}"

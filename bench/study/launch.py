@@ -94,7 +94,9 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int, record
 
     def one(job: Job) -> dict:
         d, rec = job.dir(out), job.dir(records)
-        restored = not finished(d) and study_records.restore(rec, d, job.overrides)
+        # a copy of a record (restored now or by an earlier launch) is never saved back over it: the record may hold
+        # more than a run folder does (a reused run's reused.json)
+        restored = (d / "restored_from").exists() or (not finished(d) and study_records.restore(rec, d, job.overrides))
         r = train_one(ARM_ALGO.get(job.arm, job.arm), job.seed, d, list(job.overrides), threads, force=False, resume=True)
         if r["rc"] == 0 and not _complete(d, job.overrides):  # exit 0 without the last epoch (a SIGTERM'd run)
             (d / "done").unlink(missing_ok=True)
@@ -121,11 +123,16 @@ def run_jobs(jobs: list[Job], out: Path, jobs_at_once: int, threads: int, record
     return results
 
 
-def _existing(jobs: list[Job], out: Path, records: Path) -> list[dict]:
-    """``--report``: the jobs' finished runs as results (rc 1 where none), restoring records where needed."""
+def _restore(jobs: list[Job], out: Path, records: Path) -> None:
+    """Puts each unfinished job's record (same overrides) back into its run folder."""
     for j in jobs:
         if not finished(j.dir(out)):
             study_records.restore(j.dir(records), j.dir(out), j.overrides)
+
+
+def _existing(jobs: list[Job], out: Path, records: Path) -> list[dict]:
+    """``--report``: the jobs' finished runs as results (rc 1 where none), restoring records where needed."""
+    _restore(jobs, out, records)
     return [{"dir": str(j.dir(out)), "rc": 0 if finished(j.dir(out)) else 1, "job": j} for j in jobs]
 
 
@@ -225,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     pre = stages.prerequisites(tests, Job, lambda r: _overrides(SPEC[r], "test", "pre", (), args.smoke), args.smoke)
     tests = stages.with_adapters(tests, pre, out)  # arms that start from another run's adapter (GRPO on SFT)
     if pre and not args.report:
+        _restore(tests, out, records)  # a recorded run needs no prerequisite: a fresh checkout does not retrain its SFT
         failed_pre = [r for r in stages.run_prerequisites(pre, tests, out, args.threads) if r["rc"] != 0]
         if failed_pre:
             print(f"prerequisite runs failed: {[r['dir'] for r in failed_pre]}", file=sys.stderr)

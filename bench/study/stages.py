@@ -84,12 +84,21 @@ def with_adapters(tests: list, pre: list, out_dir: Path) -> list:
 
 def run_prerequisites(pre: list, tests: list, out_dir: Path, threads: int) -> list[dict]:
     """Trains the prerequisite runs one after another (each a few minutes), reusing a finished one whose adapter is
-    there; one whose adapter is gone is trained again while a run that starts from it is unfinished."""
+    there; one whose adapter is gone is trained again while a run that starts from it is unfinished. A prerequisite
+    that no unfinished run starts from (its runs finished, or restored from their records) is not trained."""
     results = []
-    waiting = {(j.regime, j.seed) for j in tests if j.arm in PREREQUISITES and not finished(j.dir(out_dir))}
+    waiting = {(j.regime, PREREQUISITES[j.arm].algo, j.seed) for j in tests
+               if j.arm in PREREQUISITES and not finished(j.dir(out_dir))}
     for i, job in enumerate(pre):
         d = job.dir(out_dir)
-        force = finished(d) and not (d / "csv/adapter").exists() and (job.regime, job.seed) in waiting
+        needed = (job.regime, job.arm, job.seed) in waiting
+        if not needed and not finished(d):
+            print(f"[pre {i + 1}/{len(pre)}] {job.regime} {job.arm} {job.setting} seed {job.seed}: not needed (every run "
+                  f"that starts from it is finished)", flush=True)
+            results.append({"algo": job.arm, "seed": job.seed, "dir": str(d), "rc": 0, "skipped": True, "wall_s": 0.0,
+                            "job": job})
+            continue
+        force = finished(d) and not (d / "csv/adapter").exists() and needed
         r = train_one(job.arm, job.seed, d, list(job.overrides), threads, force=force, resume=True)
         print(f"[pre {i + 1}/{len(pre)}] {job.regime} {job.arm} {job.setting} seed {job.seed}: {r['wall_s']:.0f} s "
               f"({run_state(r)})", flush=True)
