@@ -147,3 +147,18 @@ def test_every_reused_record_is_its_source_s_record_byte_for_byte():
         assert files == json.loads((src / "record.json").read_text())["files"], rec
         for name in files:
             assert (rec / name).read_bytes() == (src / name).read_bytes(), f"{rec / name} differs from {src / name}"
+
+
+def test_seeds_limits_the_runs_and_an_unknown_seed_is_refused(tmp_path, capsys):
+    """``--seeds``: only those test seeds' runs (here restored from study5's committed records) are reported; a seed the
+    regime does not have fails before any work, naming the flag."""
+    repo = Path(__file__).resolve().parents[1]
+    common = ["--regimes", "baselines", "--arms", "grpo", "echo", "--report", "--out", str(tmp_path / "out"),
+              "--records", str(repo / "bench/results/study5/runs"), "--results", str(tmp_path / "res")]
+    assert study.main([*common, "--seeds", "1", "3"]) == 0
+    test = json.loads((tmp_path / "res/study.json").read_text())["test"]["baselines"]
+    assert {a: r["seeds"] for a, r in test.items()} == {"grpo": [1, 3], "echo": [1, 3]}
+    assert sorted(p.name for p in (tmp_path / "out/baselines/test/grpo/lr1e-3").iterdir()) == ["seed1", "seed3"]
+    with pytest.raises(SystemExit):
+        study.main([*common, "--seeds", "7"])
+    assert "--seeds [7]: regime baselines has test seeds [0, 1, 2, 3, 4]" in capsys.readouterr().err

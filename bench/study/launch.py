@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="training subprocesses in parallel")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each subprocess")
     p.add_argument("--arms", nargs="+", default=None, help="only these arms of each regime (default: all)")
+    p.add_argument("--seeds", nargs="+", type=int, default=None,
+                   help="only these test seeds (default: each regime's), e.g. the runs that fit one sitting; their "
+                        "prerequisites only, and the report only of them")
     p.add_argument("--report", action="store_true", help="only rebuild the tables and plots from finished runs")
     p.add_argument("--smoke", action="store_true", help="a miniature of the whole study (seconds per run; CI)")
     args = p.parse_args(argv)
@@ -187,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in set(args.regimes) - set(regimes):
         p.error(f"regime {r} reuses the tuning of {SPEC[r].tuned_in}: add it to --regimes")
     arms = {r: [a for a in SPEC[r].arms if not args.arms or a in args.arms] for r in regimes}  # --arms: their runs only
+    for r in regimes:
+        if args.seeds and not set(args.seeds) <= set(_seeds(SPEC[r], "test", args.smoke)):
+            p.error(f"--seeds {args.seeds}: regime {r} has test seeds {list(_seeds(SPEC[r], 'test', args.smoke))}")
     # each regime's search per arm (GRPO's also with --arms without it: the other arms are tuned at its chosen lr)
     grids = {r: {a: _grid(SPEC[r], a, args.smoke) for a in SPEC[r].arms if a in arms[r] or a == "grpo"} for r in regimes}
     tuned = [r for r in regimes if SPEC[r].tuned_in is None and not SPEC[r].fixed]
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     # seed by seed (every arm of a seed before the next seed): a study stopped half way has paired seeds
     tests = [Job(r, "test", a, choice[(SPEC[r].tuned_in or r, a)][0], s,
                  _overrides(SPEC[r], "test", a, choice[(SPEC[r].tuned_in or r, a)][1], args.smoke), _final_eval(SPEC[r], args.smoke))
-             for r in regimes for s in _seeds(SPEC[r], "test", args.smoke) for a in arms[r]
+             for r in regimes for s in _seeds(SPEC[r], "test", args.smoke) if not args.seeds or s in args.seeds for a in arms[r]
              if (SPEC[r].tuned_in or r, a) in choice]
     pre = stages.prerequisites(tests, Job, lambda r: _overrides(SPEC[r], "test", "pre", (), args.smoke), args.smoke)
     tests = stages.with_adapters(tests, pre, out)  # arms that start from another run's adapter (GRPO on SFT)
