@@ -182,3 +182,19 @@ def test_a_run_another_launcher_holds_is_left_to_it_also_after_that_launcher_was
     (run.parent / "quick").write_text("1")
     done = sample_efficiency.train_one("grpo", 0, run, [], 1, force=False, resume=True)
     assert done["rc"] == 0 and not done["skipped"] and json.loads((run / "done").read_text())["attempts"] == 2
+
+
+def test_a_lock_copy_in_a_process_being_forked_is_waited_out(tmp_path):
+    """With ``--jobs 2``, a process forked by the other thread holds a copy of a run's lock descriptor until its exec
+    closes it; a launcher that then takes the lock (its run's final evaluation) waits that moment out instead of
+    leaving its own run to a holder that does not exist. The child here keeps its copy for 0.5 s."""
+    import subprocess
+    import time
+
+    run = tmp_path / "runs/seed0"
+    with sample_efficiency.held(run) as mine:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"], pass_fds=(mine.fileno(),))
+    t0 = time.monotonic()
+    with sample_efficiency.held(run) as again:
+        assert again is not None, "a momentary copy of the lock made the launcher give its own run away"
+    assert time.monotonic() - t0 > 0.2 and child.wait(timeout=10) == 0

@@ -71,18 +71,26 @@ def stopping() -> bool:
 
 
 @contextlib.contextmanager
-def held(run: Path):
+def held(run: Path, patience: float = 2.0):
     """The exclusive lock of ``run`` (``.<name>.lock`` beside the folder, not in it: a restart from scratch deletes
     the folder): yields the open lock file, or None when another process holds it. A subprocess given the file's descriptor
     (``pass_fds``) holds the lock with it until it exits, also when the launcher that started it was killed outright
-    (an ``flock`` lasts while any descriptor of it is open)."""
+    (an ``flock`` lasts while any descriptor of it is open). A process that another of the launcher's threads has just
+    forked also holds a copy of every open descriptor, this lock's too, until its exec closes them: the lock is tried
+    for ``patience`` seconds before the run is left to another holder (one that trains or evaluates it holds it for
+    minutes)."""
     run.parent.mkdir(parents=True, exist_ok=True)
     with open(run.parent / f".{run.name}.lock", "a") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield None
-            return
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield None
+                    return
+                time.sleep(0.05)
         yield f
 
 
