@@ -17,6 +17,16 @@ def test_bad_rule_values_name_the_key():
         RunHealth(zero_signal_epochs=0)
 
 
+def test_the_guard_drops_a_zero_gradient_step_only_when_asked():
+    from cope.train.step.guard import StepGuard
+
+    off, on = StepGuard(3), StepGuard(3, skip_zero=True)
+    assert off.allow(torch.tensor(0.0), 0) and off.zero_skipped == 0
+    assert not on.allow(torch.tensor(0.0), 0) and on.allow(torch.tensor(1e-12), 1) and on.zero_skipped == 1
+    assert not on.allow(torch.tensor(float("nan")), 2) and (on.skipped, on.in_a_row, on.zero_skipped) == (1, 1, 1)
+    assert not on.allow(torch.tensor(0.0), 3) and on.in_a_row == 0  # a zero step is no non-finite one: the streak ends
+
+
 @pytest.mark.long
 def test_a_broken_env_stops_the_run(run_train, read_metrics, tmp_path):
     """Every reset raises (a worker-side env error): every episode aborts; two such epochs stop the run."""
@@ -149,3 +159,29 @@ def test_a_cold_start_does_not_trigger_it_and_the_streak_resets():
         _feed(again, ["northnorth", "northnorth"])
     with pytest.raises(ValueError, match="callbacks.run_health.healthy_invalid_rate"):
         RunHealth(max_invalid_rate=0.5, healthy_invalid_rate=0.6)
+
+
+@pytest.mark.long
+def test_a_zero_gradient_step_moves_nothing_with_skip_zero_grad_steps(run_train, read_metrics, tmp_path):
+    """One real step, then steps whose gradient is exactly 0: AdamW still moves the weights on them (its momentum),
+    unless ``module.skip_zero_grad_steps`` drops them; the dropped steps are counted, checkpointed, and no step."""
+    from safetensors.torch import load_file
+
+    base = ["data.group_size=1", "data.tasks_per_epoch=4", "data.minibatch_size=1", "trainer.max_epochs=1",
+            "validate_before_fit=false", "module.max_approx_kl=null", "callbacks.run_health.zero_signal_epochs=null",
+            "callbacks.adapter_export.every_n_epochs=1", "+algo.objectives.pulse._target_=poison.PulseLoss",
+            "+algo.objectives.pulse.good_calls=[0]"]
+    run_train([*base, "module.skip_zero_grad_steps=true"], tmp_path / "on")
+    run_train(base, tmp_path / "off")
+    on = read_metrics(tmp_path / "on" / "csv" / "metrics.csv")
+    norms = on["train/grad_norm"]
+    assert len(norms) == 4 and norms[0] > 0 and norms[1:] == [0.0, 0.0, 0.0], norms  # the premise: one pulse, then none
+    assert on["train/zero_grad_steps"] == [0.0, 1.0, 2.0, 3.0] and on["train/skipped_steps"] == [0.0] * 4
+    ckpt = torch.load(tmp_path / "on" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 1 and ckpt["zero_grad_steps"] == 3  # only the pulse was an optimizer step
+    off_ckpt = torch.load(tmp_path / "off" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert off_ckpt["global_step"] == 4 and "train/zero_grad_steps" not in read_metrics(tmp_path / "off" / "csv" / "metrics.csv")
+    a = load_file(tmp_path / "on" / "csv" / "adapter" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "off" / "csv" / "adapter" / "adapter_model.safetensors")
+    # off: the three zero-gradient steps moved the weights on (AdamW's first moment); on: they stayed the pulse's
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-4

@@ -63,6 +63,8 @@ class AgentRLModule(pl.LightningModule):
             The scoring pass uses the same budget.
         max_nonfinite_steps: an optimizer step whose gradient norm is not finite is skipped (gradients dropped,
             no optimizer or scheduler step; counted in ``train/skipped_steps``); this many in a row stop the run.
+        skip_zero_grad_steps: an optimizer step whose gradient is exactly zero is not taken either (no AdamW momentum
+            step on a batch without signal; :mod:`cope.train.step.guard`); counted in ``train/zero_grad_steps``.
         max_approx_kl: the epoch's trust region (:mod:`cope.train.step.trust_region`): once a rollout minibatch's
             ``policy/approx_kl`` exceeds this, that policy step and the epoch's later ones are not taken (steps on
             batches of another kind still run). ``train/kl_stopped`` marks the dropped steps,
@@ -75,7 +77,8 @@ class AgentRLModule(pl.LightningModule):
     def __init__(self, policy: Policy, objectives: list[Objective], optimizer: Callable[..., torch.optim.Optimizer],
                  scheduler: Callable[..., Any] | None = None, temperature: float = 1.0,
                  gradient_clip_val: float | None = 1.0, max_tokens_per_microbatch: int | None = None,
-                 max_nonfinite_steps: int = 3, max_approx_kl: float | None = None, seed: int = 0):
+                 max_nonfinite_steps: int = 3, skip_zero_grad_steps: bool = False,
+                 max_approx_kl: float | None = None, seed: int = 0):
         super().__init__()
         if temperature < 0:
             raise ValueError(f"module.temperature must be >= 0, got {temperature}")
@@ -86,7 +89,7 @@ class AgentRLModule(pl.LightningModule):
         self.automatic_optimization = False  # the step is written out in training_step (micro-batches)
         self.temperature, self.gradient_clip_val = float(temperature), gradient_clip_val
         self.max_tokens_per_microbatch, self.seed = max_tokens_per_microbatch, int(seed)
-        self.step_guard = StepGuard(max_nonfinite_steps)  # drops steps whose gradient norm is not finite
+        self.step_guard = StepGuard(max_nonfinite_steps, skip_zero_grad_steps)  # drops non-finite (and zero) steps
         self.trust_region = TrustRegion(max_approx_kl)  # drops an epoch's policy steps past max_approx_kl
         check_objectives(objectives)
         self.policy = policy
@@ -242,6 +245,8 @@ class AgentRLModule(pl.LightningModule):
             opt.zero_grad()  # the weights, optimizer moments and schedule stay as they were
         if kind == ROLLOUT:
             metrics = {**metrics, "train/grad_norm": norm.detach(), "train/skipped_steps": float(self.step_guard.skipped)}
+            if self.step_guard.skip_zero:
+                metrics["train/zero_grad_steps"] = float(self.step_guard.zero_skipped)
             if self.trust_region.on:
                 metrics = {**metrics, "train/kl_stopped": float(stopped),
                            "train/kl_stopped_steps": float(self.trust_region.stopped_steps)}

@@ -22,6 +22,7 @@ def save_state(module, checkpoint: dict) -> None:
     checkpoint["base_model"] = module.policy.source
     checkpoint["finetune"] = module.policy.finetune
     checkpoint["skipped_steps"] = module.step_guard.skipped
+    checkpoint["zero_grad_steps"] = module.step_guard.zero_skipped
     checkpoint["kl_stopped_steps"] = module.trust_region.stopped_steps
     checkpoint["world_size"] = module.trainer.world_size
 
@@ -38,6 +39,7 @@ def load_state(module, checkpoint: dict) -> None:
     for o in module.objectives:
         o.load_state_dict(checkpoint.get("objectives", {}).get(o.name, {}))
     module.step_guard.skipped = int(checkpoint.get("skipped_steps", 0))
+    module.step_guard.zero_skipped = int(checkpoint.get("zero_grad_steps", 0))
     module.trust_region.stopped_steps = int(checkpoint.get("kl_stopped_steps", 0))
     written, world = checkpoint.get("world_size"), module.trainer.world_size
     if written is not None and int(written) != world:  # weights, moments and counters are whole
