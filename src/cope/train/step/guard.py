@@ -9,7 +9,8 @@ alike) and asks :meth:`StepGuard.allow` before clipping and stepping.
 spread, no other term with a gradient). AdamW would still move the weights on it: its first moment carries the last
 real step's direction for about ten more steps (0.9 per step), so a run whose groups stop differing keeps going
 where its last update pointed, with no data behind it. study5's GRPO-on-SFT seed 4 took such steps in epochs 4-8
-(`rollout/zero_signal_groups` 1.0, `policy/approx_kl` up to 0.020 between its two minibatches) while it collapsed.
+(`rollout/zero_signal_groups` 1.0, `policy/approx_kl` up to 0.020 between its two minibatches) while it lost its
+answer format; rerun with this on, it kept the format and failed anyway (bench/results/study5/zero_grad_check/).
 """
 from __future__ import annotations
 
