@@ -164,7 +164,8 @@ def test_a_cold_start_does_not_trigger_it_and_the_streak_resets():
 @pytest.mark.long
 def test_a_zero_gradient_step_moves_nothing_with_skip_zero_grad_steps(run_train, read_metrics, tmp_path):
     """One real step, then steps whose gradient is exactly 0: AdamW still moves the weights on them (its momentum),
-    unless ``module.skip_zero_grad_steps`` drops them; the dropped steps are counted, checkpointed, and no step."""
+    unless ``module.skip_zero_grad_steps`` drops them; the dropped steps are counted, checkpointed (a resume goes on
+    counting), and no step."""
     from safetensors.torch import load_file
 
     base = ["data.group_size=1", "data.tasks_per_epoch=4", "data.minibatch_size=1", "trainer.max_epochs=1",
@@ -185,3 +186,11 @@ def test_a_zero_gradient_step_moves_nothing_with_skip_zero_grad_steps(run_train,
     b = load_file(tmp_path / "off" / "csv" / "adapter" / "adapter_model.safetensors")
     # off: the three zero-gradient steps moved the weights on (AdamW's first moment); on: they stayed the pulse's
     assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-4
+    # resumed for a second epoch (the pulse objective is rebuilt: one real step again, then three without signal), the
+    # count goes on from the checkpoint's
+    run_train([*base[:3], "trainer.max_epochs=2", *base[4:], "module.skip_zero_grad_steps=true", "ckpt_path=last"],
+              tmp_path / "on")
+    resumed = read_metrics(tmp_path / "on" / "csv" / "metrics.csv")["train/zero_grad_steps"]
+    assert resumed == [0.0, 1.0, 2.0, 3.0, 3.0, 4.0, 5.0, 6.0], resumed
+    ckpt = torch.load(tmp_path / "on" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 2 and ckpt["zero_grad_steps"] == 6
